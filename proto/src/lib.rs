@@ -1,0 +1,60 @@
+//! kvpool wire protocol, shared by the server and the clients. `docs/PROTOCOL.md` is the
+//! language-neutral description of the same thing; keep both in step.
+
+pub mod codec;
+pub mod frame;
+mod messages;
+
+pub use messages::*;
+
+/// QUIC ALPN of this protocol.
+pub const ALPN: &[u8] = b"kvpool/1";
+/// Protocol version carried in `Hello`.
+pub const PROTOCOL_VERSION: u16 = 1;
+/// Frame limit a client uses for server responses (headers only; bulk bytes are not framed).
+pub const CLIENT_MAX_FRAME: u32 = 64 << 20;
+
+/// QUIC application error codes used when closing a connection or resetting a stream.
+pub mod close {
+    /// Normal close by either side.
+    pub const OK: u32 = 0;
+    /// The hello failed (bad key, bad version, or no hello first).
+    pub const UNAUTHORIZED: u32 = 1;
+    /// The peer broke the protocol (stream reset after a typed error was sent where possible).
+    pub const PROTOCOL: u32 = 2;
+    /// The server is shutting down.
+    pub const SHUTDOWN: u32 = 3;
+}
+
+/// Errors of framing and decoding, on either side.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ProtoError {
+    #[error("frame of {len} bytes exceeds the limit of {max}")]
+    FrameTooLarge { len: u64, max: u64 },
+    #[error("stream ended in the middle of a frame")]
+    Truncated,
+    #[error("malformed message: {0}")]
+    Malformed(String),
+    #[error("cannot encode message: {0}")]
+    Encode(String),
+    #[error("i/o: {0}")]
+    Io(String),
+}
+
+impl ProtoError {
+    /// The wire error code a server answers this with.
+    pub fn code(&self) -> ErrorCode {
+        match self {
+            ProtoError::FrameTooLarge { .. } => ErrorCode::FrameTooLarge,
+            ProtoError::Truncated => ErrorCode::Malformed,
+            ProtoError::Malformed(_) => ErrorCode::Malformed,
+            ProtoError::Encode(_) | ProtoError::Io(_) => ErrorCode::Internal,
+        }
+    }
+}
+
+/// Tag (u32 little endian) of the message in a body, if the body has one: lets a server tell an
+/// unknown message type (newer client) from a malformed one.
+pub fn message_tag(body: &[u8]) -> Option<u32> {
+    body.get(..4).map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+}

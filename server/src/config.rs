@@ -1,0 +1,611 @@
+//! kvpool configuration: its own TOML, plus the fields of Mooncake's `mooncake_store_config.json`
+//! and of the HIXL transfer TOML, mapped onto the same settings. Unknown fields are reported
+//! (never silently ignored) through `LoadedConfig::warnings`.
+
+use serde::{Deserialize, Deserializer, Serialize};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("cannot read config {path}: {source}")]
+    Read { path: PathBuf, source: std::io::Error },
+    #[error("invalid config {path}: {message}")]
+    Parse { path: PathBuf, message: String },
+    #[error("invalid setting {field}: {message}")]
+    Invalid { field: &'static str, message: String },
+}
+
+/// A byte size that accepts `4294967296`, `"4GiB"`, `"4GB"`, `"512 MiB"`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Default)]
+pub struct Size(pub u64);
+
+impl Size {
+    pub fn parse(s: &str) -> Result<Size, String> {
+        let t = s.trim();
+        if let Ok(n) = t.parse::<u64>() {
+            return Ok(Size(n));
+        }
+        t.parse::<bytesize::ByteSize>()
+            .map(|b| Size(b.as_u64()))
+            .map_err(|e| format!("{s:?} is not a size ({e}); use e.g. 1073741824, \"1GiB\" or \"1GB\""))
+    }
+}
+
+impl std::fmt::Display for Size {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", bytesize::ByteSize(self.0).to_string_as(true))
+    }
+}
+
+impl Serialize for Size {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(&self.to_string())
+    }
+}
+
+impl<'de> Deserialize<'de> for Size {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Size, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Raw {
+            N(u64),
+            S(String),
+        }
+        match Raw::deserialize(d)? {
+            Raw::N(n) => Ok(Size(n)),
+            Raw::S(s) => Size::parse(&s).map_err(serde::de::Error::custom),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct Config {
+    pub server: ServerSection,
+    pub limits: LimitsSection,
+    pub dram: DramSection,
+    pub ssd: SsdSection,
+    pub cache: CacheSection,
+    pub auth: AuthSection,
+    pub transport: TransportSection,
+}
+
+impl Default for Config {
+    fn default() -> Config {
+        Config {
+            server: ServerSection::default(),
+            limits: LimitsSection::default(),
+            dram: DramSection::default(),
+            ssd: SsdSection::default(),
+            cache: CacheSection::default(),
+            auth: AuthSection::default(),
+            transport: TransportSection::default(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ServerSection {
+    /// QUIC listen address (UDP). Port 0 picks a free port (see `endpoint.json`).
+    pub listen: String,
+    /// Prometheus `/metrics` HTTP address; empty or "off" disables it.
+    pub metrics_listen: String,
+    /// Data directory: sled metadata, TLS material, SSD tier default, endpoint.json.
+    pub data_dir: PathBuf,
+    /// PEM certificate chain and private key; empty = self-signed, generated on first start.
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    /// Name put in the generated certificate and advertised to clients.
+    pub server_name: String,
+    pub idle_timeout_ms: u64,
+    /// Concurrent request streams per connection.
+    pub max_streams_per_connection: u32,
+    pub max_connections: u32,
+    /// Host other nodes reach us at (Mooncake's `local_hostname`); informational for now.
+    pub advertise_host: Option<String>,
+}
+
+impl Default for ServerSection {
+    fn default() -> Self {
+        ServerSection {
+            listen: "127.0.0.1:7100".into(),
+            metrics_listen: "127.0.0.1:9100".into(),
+            data_dir: PathBuf::from("kvpool-data"),
+            cert: None,
+            key: None,
+            server_name: "localhost".into(),
+            idle_timeout_ms: 30_000,
+            max_streams_per_connection: 256,
+            max_connections: 4096,
+            advertise_host: None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct LimitsSection {
+    pub max_key_len: u32,
+    pub max_value_size: Size,
+    pub max_batch: u32,
+    /// Largest request header frame (bulk bytes are not framed).
+    pub max_frame: Size,
+}
+
+impl Default for LimitsSection {
+    fn default() -> Self {
+        LimitsSection { max_key_len: 1024, max_value_size: Size(64 << 20), max_batch: 1024, max_frame: Size(4 << 20) }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct DramSection {
+    /// Size of the pre-allocated DRAM segment (Mooncake `global_segment_size`).
+    pub size: Size,
+    /// Eviction starts above this fraction of `size` ...
+    pub high_watermark: f64,
+    /// ... and frees down to this one.
+    pub low_watermark: f64,
+}
+
+impl Default for DramSection {
+    fn default() -> Self {
+        DramSection { size: Size(1 << 30), high_watermark: 0.95, low_watermark: 0.85 }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct SsdSection {
+    /// Directory of the SSD tier; empty = `<data_dir>/ssd`.
+    pub dir: Option<PathBuf>,
+    /// Capacity of the SSD tier; 0 disables the tier.
+    pub capacity: Size,
+    pub high_watermark: f64,
+    pub low_watermark: f64,
+    /// fsync every block file before it is committed (survives power loss, costs latency;
+    /// without it a process crash still loses nothing that was committed).
+    pub fsync: bool,
+}
+
+impl Default for SsdSection {
+    fn default() -> Self {
+        SsdSection { dir: None, capacity: Size(8 << 30), high_watermark: 0.95, low_watermark: 0.85, fsync: false }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct CacheSection {
+    /// Admission: a block enters only when the prefix it completes has at least this many
+    /// tokens (vLLM `store_threshold`); 0 admits all.
+    pub store_threshold: u64,
+    /// Lease granted by `get` so eviction cannot free a block under an in-flight read.
+    pub lease_ttl_ms: u64,
+    /// Default soft-pin time to live.
+    pub soft_pin_ttl_ms: u64,
+    /// How long a put waits for eviction to make space before failing with `NoSpace`.
+    pub put_wait_ms: u64,
+    /// Period of the background evictor.
+    pub eviction_interval_ms: u64,
+    /// Copy an SSD hit back into DRAM when DRAM has room below its high watermark.
+    pub promote_on_hit: bool,
+}
+
+impl Default for CacheSection {
+    fn default() -> Self {
+        CacheSection {
+            store_threshold: 0,
+            lease_ttl_ms: 5_000,
+            soft_pin_ttl_ms: 30 * 60 * 1000,
+            put_wait_ms: 2_000,
+            eviction_interval_ms: 10,
+            promote_on_hit: true,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
+pub struct AuthSection {
+    /// API keys, stored as SHA-256 hashes only. Empty = the embedded default: one admin key
+    /// generated on first start into `<data_dir>/api-key`.
+    pub keys: Vec<ApiKeyEntry>,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct ApiKeyEntry {
+    pub tenant: String,
+    /// Hex SHA-256 of the key.
+    pub sha256: String,
+    #[serde(default)]
+    pub admin: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct TransportSection {
+    /// `quic` (portable default), `shm` (same host), `ascend` (HIXL; needs CANN).
+    pub protocol: String,
+    pub device_name: Option<String>,
+    pub device_id: Option<u32>,
+    /// Mooncake `metadata_server` (etcd endpoints or P2PHANDSHAKE); used by cluster roles.
+    pub metadata_server: Option<String>,
+    /// Client-side staging buffer (Mooncake `local_buffer_size`).
+    pub local_buffer_size: Option<Size>,
+    pub max_transfer_size: Option<Size>,
+    pub num_workers: Option<u32>,
+    pub batch_enable: bool,
+    pub max_batch_size: Option<u32>,
+    pub merge_threshold: Option<Size>,
+    pub hixl: Option<HixlSettings>,
+}
+
+impl Default for TransportSection {
+    fn default() -> Self {
+        TransportSection {
+            protocol: "quic".into(),
+            device_name: None,
+            device_id: None,
+            metadata_server: None,
+            local_buffer_size: None,
+            max_transfer_size: None,
+            num_workers: None,
+            batch_enable: true,
+            max_batch_size: None,
+            merge_threshold: None,
+            hixl: None,
+        }
+    }
+}
+
+/// HIXL-only settings kept for the Ascend transport.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+pub struct HixlSettings {
+    pub device_type: Option<String>,
+    /// HIXL has no `link_type` option: "hccs"/"roce" map to `protocol_desc` ("hccs:device", ...).
+    pub protocol_desc: Option<String>,
+    pub enable_async: Option<bool>,
+    pub timeout_ms: Option<u64>,
+    pub retry_times: Option<u32>,
+    pub memory: BTreeMap<String, toml::Value>,
+}
+
+/// The result of loading: the effective config, where it came from, and what was not understood.
+#[derive(Debug, Clone)]
+pub struct LoadedConfig {
+    pub config: Config,
+    pub sources: Vec<String>,
+    pub warnings: Vec<String>,
+}
+
+impl Config {
+    pub fn validate(&self) -> Result<(), ConfigError> {
+        let wm = |field: &'static str, hi: f64, lo: f64| {
+            if !(0.0 < lo && lo <= hi && hi <= 1.0) {
+                Err(ConfigError::Invalid { field, message: format!("need 0 < low ({lo}) <= high ({hi}) <= 1") })
+            } else {
+                Ok(())
+            }
+        };
+        wm("dram watermarks", self.dram.high_watermark, self.dram.low_watermark)?;
+        wm("ssd watermarks", self.ssd.high_watermark, self.ssd.low_watermark)?;
+        if self.dram.size.0 < 1 << 20 {
+            return Err(ConfigError::Invalid { field: "dram.size", message: "must be at least 1MiB".into() });
+        }
+        if self.dram.size.0 > crate::store::dram::MAX_SEGMENT {
+            return Err(ConfigError::Invalid {
+                field: "dram.size",
+                message: format!("at most {} per node", Size(crate::store::dram::MAX_SEGMENT)),
+            });
+        }
+        if self.limits.max_frame.0 > kvpool_proto::codec::DECODE_LIMIT as u64 || self.limits.max_frame.0 < 4096 {
+            return Err(ConfigError::Invalid {
+                field: "limits.max_frame",
+                message: "must be between 4KiB and 64MiB".into(),
+            });
+        }
+        if self.limits.max_key_len == 0 || self.limits.max_batch == 0 || self.limits.max_value_size.0 == 0 {
+            return Err(ConfigError::Invalid { field: "limits", message: "limits must be positive".into() });
+        }
+        for k in &self.auth.keys {
+            if k.sha256.len() != 64 || hex::decode(&k.sha256).is_err() {
+                return Err(ConfigError::Invalid {
+                    field: "auth.keys.sha256",
+                    message: format!("tenant {:?}: expected 64 hex digits (sha256 of the key)", k.tenant),
+                });
+            }
+        }
+        match self.transport.protocol.as_str() {
+            "quic" | "shm" | "ascend" => Ok(()),
+            other => Err(ConfigError::Invalid {
+                field: "transport.protocol",
+                message: format!("{other:?}: expected quic, shm or ascend"),
+            }),
+        }
+    }
+
+    pub fn ssd_dir(&self) -> PathBuf {
+        self.ssd.dir.clone().unwrap_or_else(|| self.server.data_dir.join("ssd"))
+    }
+
+    pub fn to_toml(&self) -> String {
+        toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render config: {e}\n"))
+    }
+}
+
+fn read(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|source| ConfigError::Read { path: path.to_owned(), source })
+}
+
+/// Load the effective config: defaults, then `kvpool_config` (kvpool TOML, or a Mooncake JSON /
+/// HIXL TOML recognised by content), then `MOONCAKE_CONFIG_PATH` and `HIXL_CONFIG_PATH` if given.
+pub fn load(
+    kvpool_config: Option<&Path>,
+    mooncake: Option<&Path>,
+    hixl: Option<&Path>,
+) -> Result<LoadedConfig, ConfigError> {
+    let mut out =
+        LoadedConfig { config: Config::default(), sources: vec!["embedded defaults".into()], warnings: vec![] };
+    if let Some(p) = kvpool_config {
+        let text = read(p)?;
+        let is_json = p.extension().is_some_and(|e| e == "json") || text.trim_start().starts_with('{');
+        if is_json {
+            apply_mooncake(&mut out, p, &text)?;
+        } else if is_hixl_toml(&text) {
+            apply_hixl(&mut out, p, &text)?;
+        } else {
+            let mut unknown = Vec::new();
+            let de = toml::Deserializer::new(&text);
+            out.config = serde_ignored::deserialize(de, |path| unknown.push(path.to_string()))
+                .map_err(|e| ConfigError::Parse { path: p.to_owned(), message: e.to_string() })?;
+            for u in unknown {
+                out.warnings.push(format!("{}: unknown field `{u}` ignored", p.display()));
+            }
+            out.sources.push(format!("kvpool config {}", p.display()));
+        }
+    }
+    if let Some(p) = mooncake {
+        let text = read(p)?;
+        apply_mooncake(&mut out, p, &text)?;
+    }
+    if let Some(p) = hixl {
+        let text = read(p)?;
+        apply_hixl(&mut out, p, &text)?;
+    }
+    out.config.validate()?;
+    Ok(out)
+}
+
+fn is_hixl_toml(text: &str) -> bool {
+    toml::from_str::<toml::Table>(text).map(|t| t.contains_key("hixl") && t.len() == 1).unwrap_or(false)
+}
+
+/// Mooncake's `mooncake_store_config.json`.
+#[derive(Debug, Default, Deserialize)]
+struct MooncakeJson {
+    local_hostname: Option<String>,
+    metadata_server: Option<String>,
+    master_server_address: Option<String>,
+    local_buffer_size: Option<Size>,
+    global_segment_size: Option<Size>,
+    protocol: Option<String>,
+    device_name: Option<String>,
+    enable_batch_transfer: Option<bool>,
+    batch_size: Option<u32>,
+    transfer_engine: Option<MooncakeTransferEngine>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct MooncakeTransferEngine {
+    backend: Option<String>,
+    device_id: Option<u32>,
+    max_transfer_size: Option<Size>,
+    num_workers: Option<u32>,
+}
+
+fn map_protocol(p: &str, warnings: &mut Vec<String>, origin: &str) -> String {
+    match p.to_ascii_lowercase().as_str() {
+        "tcp" | "quic" => "quic".into(),
+        "shm" => "shm".into(),
+        "ascend" | "hixl" | "ascend_direct" => "ascend".into(),
+        other => {
+            warnings.push(format!("{origin}: protocol {other:?} is not available in kvpool; using quic"));
+            "quic".into()
+        }
+    }
+}
+
+fn apply_mooncake(out: &mut LoadedConfig, path: &Path, text: &str) -> Result<(), ConfigError> {
+    let mut unknown = Vec::new();
+    let mut de = serde_json::Deserializer::from_str(text);
+    let m: MooncakeJson = serde_ignored::deserialize(&mut de, |p| unknown.push(p.to_string()))
+        .map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
+    let origin = path.display().to_string();
+    for u in unknown {
+        out.warnings.push(format!("{origin}: unknown Mooncake field `{u}` ignored"));
+    }
+    let c = &mut out.config;
+    if let Some(h) = m.local_hostname {
+        c.server.advertise_host = Some(h);
+    }
+    if let Some(ms) = m.metadata_server {
+        c.transport.metadata_server = Some(ms);
+    }
+    if let Some(addr) = m.master_server_address {
+        // In the all-in-one role this server is the master: listen where connectors look for it.
+        c.server.listen = addr;
+    }
+    if let Some(s) = m.local_buffer_size {
+        c.transport.local_buffer_size = Some(s);
+    }
+    if let Some(s) = m.global_segment_size {
+        c.dram.size = s;
+    }
+    if let Some(p) = m.protocol {
+        c.transport.protocol = map_protocol(&p, &mut out.warnings, &origin);
+    }
+    if let Some(d) = m.device_name {
+        c.transport.device_name = (!d.is_empty()).then_some(d);
+    }
+    if let Some(b) = m.enable_batch_transfer {
+        c.transport.batch_enable = b;
+    }
+    if let Some(b) = m.batch_size {
+        c.transport.max_batch_size = Some(b);
+    }
+    if let Some(te) = m.transfer_engine {
+        if let Some(b) = te.backend {
+            c.transport.protocol = map_protocol(&b, &mut out.warnings, &origin);
+        }
+        if te.device_id.is_some() {
+            c.transport.device_id = te.device_id;
+        }
+        if te.max_transfer_size.is_some() {
+            c.transport.max_transfer_size = te.max_transfer_size;
+        }
+        if te.num_workers.is_some() {
+            c.transport.num_workers = te.num_workers;
+        }
+    }
+    out.sources.push(format!("Mooncake config {origin}"));
+    Ok(())
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct HixlToml {
+    hixl: HixlTable,
+}
+
+#[derive(Debug, Default, Deserialize)]
+#[serde(default)]
+struct HixlTable {
+    device_type: Option<String>,
+    device_id: Option<u32>,
+    link_type: Option<String>,
+    max_transfer_size: Option<Size>,
+    num_workers: Option<u32>,
+    enable_async: Option<bool>,
+    timeout_ms: Option<u64>,
+    retry_times: Option<u32>,
+    memory: Option<BTreeMap<String, toml::Value>>,
+    batch: Option<HixlBatch>,
+}
+
+#[derive(Debug, Default, Deserialize)]
+struct HixlBatch {
+    enable: Option<bool>,
+    max_batch_size: Option<u32>,
+    merge_threshold: Option<Size>,
+}
+
+fn apply_hixl(out: &mut LoadedConfig, path: &Path, text: &str) -> Result<(), ConfigError> {
+    let mut unknown = Vec::new();
+    let de = toml::Deserializer::new(text);
+    let h: HixlToml = serde_ignored::deserialize(de, |p| unknown.push(p.to_string()))
+        .map_err(|e| ConfigError::Parse { path: path.to_owned(), message: e.to_string() })?;
+    let origin = path.display().to_string();
+    for u in unknown {
+        out.warnings.push(format!("{origin}: unknown HIXL field `{u}` ignored"));
+    }
+    let h = h.hixl;
+    let c = &mut out.config;
+    c.transport.protocol = "ascend".into();
+    if h.device_id.is_some() {
+        c.transport.device_id = h.device_id;
+    }
+    if h.max_transfer_size.is_some() {
+        c.transport.max_transfer_size = h.max_transfer_size;
+    }
+    if h.num_workers.is_some() {
+        c.transport.num_workers = h.num_workers;
+    }
+    let protocol_desc = h.link_type.as_deref().map(|l| match l.to_ascii_lowercase().as_str() {
+        "hccs" => "hccs:device".to_string(),
+        "roce" => "roce:device".to_string(),
+        other => {
+            out.warnings.push(format!("{origin}: link_type {other:?} passed through as protocol_desc"));
+            other.to_string()
+        }
+    });
+    if let Some(b) = h.batch {
+        if let Some(e) = b.enable {
+            c.transport.batch_enable = e;
+        }
+        if b.max_batch_size.is_some() {
+            c.transport.max_batch_size = b.max_batch_size;
+        }
+        if b.merge_threshold.is_some() {
+            c.transport.merge_threshold = b.merge_threshold;
+        }
+    }
+    c.transport.hixl = Some(HixlSettings {
+        device_type: h.device_type,
+        protocol_desc,
+        enable_async: h.enable_async,
+        timeout_ms: h.timeout_ms,
+        retry_times: h.retry_times,
+        memory: h.memory.unwrap_or_default(),
+    });
+    out.sources.push(format!("HIXL config {origin}"));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::Write;
+
+    fn file(text: &str, ext: &str) -> tempfile::NamedTempFile {
+        let mut f = tempfile::Builder::new().suffix(ext).tempfile().unwrap();
+        f.write_all(text.as_bytes()).unwrap();
+        f
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(Size::parse("4GiB").unwrap().0, 4 << 30);
+        assert_eq!(Size::parse("4GB").unwrap().0, 4_000_000_000);
+        assert_eq!(Size::parse("1024").unwrap().0, 1024);
+        assert!(Size::parse("lots").is_err());
+    }
+
+    #[test]
+    fn kvpool_toml_with_unknown_fields_warns() {
+        let f = file("[dram]\nsize = \"64MiB\"\nbogus = 1\n[nonsense]\nx = 2\n", ".toml");
+        let l = load(Some(f.path()), None, None).unwrap();
+        assert_eq!(l.config.dram.size.0, 64 << 20);
+        assert!(l.warnings.iter().any(|w| w.contains("dram.bogus")), "{:?}", l.warnings);
+        assert!(l.warnings.iter().any(|w| w.contains("nonsense")), "{:?}", l.warnings);
+    }
+
+    #[test]
+    fn mooncake_and_hixl_map() {
+        let m = file(
+            r#"{"local_hostname":"10.0.0.1","metadata_server":"etcd://127.0.0.1:2379","master_server_address":"127.0.0.1:50051",
+                "global_segment_size":"2GiB","local_buffer_size":1073741824,"protocol":"tcp","device_name":"",
+                "enable_batch_transfer":true,"batch_size":64,"transfer_engine":{"backend":"tcp","num_workers":4},"shiny":true}"#,
+            ".json",
+        );
+        let h = file(
+            "[hixl]\ndevice_type=\"npu\"\ndevice_id=3\nlink_type=\"hccs\"\ntimeout_ms=3000\nretry_times=2\nfoo=1\n[hixl.batch]\nenable=true\nmax_batch_size=32\nmerge_threshold=\"1MiB\"\n",
+            ".toml",
+        );
+        let l = load(None, Some(m.path()), None).unwrap();
+        assert_eq!(l.config.dram.size.0, 2 << 30);
+        assert_eq!(l.config.server.listen, "127.0.0.1:50051");
+        assert_eq!(l.config.transport.protocol, "quic");
+        assert!(l.warnings.iter().any(|w| w.contains("shiny")));
+        let l = load(None, None, Some(h.path())).unwrap();
+        assert_eq!(l.config.transport.protocol, "ascend");
+        assert_eq!(l.config.transport.device_id, Some(3));
+        assert_eq!(l.config.transport.hixl.as_ref().unwrap().protocol_desc.as_deref(), Some("hccs:device"));
+        assert!(l.warnings.iter().any(|w| w.contains("foo")));
+        // The same HIXL file through --config is recognised by content.
+        let l = load(Some(h.path()), None, None).unwrap();
+        assert_eq!(l.config.transport.max_batch_size, Some(32));
+    }
+}

@@ -1,0 +1,302 @@
+//! kvpool server: a KV-cache pool node (the all-in-one role): QUIC API, sled metadata, DRAM and
+//! SSD tiers, built-in admission and eviction policies.
+
+pub mod auth;
+pub mod config;
+pub mod metrics;
+pub mod service;
+pub mod store;
+pub mod tls;
+
+use config::{ApiKeyEntry, Config};
+use kvpool_proto::Limits;
+use metrics::Metrics;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use store::{Store, StoreConfig};
+use tracing::{info, warn};
+
+#[derive(Debug, thiserror::Error)]
+pub enum ServerError {
+    #[error(transparent)]
+    Config(#[from] config::ConfigError),
+    #[error(transparent)]
+    Store(#[from] store::StoreError),
+    #[error(transparent)]
+    Tls(#[from] tls::TlsError),
+    #[error("cannot use data directory {path}: {source}")]
+    DataDir { path: PathBuf, source: std::io::Error },
+    #[error("cannot listen on {addr}: {source}")]
+    Listen { addr: String, source: std::io::Error },
+    #[error("invalid listen address {0:?}")]
+    Addr(String),
+    #[error("transport {protocol:?} is not available: {why}")]
+    Transport { protocol: String, why: String },
+    #[error("metadata store: {0}")]
+    Meta(#[from] store::meta::MetaError),
+}
+
+/// A running server.
+pub struct ServerHandle {
+    pub quic_addr: SocketAddr,
+    pub metrics_addr: Option<SocketAddr>,
+    pub fingerprint: String,
+    pub cert_path: PathBuf,
+    pub data_dir: PathBuf,
+    /// Set when the embedded default generated (or reused) `<data_dir>/api-key`.
+    pub api_key_file: Option<PathBuf>,
+    endpoint: quinn::Endpoint,
+    store: Arc<Store>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+impl ServerHandle {
+    pub fn store(&self) -> &Arc<Store> {
+        &self.store
+    }
+
+    /// Stop accepting, close connections, flush metadata.
+    pub async fn shutdown(self) {
+        self.endpoint.close(kvpool_proto::close::SHUTDOWN.into(), b"server shutting down");
+        for t in &self.tasks {
+            t.abort();
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.endpoint.wait_idle()).await;
+        self.store.flush();
+        info!("server stopped");
+    }
+}
+
+fn tenant_id(meta: &store::meta::Meta, name: &str) -> u32 {
+    // Stable ids: sled keys are scoped by them, so they must survive restarts.
+    let key = format!("tenant:{name}");
+    if let Ok(Some(v)) = meta.kv.get(&key) {
+        if v.len() == 4 {
+            return u32::from_be_bytes([v[0], v[1], v[2], v[3]]);
+        }
+    }
+    let next =
+        meta.kv.get("tenant-next").ok().flatten().map(|v| u32::from_be_bytes([v[0], v[1], v[2], v[3]])).unwrap_or(1);
+    let _ = meta.kv.insert(&key, &next.to_be_bytes());
+    let _ = meta.kv.insert("tenant-next", &(next + 1).to_be_bytes());
+    next
+}
+
+/// The embedded default's admin key: generated once into `<data_dir>/api-key` (owner-only).
+fn default_key(data_dir: &Path) -> Result<(ApiKeyEntry, PathBuf), ServerError> {
+    let path = data_dir.join("api-key");
+    let key = match std::fs::read_to_string(&path) {
+        Ok(k) if !k.trim().is_empty() => k.trim().to_string(),
+        _ => {
+            let mut raw = [0u8; 24];
+            getrandom::getrandom(&mut raw).map_err(|e| ServerError::DataDir {
+                path: path.clone(),
+                source: std::io::Error::other(e.to_string()),
+            })?;
+            let key = format!("kvp_{}", hex::encode(raw));
+            tls::write_private(&path, format!("{key}\n").as_bytes())?;
+            key
+        }
+    };
+    let entry = ApiKeyEntry { tenant: "default".into(), sha256: hex::encode(auth::hash_key(&key)), admin: true };
+    Ok((entry, path))
+}
+
+fn quic_server_config(tls: &tls::TlsMaterial, cfg: &Config) -> Result<quinn::ServerConfig, ServerError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let mut crypto = rustls::ServerConfig::builder_with_provider(provider)
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls::TlsError::from)?
+        .with_no_client_auth()
+        .with_single_cert(tls.certs.clone(), tls.key.clone_key())
+        .map_err(tls::TlsError::from)?;
+    crypto.alpn_protocols = vec![kvpool_proto::ALPN.to_vec()];
+    let quic = quinn::crypto::rustls::QuicServerConfig::try_from(crypto)
+        .map_err(|e| tls::TlsError::Generate(format!("quic tls: {e}")))?;
+    let mut sc = quinn::ServerConfig::with_crypto(Arc::new(quic));
+    let mut t = quinn::TransportConfig::default();
+    t.max_concurrent_bidi_streams(cfg.server.max_streams_per_connection.into());
+    t.max_concurrent_uni_streams(0u8.into());
+    t.max_idle_timeout(Some(
+        Duration::from_millis(cfg.server.idle_timeout_ms)
+            .try_into()
+            .unwrap_or(quinn::IdleTimeout::from(quinn::VarInt::from_u32(30_000))),
+    ));
+    // Large windows: blocks are MiB-sized and loopback/datacenter RTTs are tiny.
+    t.stream_receive_window((32u32 << 20).into());
+    t.receive_window((256u32 << 20).into());
+    t.send_window(256 << 20);
+    sc.transport_config(Arc::new(t));
+    Ok(sc)
+}
+
+/// Start every part of the server and return once it accepts connections.
+pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
+    cfg.validate()?;
+    match cfg.transport.protocol.as_str() {
+        "quic" => {}
+        "ascend" => {
+            return Err(ServerError::Transport {
+                protocol: "ascend".into(),
+                why: "the HIXL backend needs CANN's libcann_hixl.so and kvpool's HIXL shim, neither of which is part \
+                      of this build; use protocol = \"quic\""
+                    .into(),
+            })
+        }
+        other => {
+            return Err(ServerError::Transport {
+                protocol: other.into(),
+                why: "not implemented in this build; use quic".into(),
+            })
+        }
+    }
+    let data_dir = cfg.server.data_dir.clone();
+    std::fs::create_dir_all(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
+    let metrics = Arc::new(Metrics::new());
+    let store_cfg = StoreConfig {
+        data_dir: data_dir.clone(),
+        dram_bytes: cfg.dram.size.0,
+        dram_high: cfg.dram.high_watermark,
+        dram_low: cfg.dram.low_watermark,
+        ssd_dir: (cfg.ssd.capacity.0 > 0).then(|| cfg.ssd_dir()),
+        ssd_bytes: cfg.ssd.capacity.0,
+        ssd_high: cfg.ssd.high_watermark,
+        ssd_low: cfg.ssd.low_watermark,
+        ssd_fsync: cfg.ssd.fsync,
+        lease_ttl: Duration::from_millis(cfg.cache.lease_ttl_ms),
+        soft_pin_ttl: Duration::from_millis(cfg.cache.soft_pin_ttl_ms),
+        put_wait: Duration::from_millis(cfg.cache.put_wait_ms),
+        promote_on_hit: cfg.cache.promote_on_hit,
+    };
+    let store = Store::open(
+        store_cfg,
+        metrics.clone(),
+        Box::new(kvpool_policies::LeafLru::new()),
+        Box::new(kvpool_policies::ThresholdAdmission::new(cfg.cache.store_threshold)),
+    )?;
+
+    let mut keys = cfg.auth.keys.clone();
+    let mut api_key_file = None;
+    if keys.is_empty() {
+        let (entry, path) = default_key(&data_dir)?;
+        info!(path = %path.display(), "no api keys configured: embedded default admin key (tenant \"default\")");
+        keys.push(entry);
+        api_key_file = Some(path);
+    }
+    let auth = auth::Auth::new(&keys, |name| tenant_id(store.meta(), name));
+
+    let tls = tls::load_or_generate(
+        cfg.server.cert.as_deref(),
+        cfg.server.key.as_deref(),
+        &data_dir,
+        &cfg.server.server_name,
+    )?;
+    if tls.generated {
+        info!(cert = %tls.cert_path.display(), "generated a self-signed certificate");
+    }
+    info!(fingerprint = %tls.fingerprint, "server certificate SHA-256");
+
+    let addr: SocketAddr = cfg.server.listen.parse().map_err(|_| ServerError::Addr(cfg.server.listen.clone()))?;
+    let endpoint = quinn::Endpoint::server(quic_server_config(&tls, &cfg)?, addr)
+        .map_err(|source| ServerError::Listen { addr: cfg.server.listen.clone(), source })?;
+    let quic_addr =
+        endpoint.local_addr().map_err(|source| ServerError::Listen { addr: cfg.server.listen.clone(), source })?;
+
+    let limits = Limits {
+        max_frame: cfg.limits.max_frame.0 as u32,
+        max_key_len: cfg.limits.max_key_len,
+        max_value_size: cfg.limits.max_value_size.0,
+        max_batch: cfg.limits.max_batch,
+    };
+    let shared = Arc::new(service::Shared {
+        store: store.clone(),
+        auth,
+        metrics: metrics.clone(),
+        limits,
+        server_name: format!("kvpool {}", env!("CARGO_PKG_VERSION")),
+        started: Instant::now(),
+        max_connections: cfg.server.max_connections,
+    });
+    let mut tasks = vec![tokio::spawn(service::serve(endpoint.clone(), shared))];
+
+    let metrics_addr = match cfg.server.metrics_listen.trim() {
+        "" | "off" => None,
+        a => {
+            let listener = tokio::net::TcpListener::bind(a)
+                .await
+                .map_err(|source| ServerError::Listen { addr: a.into(), source })?;
+            let bound = listener.local_addr().ok();
+            tasks.push(tokio::spawn(serve_metrics(listener, metrics.clone(), store.clone())));
+            bound
+        }
+    };
+
+    let interval = Duration::from_millis(cfg.cache.eviction_interval_ms.max(1));
+    let s2 = store.clone();
+    tasks.push(tokio::spawn(async move {
+        loop {
+            tokio::select! {
+                _ = tokio::time::sleep(interval) => {}
+                _ = s2.kick.notified() => {}
+            }
+            s2.maintain().await;
+        }
+    }));
+
+    let endpoint_info = serde_json::json!({
+        "quic_addr": quic_addr.to_string(),
+        "metrics_addr": metrics_addr.map(|a| a.to_string()),
+        "fingerprint": tls.fingerprint,
+        "cert_path": std::fs::canonicalize(&tls.cert_path).unwrap_or(tls.cert_path.clone()),
+        "server_name": cfg.server.server_name,
+        "pid": std::process::id(),
+    });
+    let ep_path = data_dir.join("endpoint.json");
+    let tmp = data_dir.join("endpoint.json.tmp");
+    if let Err(e) = std::fs::write(&tmp, endpoint_info.to_string()).and_then(|_| std::fs::rename(&tmp, &ep_path)) {
+        warn!(error = %e, "cannot write endpoint.json");
+    }
+    info!(%quic_addr, metrics = ?metrics_addr, data_dir = %data_dir.display(), "kvpool server ready");
+    Ok(ServerHandle {
+        quic_addr,
+        metrics_addr,
+        fingerprint: tls.fingerprint,
+        cert_path: tls.cert_path,
+        data_dir,
+        api_key_file,
+        endpoint,
+        store,
+        tasks,
+    })
+}
+
+async fn serve_metrics(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, store: Arc<Store>) {
+    use http_body_util::Full;
+    use hyper::{body::Bytes, service::service_fn, Response};
+    loop {
+        let Ok((stream, _)) = listener.accept().await else { continue };
+        let (m, st) = (metrics.clone(), store.clone());
+        tokio::spawn(async move {
+            let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
+                let (m, st) = (m.clone(), st.clone());
+                async move {
+                    let resp = match req.uri().path() {
+                        "/metrics" => {
+                            st.update_gauges();
+                            Response::builder()
+                                .header("content-type", "text/plain; version=0.0.4")
+                                .body(Full::new(Bytes::from(m.render())))
+                        }
+                        "/healthz" => Response::builder().body(Full::new(Bytes::from_static(b"ok\n"))),
+                        _ => Response::builder().status(404).body(Full::new(Bytes::from_static(b"not found\n"))),
+                    };
+                    Ok::<_, hyper::http::Error>(resp.unwrap_or_default())
+                }
+            });
+            let io = hyper_util::rt::TokioIo::new(stream);
+            let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, svc).await;
+        });
+    }
+}

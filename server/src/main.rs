@@ -1,0 +1,109 @@
+//! `kvpool-server`: run a kvpool node. With no arguments it starts the embedded default
+//! (data in ./kvpool-data, self-signed TLS, a generated admin key).
+
+use anyhow::Context;
+use clap::Parser;
+use kvpool_server::config::{self, Size};
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(name = "kvpool-server", version, about = "kvpool KV-cache pool server")]
+struct Args {
+    /// kvpool TOML config (a Mooncake JSON or HIXL TOML is recognised too).
+    #[arg(long, env = "KVPOOL_CONFIG")]
+    config: Option<PathBuf>,
+    /// Mooncake `mooncake_store_config.json`, mapped onto kvpool settings.
+    #[arg(long, env = "MOONCAKE_CONFIG_PATH")]
+    mooncake_config: Option<PathBuf>,
+    /// HIXL `hixl_transfer_config.toml`, mapped onto kvpool settings.
+    #[arg(long, env = "HIXL_CONFIG_PATH")]
+    hixl_config: Option<PathBuf>,
+    /// Overrides server.data_dir.
+    #[arg(long)]
+    data_dir: Option<PathBuf>,
+    /// Overrides server.listen (QUIC, UDP).
+    #[arg(long)]
+    listen: Option<String>,
+    /// Overrides server.metrics_listen ("off" disables).
+    #[arg(long)]
+    metrics_listen: Option<String>,
+    /// Overrides dram.size, e.g. "4GiB".
+    #[arg(long)]
+    dram_size: Option<String>,
+    /// Overrides ssd.capacity ("0" disables the SSD tier).
+    #[arg(long)]
+    ssd_capacity: Option<String>,
+    /// Overrides ssd.dir.
+    #[arg(long)]
+    ssd_dir: Option<PathBuf>,
+    /// Overrides cache.store_threshold (tokens).
+    #[arg(long)]
+    store_threshold: Option<u64>,
+    /// Print the effective config (TOML) and exit.
+    #[arg(long)]
+    print_config: bool,
+}
+
+fn main() -> anyhow::Result<()> {
+    let args = Args::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let mut loaded =
+        config::load(args.config.as_deref(), args.mooncake_config.as_deref(), args.hixl_config.as_deref())?;
+    let c = &mut loaded.config;
+    if let Some(d) = args.data_dir {
+        c.server.data_dir = d;
+    }
+    if let Some(l) = args.listen {
+        c.server.listen = l;
+    }
+    if let Some(m) = args.metrics_listen {
+        c.server.metrics_listen = m;
+    }
+    if let Some(s) = args.dram_size {
+        c.dram.size = Size::parse(&s).map_err(anyhow::Error::msg).context("--dram-size")?;
+    }
+    if let Some(s) = args.ssd_capacity {
+        c.ssd.capacity = Size::parse(&s).map_err(anyhow::Error::msg).context("--ssd-capacity")?;
+    }
+    if let Some(d) = args.ssd_dir {
+        c.ssd.dir = Some(d);
+    }
+    if let Some(t) = args.store_threshold {
+        c.cache.store_threshold = t;
+    }
+    c.validate()?;
+    for w in &loaded.warnings {
+        tracing::warn!("{w}");
+    }
+    if args.print_config {
+        print!("# effective kvpool config; sources: {}\n{}", loaded.sources.join(", "), loaded.config.to_toml());
+        return Ok(());
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    rt.block_on(async move {
+        let handle = kvpool_server::start(loaded.config).await?;
+        if let Some(k) = &handle.api_key_file {
+            tracing::info!(
+                "connect with: kvpool --data-dir {} ping   (or KVPOOL_SERVER={} KVPOOL_CA={} KVPOOL_API_KEY_FILE={})",
+                handle.data_dir.display(),
+                handle.quic_addr,
+                handle.cert_path.display(),
+                k.display()
+            );
+        }
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+        tokio::select! {
+            _ = tokio::signal::ctrl_c() => {}
+            _ = term.recv() => {}
+        }
+        tracing::info!("shutting down");
+        handle.shutdown().await;
+        anyhow::Ok(())
+    })
+}

@@ -1,0 +1,146 @@
+//! Prometheus metrics, served as text on `/metrics` and summarised by the `stats` request.
+
+use prometheus::{
+    exponential_buckets, Encoder, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
+    Registry, TextEncoder,
+};
+
+pub const OPS: [&str; 9] = ["hello", "put", "get", "lookup", "exists", "remove", "remove_all", "stats", "ping"];
+
+pub struct Metrics {
+    pub registry: Registry,
+    pub hits: IntCounterVec,
+    pub misses: IntCounterVec,
+    pub bytes_used: IntGaugeVec,
+    pub capacity: IntGaugeVec,
+    pub blocks: IntGaugeVec,
+    pub evictions: IntCounterVec,
+    pub demotions: IntCounter,
+    pub promotions: IntCounter,
+    pub rejected_puts: IntCounterVec,
+    pub corrupt: IntCounter,
+    pub op_seconds: HistogramVec,
+    pub op_errors: IntCounterVec,
+    pub connections: IntGauge,
+    pub auth_failures: IntCounter,
+    pub lookup_blocks: IntCounterVec,
+}
+
+fn counter_vec(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("static metric definition");
+    reg.register(Box::new(c.clone())).expect("unique metric name");
+    c
+}
+
+fn gauge_vec(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("static metric definition");
+    reg.register(Box::new(g.clone())).expect("unique metric name");
+    g
+}
+
+fn counter(reg: &Registry, name: &str, help: &str) -> IntCounter {
+    let c = IntCounter::new(name, help).expect("static metric definition");
+    reg.register(Box::new(c.clone())).expect("unique metric name");
+    c
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let reg = Registry::new_custom(Some("kvpool".into()), None).expect("valid prefix");
+        let op_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "op_duration_seconds",
+                "Request latency by operation, from header read to last byte written",
+            )
+            .buckets(exponential_buckets(10e-6, 1.5, 36).expect("valid buckets")),
+            &["op"],
+        )
+        .expect("static metric definition");
+        reg.register(Box::new(op_seconds.clone())).expect("unique metric name");
+        let connections = IntGauge::new("connections", "Open client connections").expect("static metric");
+        reg.register(Box::new(connections.clone())).expect("unique metric name");
+        let m = Metrics {
+            hits: counter_vec(&reg, "hits_total", "Block reads served, by tier", &["tier"]),
+            misses: counter_vec(
+                &reg,
+                "misses_total",
+                "Block reads not served by a tier (fell through or missing)",
+                &["tier"],
+            ),
+            bytes_used: gauge_vec(&reg, "bytes_used", "Bytes allocated, by tier", &["tier"]),
+            capacity: gauge_vec(&reg, "capacity_bytes", "Capacity, by tier", &["tier"]),
+            blocks: gauge_vec(&reg, "blocks", "Block copies resident, by tier", &["tier"]),
+            evictions: counter_vec(&reg, "evictions_total", "Block copies evicted from a tier", &["tier"]),
+            demotions: counter(&reg, "demotions_total", "Blocks copied DRAM -> SSD on eviction"),
+            promotions: counter(&reg, "promotions_total", "Blocks copied SSD -> DRAM on a hit"),
+            rejected_puts: counter_vec(&reg, "rejected_puts_total", "Put items not stored, by reason", &["reason"]),
+            corrupt: counter(&reg, "corrupt_blocks_total", "Blocks dropped because their checksum failed"),
+            op_errors: counter_vec(&reg, "op_errors_total", "Requests answered with an error, by operation", &["op"]),
+            auth_failures: counter(&reg, "auth_failures_total", "Hellos refused"),
+            lookup_blocks: counter_vec(
+                &reg,
+                "lookup_blocks_total",
+                "Blocks asked about by lookup, by result",
+                &["result"],
+            ),
+            op_seconds,
+            connections,
+            registry: reg,
+        };
+        for op in OPS {
+            m.op_seconds.with_label_values(&[op]);
+            m.op_errors.with_label_values(&[op]);
+        }
+        for t in ["dram", "ssd"] {
+            m.hits.with_label_values(&[t]);
+            m.misses.with_label_values(&[t]);
+            m.evictions.with_label_values(&[t]);
+        }
+        m
+    }
+
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+
+    /// (count, p50 s, p99 s, mean s) of an op's latency, estimated from the histogram buckets
+    /// by linear interpolation inside the bucket that holds the quantile.
+    pub fn op_summary(&self, op: &str) -> (u64, f64, f64, f64) {
+        let h = self.op_seconds.with_label_values(&[op]);
+        let count = h.get_sample_count();
+        if count == 0 {
+            return (0, 0.0, 0.0, 0.0);
+        }
+        let mf = prometheus::core::Collector::collect(&h);
+        let Some(proto) = mf.first().and_then(|f| f.get_metric().first()) else {
+            return (count, 0.0, 0.0, 0.0);
+        };
+        let hist = proto.get_histogram();
+        let buckets: Vec<(f64, u64)> =
+            hist.get_bucket().iter().map(|b| (b.get_upper_bound(), b.get_cumulative_count())).collect();
+        let q = |quantile: f64| {
+            let rank = quantile * count as f64;
+            let mut prev_bound = 0.0;
+            let mut prev_count = 0u64;
+            for &(bound, cum) in &buckets {
+                if cum as f64 >= rank {
+                    let in_bucket = (cum - prev_count) as f64;
+                    let frac = if in_bucket > 0.0 { (rank - prev_count as f64) / in_bucket } else { 1.0 };
+                    return prev_bound + (bound - prev_bound) * frac.clamp(0.0, 1.0);
+                }
+                prev_bound = bound;
+                prev_count = cum;
+            }
+            prev_bound
+        };
+        (count, q(0.5), q(0.99), h.get_sample_sum() / count as f64)
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Metrics::new()
+    }
+}

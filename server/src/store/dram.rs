@@ -1,0 +1,170 @@
+//! The DRAM tier: one pre-allocated segment per node, carved by an offset allocator, so that a
+//! transport can register it once and move bytes in and out of it one-sidedly.
+//!
+//! Space is handed out as [`DramBlock`]s. A block frees its range when the last reference drops:
+//! the index holds one, every in-flight read holds another, so removing or evicting a block that
+//! is being read never frees memory under the reader.
+
+use offset_allocator::{Allocation, Allocator};
+use parking_lot::Mutex;
+use std::alloc::Layout;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use tokio::sync::Notify;
+
+/// Allocation unit. The allocator counts in u32 units, so this bounds the segment size.
+pub const UNIT: u64 = 256;
+/// Largest segment: u32::MAX units.
+pub const MAX_SEGMENT: u64 = UNIT * (u32::MAX as u64);
+const MAX_ALLOCS: u32 = 1 << 22;
+const ALIGN: usize = 4096;
+
+/// The raw segment memory. Zeroed on allocation (the kernel backs it lazily).
+struct Segment {
+    ptr: NonNull<u8>,
+    layout: Layout,
+}
+
+// SAFETY: the segment is plain memory; disjoint ranges are handed to one writer each by the
+// allocator, and readers only see ranges of committed (immutable) blocks.
+unsafe impl Send for Segment {}
+unsafe impl Sync for Segment {}
+
+impl Drop for Segment {
+    fn drop(&mut self) {
+        // SAFETY: allocated in `DramTier::new` with this layout.
+        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+    }
+}
+
+pub struct DramTier {
+    seg: Segment,
+    capacity: u64,
+    alloc: Mutex<Allocator>,
+    used: AtomicU64,
+    /// Woken whenever space is returned, for puts waiting on eviction.
+    pub freed: Notify,
+}
+
+#[derive(Debug, thiserror::Error)]
+#[error("cannot allocate a DRAM segment of {0} bytes")]
+pub struct SegmentAllocError(pub u64);
+
+impl DramTier {
+    pub fn new(capacity: u64) -> Result<Arc<DramTier>, SegmentAllocError> {
+        let units = (capacity / UNIT).min(u32::MAX as u64) as u32;
+        let capacity = units as u64 * UNIT;
+        let layout = Layout::from_size_align(capacity as usize, ALIGN).map_err(|_| SegmentAllocError(capacity))?;
+        // SAFETY: layout has a non-zero size (config validation requires >= 1 MiB).
+        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).ok_or(SegmentAllocError(capacity))?;
+        Ok(Arc::new(DramTier {
+            seg: Segment { ptr, layout },
+            capacity,
+            alloc: Mutex::new(Allocator::with_max_allocs(units, MAX_ALLOCS)),
+            used: AtomicU64::new(0),
+            freed: Notify::new(),
+        }))
+    }
+
+    pub fn capacity(&self) -> u64 {
+        self.capacity
+    }
+
+    /// Bytes handed out (allocator granularity included).
+    pub fn used(&self) -> u64 {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    /// Bytes a value of `len` occupies.
+    pub fn footprint(len: u64) -> u64 {
+        len.max(1).div_ceil(UNIT) * UNIT
+    }
+
+    /// Reserve room for `len` bytes, or `None` when no free range is large enough.
+    pub fn allocate(self: &Arc<Self>, len: u64) -> Option<DramBlock> {
+        let units = u32::try_from(len.max(1).div_ceil(UNIT)).ok()?;
+        let mut a = self.alloc.lock();
+        let allocation = a.allocate(units)?;
+        let real = a.allocation_size(allocation) as u64 * UNIT;
+        drop(a);
+        self.used.fetch_add(real, Ordering::Relaxed);
+        Some(DramBlock { tier: self.clone(), allocation, offset: allocation.offset as u64 * UNIT, len, real })
+    }
+
+    /// Largest single range that could be allocated now.
+    pub fn largest_free(&self) -> u64 {
+        self.alloc.lock().storage_report().largest_free_region as u64 * UNIT
+    }
+}
+
+/// A range of the segment holding (or about to hold) one block's bytes.
+pub struct DramBlock {
+    tier: Arc<DramTier>,
+    allocation: Allocation,
+    offset: u64,
+    len: u64,
+    real: u64,
+}
+
+impl DramBlock {
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: the range lies inside the segment and stays allocated while `self` lives.
+        // Writers only get `bytes_mut` on a block they own exclusively (before it is shared).
+        unsafe { std::slice::from_raw_parts(self.tier.seg.ptr.as_ptr().add(self.offset as usize), self.len as usize) }
+    }
+
+    /// Write access while the block is still exclusively owned (before it is committed and shared).
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above, and `&mut self` proves no other reference to this range exists:
+        // the allocator never hands out overlapping ranges.
+        unsafe {
+            std::slice::from_raw_parts_mut(self.tier.seg.ptr.as_ptr().add(self.offset as usize), self.len as usize)
+        }
+    }
+}
+
+impl std::fmt::Debug for DramBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DramBlock").field("offset", &self.offset).field("len", &self.len).finish()
+    }
+}
+
+impl Drop for DramBlock {
+    fn drop(&mut self) {
+        self.tier.alloc.lock().free(self.allocation);
+        self.tier.used.fetch_sub(self.real, Ordering::Relaxed);
+        self.tier.freed.notify_waiters();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn allocates_within_capacity_and_frees_on_drop() {
+        let t = DramTier::new(1 << 20).unwrap();
+        let mut blocks = Vec::new();
+        while let Some(mut b) = t.allocate(100_000) {
+            b.bytes_mut().fill(7);
+            blocks.push(b);
+        }
+        assert!(!blocks.is_empty());
+        assert!(t.used() <= t.capacity());
+        let n = blocks.len();
+        blocks.clear();
+        assert_eq!(t.used(), 0);
+        let again: Vec<_> = std::iter::from_fn(|| t.allocate(100_000)).collect();
+        assert_eq!(again.len(), n);
+        assert!(again.iter().all(|b| b.bytes().len() == 100_000));
+    }
+}
