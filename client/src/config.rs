@@ -1,0 +1,154 @@
+use crate::error::{ClientError, Result};
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+/// How the client decides to trust the server's certificate. There is deliberately no
+/// "accept anything" variant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Trust {
+    /// PEM file with one or more CA certificates (or the server's self-signed certificate).
+    CaFile(PathBuf),
+    /// The same, already in memory.
+    CaPem(Vec<u8>),
+    /// SHA-256 of the server's end-entity certificate (DER). The handshake signature is still
+    /// verified against that certificate's key; the server name is not checked.
+    Fingerprint([u8; 32]),
+}
+
+#[derive(Debug, Clone)]
+pub struct ClientConfig {
+    /// `host:port` of the server's QUIC endpoint.
+    pub server: String,
+    /// TLS server name (SNI and, with a CA, the name checked against the certificate).
+    pub server_name: String,
+    pub api_key: String,
+    pub trust: Trust,
+    /// Free text the server logs, e.g. "vllm-connector/0.1".
+    pub client_name: String,
+    /// Bound on one whole request (open stream, send, receive everything).
+    pub request_timeout: Duration,
+}
+
+impl ClientConfig {
+    pub fn new(server: impl Into<String>, api_key: impl Into<String>, trust: Trust) -> Self {
+        ClientConfig {
+            server: server.into(),
+            server_name: "localhost".into(),
+            api_key: api_key.into(),
+            trust,
+            client_name: concat!("kvpool-client/", env!("CARGO_PKG_VERSION")).into(),
+            request_timeout: Duration::from_secs(30),
+        }
+    }
+
+    /// Everything needed to reach a local server from its data directory: `endpoint.json`
+    /// (address, server name, certificate fingerprint) and the `api-key` file it generated.
+    pub fn from_data_dir(dir: impl AsRef<Path>) -> Result<Self> {
+        let dir = dir.as_ref();
+        let ep = EndpointInfo::read(dir)?;
+        let key_path = dir.join("api-key");
+        let api_key = read_key_file(&key_path)?;
+        let mut cfg = ClientConfig::new(ep.quic_addr.clone(), api_key, ep.trust()?);
+        cfg.server_name = ep.server_name.clone();
+        Ok(cfg)
+    }
+}
+
+/// Read an API key file: the first line, surrounding whitespace removed.
+pub fn read_key_file(path: &Path) -> Result<String> {
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| ClientError::Config(format!("cannot read API key file {}: {e}", path.display())))?;
+    let key = text.lines().next().unwrap_or("").trim().to_string();
+    if key.is_empty() {
+        return Err(ClientError::Config(format!("API key file {} is empty", path.display())));
+    }
+    Ok(key)
+}
+
+/// `<data_dir>/endpoint.json`, written by the server when it is ready.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EndpointInfo {
+    pub quic_addr: String,
+    #[serde(default)]
+    pub metrics_addr: String,
+    #[serde(default)]
+    pub fingerprint: String,
+    #[serde(default)]
+    pub cert_path: String,
+    #[serde(default = "default_server_name")]
+    pub server_name: String,
+}
+
+fn default_server_name() -> String {
+    "localhost".into()
+}
+
+impl EndpointInfo {
+    pub const FILE: &'static str = "endpoint.json";
+
+    pub fn read(dir: &Path) -> Result<Self> {
+        let path = dir.join(Self::FILE);
+        let text = std::fs::read_to_string(&path)
+            .map_err(|e| ClientError::Config(format!("cannot read {}: {e}", path.display())))?;
+        serde_json::from_str(&text).map_err(|e| ClientError::Config(format!("bad {}: {e}", path.display())))
+    }
+
+    /// The pinned fingerprint when present, else the certificate file.
+    pub fn trust(&self) -> Result<Trust> {
+        if !self.fingerprint.is_empty() {
+            return Ok(Trust::Fingerprint(parse_fingerprint(&self.fingerprint)?));
+        }
+        if !self.cert_path.is_empty() {
+            return Ok(Trust::CaFile(PathBuf::from(&self.cert_path)));
+        }
+        Err(ClientError::Config("endpoint.json names neither a fingerprint nor a certificate".into()))
+    }
+}
+
+/// Parse a SHA-256 fingerprint written as 64 hex digits, optionally with `:` separators
+/// (the form openssl prints) and an optional `sha256:` prefix.
+pub fn parse_fingerprint(s: &str) -> Result<[u8; 32]> {
+    let s = s.trim();
+    let s = s.strip_prefix("sha256:").or_else(|| s.strip_prefix("SHA256:")).unwrap_or(s);
+    let digits: String = s.chars().filter(|c| *c != ':').collect();
+    let bytes = hex::decode(&digits).map_err(|e| ClientError::Config(format!("fingerprint is not hex: {e}")))?;
+    bytes
+        .try_into()
+        .map_err(|b: Vec<u8>| ClientError::Config(format!("fingerprint has {} bytes, a SHA-256 has 32", b.len())))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fingerprints_parse_in_common_forms() {
+        let hex64 = "00112233445566778899aabbccddeeff00112233445566778899aabbccddeeff";
+        let want = parse_fingerprint(hex64).unwrap();
+        assert_eq!(want[1], 0x11);
+        let colons: Vec<String> = want.iter().map(|b| format!("{b:02X}")).collect();
+        assert_eq!(parse_fingerprint(&colons.join(":")).unwrap(), want);
+        assert_eq!(parse_fingerprint(&format!("sha256:{hex64}")).unwrap(), want);
+        assert!(parse_fingerprint("abcd").is_err());
+        assert!(parse_fingerprint("zz").is_err());
+    }
+
+    #[test]
+    fn data_dir_config() {
+        let dir = std::env::temp_dir().join(format!("kvpool-client-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fp = "ab".repeat(32);
+        std::fs::write(
+            dir.join("endpoint.json"),
+            format!(r#"{{"quic_addr":"127.0.0.1:7999","metrics_addr":"127.0.0.1:9999","fingerprint":"{fp}","cert_path":"/x.pem","server_name":"localhost"}}"#),
+        )
+        .unwrap();
+        std::fs::write(dir.join("api-key"), "secret-key\n").unwrap();
+        let cfg = ClientConfig::from_data_dir(&dir).unwrap();
+        assert_eq!(cfg.server, "127.0.0.1:7999");
+        assert_eq!(cfg.api_key, "secret-key");
+        assert_eq!(cfg.trust, Trust::Fingerprint([0xab; 32]));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}
