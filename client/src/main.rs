@@ -1,1 +1,614 @@
-fn main() {}
+//! `kvpool`: command-line client of a kvpool server.
+
+use bytesize::ByteSize;
+use clap::{Parser, Subcommand, ValueEnum};
+use kvpool_client::{
+    read_key_file, Client, ClientConfig, ClientError, EndpointInfo, ErrorCode, PinSpec, PutOptions, StatsReport, Trust,
+};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::process::ExitCode;
+use std::time::Duration;
+
+const DEFAULT_SERVER: &str = "127.0.0.1:7100";
+/// Data directory of a server started with the embedded default in the current directory.
+const DEFAULT_DATA_DIR: &str = "kvpool-data";
+
+#[derive(Debug, Parser)]
+#[command(name = "kvpool", version, about = "Command-line client of a kvpool KV-cache pool")]
+struct Cli {
+    /// Server QUIC address, host:port [default: 127.0.0.1:7100, or the one in --data-dir]
+    #[arg(long, env = "KVPOOL_SERVER", global = true)]
+    server: Option<String>,
+    /// API key
+    #[arg(long, env = "KVPOOL_API_KEY", hide_env_values = true, global = true)]
+    api_key: Option<String>,
+    /// File holding the API key (first line)
+    #[arg(long, env = "KVPOOL_API_KEY_FILE", global = true)]
+    api_key_file: Option<PathBuf>,
+    /// PEM file of the CA (or self-signed server certificate) to trust
+    #[arg(long, env = "KVPOOL_CA", global = true)]
+    ca: Option<PathBuf>,
+    /// SHA-256 fingerprint of the server certificate to pin (hex, ':' separators allowed)
+    #[arg(long, env = "KVPOOL_FINGERPRINT", global = true)]
+    fingerprint: Option<String>,
+    /// TLS server name [default: localhost, or the one in --data-dir]
+    #[arg(long, env = "KVPOOL_SERVER_NAME", global = true)]
+    server_name: Option<String>,
+    /// Data directory of a local server: address, fingerprint and API key are read from its
+    /// endpoint.json and api-key files (explicit options win). Without any trust or key option,
+    /// ./kvpool-data is used when it exists.
+    #[arg(long, env = "KVPOOL_DATA_DIR", global = true)]
+    data_dir: Option<PathBuf>,
+    /// Keys (and --parent) are hex-encoded bytes instead of UTF-8 text
+    #[arg(long, global = true)]
+    hex: bool,
+    /// Request timeout in seconds
+    #[arg(long, env = "KVPOOL_TIMEOUT", default_value_t = 30, global = true)]
+    timeout: u64,
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum PinArg {
+    None,
+    Soft,
+    Hard,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Store a block from FILE, or from stdin when FILE is '-' or absent
+    Put {
+        key: String,
+        file: Option<PathBuf>,
+        /// Key of the previous block of the prefix chain
+        #[arg(long)]
+        parent: Option<String>,
+        /// Tokens held by this block
+        #[arg(long, default_value_t = 0)]
+        tokens: u32,
+        /// Length in tokens of the prefix this block completes
+        #[arg(long, default_value_t = 0)]
+        seq_tokens: u64,
+        /// Pin the block: soft (evicted last) or hard (never evicted)
+        #[arg(long, value_enum, default_value_t = PinArg::None)]
+        pin: PinArg,
+        /// Soft pin lifetime in milliseconds (0: server default)
+        #[arg(long, default_value_t = 0)]
+        pin_ttl_ms: u64,
+        /// Replace an existing value instead of reporting already-exists
+        #[arg(long)]
+        upsert: bool,
+    },
+    /// Fetch a block to stdout or to a file
+    Get {
+        key: String,
+        /// Write the value to this file instead of stdout
+        #[arg(short, long)]
+        output: Option<PathBuf>,
+    },
+    /// Number of leading blocks of a chain (root first) that are in the pool
+    Lookup {
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Whether each key is in the pool (exit 3 if any is missing)
+    Exists {
+        #[arg(required = true)]
+        keys: Vec<String>,
+    },
+    /// Remove blocks, or every block of the tenant with --all
+    Rm {
+        #[arg(required_unless_present = "all", conflicts_with = "all")]
+        keys: Vec<String>,
+        /// Remove all blocks of this tenant
+        #[arg(long)]
+        all: bool,
+        /// Remove even leased blocks
+        #[arg(long)]
+        force: bool,
+    },
+    /// Pool statistics
+    Stats {
+        /// Print the raw report as JSON
+        #[arg(long)]
+        json: bool,
+    },
+    /// Measure round-trip time
+    Ping {
+        /// Number of pings
+        #[arg(short = 'c', long, default_value_t = 1)]
+        count: u32,
+    },
+}
+
+/// A failure with the exit code it maps to: 1 other, 2 usage, 3 not found.
+#[derive(Debug)]
+struct Failure {
+    exit: u8,
+    line: String,
+}
+
+impl Failure {
+    fn usage(msg: impl std::fmt::Display) -> Self {
+        Failure { exit: 2, line: format!("usage: {msg}") }
+    }
+    fn io(msg: impl std::fmt::Display) -> Self {
+        Failure { exit: 1, line: format!("io: {msg}") }
+    }
+}
+
+impl From<ClientError> for Failure {
+    fn from(e: ClientError) -> Self {
+        let exit = match e.code() {
+            ErrorCode::NotFound => 3,
+            _ if matches!(e, ClientError::Config(_)) => 2,
+            _ => 1,
+        };
+        // Messages from the server could hold newlines; the contract is one line.
+        Failure { exit, line: e.to_string().replace('\n', " ") }
+    }
+}
+
+type Outcome = Result<(), Failure>;
+
+fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVPOOL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("error")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = match tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: io: cannot start the runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match rt.block_on(run(cli)) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(f) => {
+            eprintln!("error: {}", f.line);
+            ExitCode::from(f.exit)
+        }
+    }
+}
+
+fn parse_key(s: &str, hex: bool) -> Result<Vec<u8>, Failure> {
+    if hex {
+        hex::decode(s.trim_start_matches("0x")).map_err(|e| Failure::usage(format!("key {s:?} is not hex: {e}")))
+    } else if s.is_empty() {
+        Err(Failure::usage("empty key"))
+    } else {
+        Ok(s.as_bytes().to_vec())
+    }
+}
+
+fn parse_keys(keys: &[String], hex: bool) -> Result<Vec<Vec<u8>>, Failure> {
+    keys.iter().map(|k| parse_key(k, hex)).collect()
+}
+
+/// Build the client configuration from options, environment and an optional data directory.
+fn client_config(cli: &Cli) -> Result<ClientConfig, Failure> {
+    if cli.ca.is_some() && cli.fingerprint.is_some() {
+        return Err(Failure::usage("give either --ca or --fingerprint, not both"));
+    }
+    if cli.api_key.is_some() && cli.api_key_file.is_some() {
+        return Err(Failure::usage("give either --api-key or --api-key-file, not both"));
+    }
+    let explicit_trust = cli.ca.is_some() || cli.fingerprint.is_some();
+    let explicit_key = cli.api_key.is_some() || cli.api_key_file.is_some();
+    let data_dir = match &cli.data_dir {
+        Some(d) => Some(d.clone()),
+        None if !(explicit_trust && explicit_key) && Path::new(DEFAULT_DATA_DIR).join(EndpointInfo::FILE).exists() => {
+            Some(PathBuf::from(DEFAULT_DATA_DIR))
+        }
+        None => None,
+    };
+    let endpoint = data_dir.as_deref().map(EndpointInfo::read).transpose()?;
+
+    let trust = if let Some(ca) = &cli.ca {
+        Trust::CaFile(ca.clone())
+    } else if let Some(fp) = &cli.fingerprint {
+        Trust::Fingerprint(kvpool_client::parse_fingerprint(fp).map_err(|e| Failure::usage(e.to_string()))?)
+    } else if let Some(ep) = &endpoint {
+        ep.trust()?
+    } else {
+        return Err(Failure::usage(
+            "no way to verify the server: pass --ca FILE or --fingerprint HEX (or --data-dir of a local server)",
+        ));
+    };
+
+    let api_key = if let Some(k) = &cli.api_key {
+        k.clone()
+    } else if let Some(f) = &cli.api_key_file {
+        read_key_file(f)?
+    } else if let Some(d) = &data_dir {
+        read_key_file(&d.join("api-key"))?
+    } else {
+        return Err(Failure::usage("no API key: pass --api-key, --api-key-file or --data-dir"));
+    };
+
+    let server = cli
+        .server
+        .clone()
+        .or_else(|| endpoint.as_ref().map(|e| e.quic_addr.clone()))
+        .unwrap_or_else(|| DEFAULT_SERVER.to_string());
+    let mut cfg = ClientConfig::new(server, api_key, trust);
+    cfg.client_name = concat!("kvpool-cli/", env!("CARGO_PKG_VERSION")).into();
+    if let Some(name) = cli.server_name.clone().or_else(|| endpoint.as_ref().map(|e| e.server_name.clone())) {
+        cfg.server_name = name;
+    }
+    cfg.request_timeout = Duration::from_secs(cli.timeout.max(1));
+    Ok(cfg)
+}
+
+/// Read a value to put; a file's size is checked against the server limit before reading it.
+fn read_value(file: Option<&Path>, max: u64) -> Result<Vec<u8>, Failure> {
+    let too_big = |n: u64| Failure {
+        exit: 1,
+        line: format!("{}: value is {n} bytes, the server limit is {max}", ErrorCode::ValueTooLarge),
+    };
+    match file {
+        None => read_stdin(max, too_big),
+        Some(p) if p.as_os_str() == "-" => read_stdin(max, too_big),
+        Some(p) => {
+            let meta = std::fs::metadata(p).map_err(|e| Failure::io(format!("{}: {e}", p.display())))?;
+            if meta.is_file() && meta.len() > max {
+                return Err(too_big(meta.len()));
+            }
+            std::fs::read(p).map_err(|e| Failure::io(format!("{}: {e}", p.display())))
+        }
+    }
+}
+
+fn read_stdin(max: u64, too_big: impl Fn(u64) -> Failure) -> Result<Vec<u8>, Failure> {
+    let mut buf = Vec::new();
+    // One byte past the limit is enough to know the value is too large.
+    std::io::stdin()
+        .lock()
+        .take(max.saturating_add(1))
+        .read_to_end(&mut buf)
+        .map_err(|e| Failure::io(format!("stdin: {e}")))?;
+    if buf.len() as u64 > max {
+        return Err(too_big(buf.len() as u64));
+    }
+    Ok(buf)
+}
+
+fn display_key(k: &[u8], hex: bool) -> String {
+    if hex {
+        hex::encode(k)
+    } else {
+        String::from_utf8_lossy(k).into_owned()
+    }
+}
+
+async fn run(cli: Cli) -> Outcome {
+    // Validate keys before connecting so that usage errors do not depend on the server.
+    match &cli.cmd {
+        Cmd::Put { key, parent, .. } => {
+            parse_key(key, cli.hex)?;
+            if let Some(p) = parent {
+                parse_key(p, cli.hex)?;
+            }
+        }
+        Cmd::Get { key, .. } => {
+            parse_key(key, cli.hex)?;
+        }
+        Cmd::Lookup { keys } | Cmd::Exists { keys } | Cmd::Rm { keys, .. } => {
+            parse_keys(keys, cli.hex)?;
+        }
+        Cmd::Stats { .. } | Cmd::Ping { .. } => {}
+    }
+    let cfg = client_config(&cli)?;
+    let client = Client::connect(cfg).await?;
+    let result = command(&cli, &client).await;
+    client.close().await;
+    result
+}
+
+async fn command(cli: &Cli, client: &Client) -> Outcome {
+    let hex = cli.hex;
+    match &cli.cmd {
+        Cmd::Put { key, file, parent, tokens, seq_tokens, pin, pin_ttl_ms, upsert } => {
+            let key = parse_key(key, hex)?;
+            let value = read_value(file.as_deref(), client.limits().max_value_size)?;
+            let opts = PutOptions {
+                parent: parent.as_deref().map(|p| parse_key(p, hex)).transpose()?,
+                tokens: *tokens,
+                seq_tokens: *seq_tokens,
+                pin: match pin {
+                    PinArg::None => PinSpec::None,
+                    PinArg::Soft => PinSpec::Soft { ttl_ms: *pin_ttl_ms },
+                    PinArg::Hard => PinSpec::Hard,
+                },
+            };
+            if *upsert {
+                client.upsert_with(&key, &value, opts).await?;
+            } else {
+                client.put_with(&key, &value, opts).await?;
+            }
+        }
+        Cmd::Get { key, output } => {
+            let k = parse_key(key, hex)?;
+            let Some(value) = client.get(&k).await? else {
+                return Err(Failure { exit: 3, line: format!("{}: key {key}", ErrorCode::NotFound) });
+            };
+            match output {
+                Some(path) if path.as_os_str() != "-" => {
+                    std::fs::write(path, &value).map_err(|e| Failure::io(format!("{}: {e}", path.display())))?
+                }
+                _ => {
+                    let mut out = std::io::stdout().lock();
+                    out.write_all(&value).and_then(|_| out.flush()).map_err(|e| Failure::io(format!("stdout: {e}")))?
+                }
+            }
+        }
+        Cmd::Lookup { keys } => {
+            let chain = parse_keys(keys, hex)?;
+            println!("{}", client.lookup(&chain).await?);
+        }
+        Cmd::Exists { keys } => {
+            let ks = parse_keys(keys, hex)?;
+            let present = client.exists(&ks).await?;
+            for (k, p) in ks.iter().zip(&present) {
+                println!("{}\t{}", display_key(k, hex), if *p { "yes" } else { "no" });
+            }
+            if present.iter().any(|p| !p) {
+                return Err(Failure {
+                    exit: 3,
+                    line: format!(
+                        "{}: {} of {} keys absent",
+                        ErrorCode::NotFound,
+                        present.iter().filter(|p| !**p).count(),
+                        present.len()
+                    ),
+                });
+            }
+        }
+        Cmd::Rm { keys, all: true, force } => {
+            debug_assert!(keys.is_empty());
+            let r = client.remove_all(*force).await?;
+            println!("removed {} blocks, kept {} leased", r.removed, r.skipped);
+        }
+        Cmd::Rm { keys, all: false, force } => {
+            let ks = parse_keys(keys, hex)?;
+            let st = client.remove_batch(&ks, *force).await?;
+            let failed: Vec<(String, ErrorCode)> = ks
+                .iter()
+                .zip(&st)
+                .filter(|(_, c)| **c != ErrorCode::Ok)
+                .map(|(k, c)| (display_key(k, hex), *c))
+                .collect();
+            if let Some((_, code)) = failed.first() {
+                let names: Vec<String> = failed.iter().map(|(k, c)| format!("{k} ({c})")).collect();
+                return Err(Failure {
+                    exit: if failed.iter().all(|(_, c)| *c == ErrorCode::NotFound) { 3 } else { 1 },
+                    line: format!("{code}: {} of {} keys not removed: {}", failed.len(), ks.len(), names.join(", ")),
+                });
+            }
+        }
+        Cmd::Stats { json } => {
+            let s = client.stats().await?;
+            if *json {
+                println!("{}", serde_json::to_string_pretty(&s).map_err(|e| Failure::io(e.to_string()))?);
+            } else {
+                print!("{}", render_stats(&s, &client.tenant()));
+            }
+        }
+        Cmd::Ping { count } => {
+            let mut times = Vec::new();
+            for i in 0..(*count).max(1) {
+                if i > 0 {
+                    tokio::time::sleep(Duration::from_millis(200)).await;
+                }
+                let rtt = client.ping().await?;
+                println!("pong from {}: time={:.3} ms", client.config().server, rtt.as_secs_f64() * 1e3);
+                times.push(rtt.as_secs_f64() * 1e3);
+            }
+            if times.len() > 1 {
+                let min = times.iter().cloned().fold(f64::INFINITY, f64::min);
+                let max = times.iter().cloned().fold(0.0, f64::max);
+                let avg = times.iter().sum::<f64>() / times.len() as f64;
+                println!("{} pings: min/avg/max = {min:.3}/{avg:.3}/{max:.3} ms", times.len());
+            }
+        }
+    }
+    Ok(())
+}
+
+fn pct(n: u64, d: u64) -> String {
+    if d == 0 {
+        "-".into()
+    } else {
+        format!("{:.1}%", n as f64 * 100.0 / d as f64)
+    }
+}
+
+fn micros(us: f64) -> String {
+    if us >= 1e6 {
+        format!("{:.2} s", us / 1e6)
+    } else if us >= 1e3 {
+        format!("{:.2} ms", us / 1e3)
+    } else {
+        format!("{us:.0} us")
+    }
+}
+
+fn uptime(s: u64) -> String {
+    let (d, h, m, sec) = (s / 86400, s / 3600 % 24, s / 60 % 60, s % 60);
+    if d > 0 {
+        format!("{d}d {h}h {m}m")
+    } else if h > 0 {
+        format!("{h}h {m}m {sec}s")
+    } else {
+        format!("{m}m {sec}s")
+    }
+}
+
+/// The report for a person: sizes, hit rates, latency percentiles.
+fn render_stats(s: &StatsReport, tenant: &str) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let _ = writeln!(o, "server     {}  (up {}, tenant {tenant})", s.server, uptime(s.uptime_s));
+    // Tier hit/miss counters fall through: a read missing the first tier is counted again below,
+    // so the first tier's hits + misses is the number of block reads.
+    let reads = s.tiers.first().map(|t| t.hits + t.misses).unwrap_or(0);
+    let hits: u64 = s.tiers.iter().map(|t| t.hits).sum();
+    let _ = writeln!(o, "blocks     {}", s.blocks);
+    let _ = writeln!(o, "hit rate   {} ({hits} of {reads} reads)", pct(hits, reads));
+    let _ = writeln!(
+        o,
+        "moves      {} demotions, {} promotions; {} rejected puts, {} corrupt blocks",
+        s.demotions, s.promotions, s.rejected_puts, s.corrupt_blocks
+    );
+    let _ = writeln!(o);
+    let _ = writeln!(
+        o,
+        "{:<6} {:>11} {:>11} {:>6} {:>9} {:>9} {:>9} {:>8} {:>9}",
+        "tier", "used", "capacity", "used%", "blocks", "hits", "misses", "hit%", "evicted"
+    );
+    for t in &s.tiers {
+        let _ = writeln!(
+            o,
+            "{:<6} {:>11} {:>11} {:>6} {:>9} {:>9} {:>9} {:>8} {:>9}",
+            t.tier,
+            ByteSize(t.used_bytes).to_string_as(true),
+            ByteSize(t.capacity_bytes).to_string_as(true),
+            pct(t.used_bytes, t.capacity_bytes),
+            t.blocks,
+            t.hits,
+            t.misses,
+            pct(t.hits, t.hits + t.misses),
+            t.evictions
+        );
+    }
+    if !s.ops.is_empty() {
+        let _ = writeln!(o);
+        let _ = writeln!(o, "{:<10} {:>10} {:>8} {:>10} {:>10} {:>10}", "op", "count", "errors", "p50", "p99", "mean");
+        for op in &s.ops {
+            let _ = writeln!(
+                o,
+                "{:<10} {:>10} {:>8} {:>10} {:>10} {:>10}",
+                op.op,
+                op.count,
+                op.errors,
+                micros(op.p50_us),
+                micros(op.p99_us),
+                micros(op.mean_us)
+            );
+        }
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    fn parse(args: &[&str]) -> Result<Cli, clap::Error> {
+        Cli::try_parse_from(std::iter::once("kvpool").chain(args.iter().copied()))
+    }
+
+    #[test]
+    fn cli_definition_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn parses_commands() {
+        let c = parse(&["--server", "h:1", "put", "k", "-", "--pin", "soft", "--parent", "p", "--upsert"]).unwrap();
+        assert_eq!(c.server.as_deref(), Some("h:1"));
+        match c.cmd {
+            Cmd::Put { key, file, pin, parent, upsert, .. } => {
+                assert_eq!(key, "k");
+                assert_eq!(file, Some(PathBuf::from("-")));
+                assert_eq!(pin, PinArg::Soft);
+                assert_eq!(parent.as_deref(), Some("p"));
+                assert!(upsert);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(matches!(parse(&["rm", "--all", "--force"]).unwrap().cmd, Cmd::Rm { all: true, force: true, .. }));
+        assert!(parse(&["rm"]).is_err());
+        assert!(parse(&["rm", "a", "--all"]).is_err());
+        assert!(parse(&["lookup"]).is_err());
+        assert!(parse(&["put", "k", "--pin", "medium"]).is_err());
+        assert!(matches!(parse(&["ping", "-c", "3"]).unwrap().cmd, Cmd::Ping { count: 3 }));
+        assert!(matches!(parse(&["get", "k", "-o", "f"]).unwrap().cmd, Cmd::Get { output: Some(_), .. }));
+    }
+
+    #[test]
+    fn keys_text_and_hex() {
+        assert_eq!(parse_key("abc", false).unwrap(), b"abc");
+        assert_eq!(parse_key("00ff", true).unwrap(), vec![0, 255]);
+        assert_eq!(parse_key("0x01", true).unwrap(), vec![1]);
+        assert_eq!(parse_key("xyz", true).unwrap_err().exit, 2);
+        assert_eq!(parse_key("", false).unwrap_err().exit, 2);
+    }
+
+    #[test]
+    fn trust_options() {
+        let c = parse(&["--api-key", "k", "--fingerprint", &"aa".repeat(32), "ping"]).unwrap();
+        let cfg = client_config(&c).unwrap();
+        assert_eq!(cfg.trust, Trust::Fingerprint([0xaa; 32]));
+        assert_eq!(cfg.server, DEFAULT_SERVER);
+        let c = parse(&["--api-key", "k", "--fingerprint", "aa", "ping"]).unwrap();
+        assert_eq!(client_config(&c).unwrap_err().exit, 2);
+        let c = parse(&["--api-key", "k", "--ca", "x.pem", "--fingerprint", &"aa".repeat(32), "ping"]).unwrap();
+        assert_eq!(client_config(&c).unwrap_err().exit, 2);
+    }
+
+    #[test]
+    fn stats_render() {
+        let s = StatsReport {
+            server: "kvpool-server 0.1.0".into(),
+            uptime_s: 3725,
+            blocks: 3,
+            tiers: vec![
+                kvpool_client::TierStats {
+                    tier: "dram".into(),
+                    capacity_bytes: 1 << 30,
+                    used_bytes: 3 << 20,
+                    blocks: 3,
+                    hits: 3,
+                    misses: 1,
+                    evictions: 0,
+                },
+                kvpool_client::TierStats {
+                    tier: "ssd".into(),
+                    capacity_bytes: 0,
+                    used_bytes: 0,
+                    blocks: 0,
+                    hits: 0,
+                    misses: 1,
+                    evictions: 0,
+                },
+            ],
+            demotions: 0,
+            promotions: 0,
+            rejected_puts: 0,
+            corrupt_blocks: 0,
+            ops: vec![kvpool_client::OpStats {
+                op: "get".into(),
+                count: 4,
+                errors: 0,
+                p50_us: 120.0,
+                p99_us: 2500.0,
+                mean_us: 300.0,
+            }],
+        };
+        let text = render_stats(&s, "default");
+        assert!(text.contains("75.0%"), "{text}");
+        assert!(text.contains("1.0 GiB"), "{text}");
+        assert!(text.contains("2.50 ms"), "{text}");
+        assert!(text.contains("1h 2m 5s"), "{text}");
+    }
+}
