@@ -1,0 +1,256 @@
+//! Leaf-first LRU eviction: within a tier, blocks with no child resident in that tier go first,
+//! least recently used first; soft-pinned blocks only after every unpinned one; hard-pinned never.
+//!
+//! Why leaf-first: a block is useless without its ancestors, so evicting a chain's root strands
+//! every descendant; evicting from the tail keeps the longest reusable prefixes.
+
+use kvpool_policy_sdk::{Event, EventKind, Events, EvictionPolicy, ParamError, Params, Pin, Tier, NO_PARENT};
+use std::cmp::Reverse;
+use std::collections::{BTreeSet, BinaryHeap, HashMap};
+
+#[derive(Debug, Clone)]
+struct Node {
+    parent: u64,
+    pin: Pin,
+    /// Per tier: (last access tick, size) when a copy is resident there.
+    copies: [Option<(u64, u64)>; 3],
+    /// Per tier: how many children have a copy in that tier.
+    children: [u32; 3],
+}
+
+/// Ordering class inside a tier: lower goes first.
+fn class(pin: Pin, children: u32) -> u8 {
+    let inner = u8::from(children > 0);
+    match pin {
+        Pin::None => inner,
+        Pin::Soft => 2 + inner,
+        Pin::Hard => u8::MAX,
+    }
+}
+
+#[derive(Debug, Default)]
+pub struct LeafLru {
+    nodes: HashMap<u64, Node>,
+    /// Per tier: (class, tick, id) of every evictable copy.
+    order: [BTreeSet<(u8, u64, u64)>; 3],
+    tick: u64,
+}
+
+impl LeafLru {
+    pub fn new() -> LeafLru {
+        LeafLru::default()
+    }
+
+    /// Leaf-first LRU takes no parameters; unknown ones are ignored.
+    pub fn with_params(_params: &Params) -> Result<LeafLru, ParamError> {
+        Ok(LeafLru::new())
+    }
+
+    pub fn resident(&self, tier: Tier) -> usize {
+        self.nodes.values().filter(|n| n.copies[tier as usize].is_some()).count()
+    }
+
+    fn key_of(&self, id: u64, t: usize) -> Option<(u8, u64, u64)> {
+        let n = self.nodes.get(&id)?;
+        let (tick, _) = n.copies[t]?;
+        let c = class(n.pin, n.children[t]);
+        (c != u8::MAX).then_some((c, tick, id))
+    }
+
+    /// Run `f` on node `id`, keeping the tier orderings in step with its changes.
+    fn update(&mut self, id: u64, f: impl FnOnce(&mut Node)) {
+        let before: [Option<(u8, u64, u64)>; 3] = std::array::from_fn(|t| self.key_of(id, t));
+        if let Some(n) = self.nodes.get_mut(&id) {
+            f(n);
+        }
+        for (t, old) in before.iter().enumerate() {
+            let new = self.key_of(id, t);
+            if *old != new {
+                if let Some(k) = old {
+                    self.order[t].remove(k);
+                }
+                if let Some(k) = new {
+                    self.order[t].insert(k);
+                }
+            }
+        }
+    }
+
+    fn apply(&mut self, e: Event) {
+        self.tick += 1;
+        let t = e.tier as usize;
+        let tick = self.tick;
+        match e.kind {
+            EventKind::Inserted => {
+                let had_copy = self.nodes.get(&e.id).is_some_and(|n| n.copies[t].is_some());
+                self.nodes.entry(e.id).or_insert(Node {
+                    parent: e.parent,
+                    pin: e.pin,
+                    copies: [None; 3],
+                    children: [0; 3],
+                });
+                self.update(e.id, |n| {
+                    n.copies[t] = Some((tick, e.size));
+                    n.pin = e.pin;
+                });
+                let parent = self.nodes[&e.id].parent;
+                if !had_copy && parent != NO_PARENT && self.nodes.contains_key(&parent) {
+                    self.update(parent, |p| p.children[t] += 1);
+                }
+            }
+            EventKind::Accessed => {
+                self.update(e.id, |n| {
+                    if let Some((ref mut at, _)) = n.copies[t] {
+                        *at = tick;
+                    }
+                });
+            }
+            EventKind::Removed => {
+                let Some(n) = self.nodes.get(&e.id) else { return };
+                if n.copies[t].is_none() {
+                    return;
+                }
+                let parent = n.parent;
+                self.update(e.id, |n| n.copies[t] = None);
+                if parent != NO_PARENT && self.nodes.contains_key(&parent) {
+                    self.update(parent, |p| p.children[t] = p.children[t].saturating_sub(1));
+                }
+                if self.nodes[&e.id].copies.iter().all(Option::is_none) {
+                    self.nodes.remove(&e.id);
+                }
+            }
+            EventKind::PinChanged => self.update(e.id, |n| n.pin = e.pin),
+        }
+    }
+}
+
+impl EvictionPolicy for LeafLru {
+    fn on_events(&mut self, events: &Events) {
+        for e in events.iter() {
+            self.apply(e);
+        }
+    }
+
+    fn victims(&mut self, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
+        let t = tier as usize;
+        let mut out = Vec::new();
+        let mut freed = 0u64;
+        // Parents that became leaves because all their children in this tier were chosen:
+        // they compete as leaves from then on (the cascade SGLang's radix tree does).
+        let mut promoted: BinaryHeap<Reverse<(u8, u64, u64)>> = BinaryHeap::new();
+        let mut taken_children: HashMap<u64, u32> = HashMap::new();
+        let mut chosen: std::collections::HashSet<u64> = std::collections::HashSet::new();
+        let mut iter = self.order[t].iter().peekable();
+        while freed < bytes {
+            let from_set = iter.peek().copied().copied();
+            let from_heap = promoted.peek().map(|r| r.0);
+            let next = match (from_set, from_heap) {
+                (None, None) => break,
+                (Some(s), None) => {
+                    iter.next();
+                    s
+                }
+                (None, Some(h)) => {
+                    promoted.pop();
+                    h
+                }
+                (Some(s), Some(h)) => {
+                    if h < s {
+                        promoted.pop();
+                        h
+                    } else {
+                        iter.next();
+                        s
+                    }
+                }
+            };
+            let (_, _, id) = next;
+            if chosen.contains(&id) || exclude.binary_search(&id).is_ok() {
+                continue;
+            }
+            let Some(node) = self.nodes.get(&id) else { continue };
+            let remaining_children = node.children[t] - taken_children.get(&id).copied().unwrap_or(0);
+            if remaining_children > 0 {
+                // Still an inner node: it is reached again through `promoted` once its last
+                // child goes, or taken as an inner node when only inner nodes are left.
+                if next.0 % 2 == 0 {
+                    continue;
+                }
+            }
+            chosen.insert(id);
+            out.push(id);
+            freed += node.copies[t].map_or(0, |(_, s)| s);
+            let parent = node.parent;
+            if let Some(p) = self.nodes.get(&parent) {
+                let taken = taken_children.entry(parent).or_insert(0);
+                *taken += 1;
+                if *taken >= p.children[t] {
+                    if let Some((c, tick, pid)) = self.key_of(parent, t) {
+                        // Re-rank as a leaf of the same pin class.
+                        promoted.push(Reverse((c & !1, tick, pid)));
+                    }
+                }
+            }
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ev(list: &[Event]) -> Events {
+        list.iter().copied().collect()
+    }
+
+    #[test]
+    fn leaves_go_before_older_ancestors() {
+        let mut p = LeafLru::new();
+        // chain 1 <- 2 <- 3 inserted in order, so 1 is the oldest
+        p.on_events(&ev(&[
+            Event::inserted(1, 10, Tier::Dram, NO_PARENT),
+            Event::inserted(2, 10, Tier::Dram, 1),
+            Event::inserted(3, 10, Tier::Dram, 2),
+            Event::inserted(4, 10, Tier::Dram, NO_PARENT),
+        ]));
+        // Oldest leaf is 3 (4 is newer): evict 3, then its parent 2 becomes a leaf older than 4.
+        assert_eq!(p.victims(Tier::Dram, 10, &[]), vec![3]);
+        assert_eq!(p.victims(Tier::Dram, 30, &[]), vec![3, 2, 1]);
+        assert_eq!(p.victims(Tier::Dram, 40, &[]), vec![3, 2, 1, 4]);
+    }
+
+    #[test]
+    fn access_refreshes_and_exclude_and_pins_are_respected() {
+        let mut p = LeafLru::new();
+        p.on_events(&ev(&[
+            Event::inserted(1, 10, Tier::Dram, NO_PARENT),
+            Event::inserted(2, 10, Tier::Dram, NO_PARENT).with_pin(Pin::Soft),
+            Event::inserted(3, 10, Tier::Dram, NO_PARENT).with_pin(Pin::Hard),
+            Event::inserted(4, 10, Tier::Dram, NO_PARENT),
+            Event::accessed(1, Tier::Dram),
+        ]));
+        assert_eq!(p.victims(Tier::Dram, 10, &[]), vec![4]);
+        assert_eq!(p.victims(Tier::Dram, 10, &[4]), vec![1]);
+        // soft pin last, hard pin never
+        assert_eq!(p.victims(Tier::Dram, 100, &[]), vec![4, 1, 2]);
+        p.on_events(&ev(&[Event::pin_changed(2, Pin::None)]));
+        assert_eq!(p.victims(Tier::Dram, 100, &[]), vec![2, 4, 1]);
+    }
+
+    #[test]
+    fn tiers_are_independent() {
+        let mut p = LeafLru::new();
+        p.on_events(&ev(&[
+            Event::inserted(1, 10, Tier::Dram, NO_PARENT),
+            Event::inserted(2, 10, Tier::Dram, 1),
+            Event::inserted(1, 10, Tier::Ssd, NO_PARENT),
+            Event::removed(2, Tier::Dram),
+        ]));
+        assert_eq!(p.victims(Tier::Dram, 10, &[]), vec![1]);
+        assert_eq!(p.victims(Tier::Ssd, 10, &[]), vec![1]);
+        p.on_events(&ev(&[Event::removed(1, Tier::Dram)]));
+        assert!(p.victims(Tier::Dram, 10, &[]).is_empty());
+        assert_eq!(p.resident(Tier::Ssd), 1);
+    }
+}

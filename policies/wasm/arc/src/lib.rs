@@ -1,0 +1,2 @@
+//! The standard `Arc` eviction policy as a Wasm component.
+kvpool_policy_sdk::export_eviction!(kvpool_policies::Arc);

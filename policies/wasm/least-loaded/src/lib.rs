@@ -1,0 +1,2 @@
+//! The standard `LeastLoaded` placement policy as a Wasm component.
+kvpool_policy_sdk::export_placement!(kvpool_policies::LeastLoaded);

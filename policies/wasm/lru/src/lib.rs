@@ -1,0 +1,2 @@
+//! The standard `Lru` eviction policy as a Wasm component.
+kvpool_policy_sdk::export_eviction!(kvpool_policies::Lru);

@@ -1,0 +1,672 @@
+//! kvpool policy SDK.
+//!
+//! A policy is a plain Rust type implementing one of [`EvictionPolicy`], [`AdmissionPolicy`] or
+//! [`PlacementPolicy`]. The same type runs natively inside the server (the built-in fallbacks are
+//! written this way) and, exported with the SDK's macros, as a sandboxed WebAssembly component.
+//!
+//! Policies are stateful and event-driven: the host owns the truth about which blocks exist and
+//! feeds every change as a batch of [`Events`] (columns of plain numbers, one call per batch),
+//! then asks for decisions. A fresh instance rebuilt by replaying the current block set must
+//! reach an equivalent state; that is how a hot swap works.
+
+use std::collections::BTreeMap;
+
+// Lets the generated guest bindings name this crate by the same path inside and outside it.
+#[cfg(target_arch = "wasm32")]
+extern crate self as kvpool_policy_sdk;
+
+/// "No parent" in the `parent` column: the block starts a chain.
+pub const NO_PARENT: u64 = u64::MAX;
+
+/// Storage tier of a block copy. Lower is faster.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum Tier {
+    Device = 0,
+    Dram = 1,
+    Ssd = 2,
+}
+
+impl Tier {
+    pub const ALL: [Tier; 3] = [Tier::Device, Tier::Dram, Tier::Ssd];
+
+    pub fn from_u8(v: u8) -> Option<Tier> {
+        match v {
+            0 => Some(Tier::Device),
+            1 => Some(Tier::Dram),
+            2 => Some(Tier::Ssd),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Tier::Device => "device",
+            Tier::Dram => "dram",
+            Tier::Ssd => "ssd",
+        }
+    }
+}
+
+/// Pin state of a block. Hard-pinned blocks are never evicted; soft-pinned ones only after
+/// every unpinned candidate is gone (the host turns an expired soft pin into `None`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
+#[repr(u8)]
+pub enum Pin {
+    None = 0,
+    Soft = 1,
+    Hard = 2,
+}
+
+impl Pin {
+    pub fn from_u8(v: u8) -> Option<Pin> {
+        match v {
+            0 => Some(Pin::None),
+            1 => Some(Pin::Soft),
+            2 => Some(Pin::Hard),
+            _ => None,
+        }
+    }
+}
+
+/// What happened to a block copy.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(u8)]
+pub enum EventKind {
+    /// A copy of the block now lives in `tier` (new block, demotion or promotion).
+    Inserted = 0,
+    /// The copy in `tier` was read (a `get`; `lookup`/`exists` never produce this).
+    Accessed = 1,
+    /// The copy in `tier` is gone (evicted, removed, or moved away).
+    Removed = 2,
+    /// The block's pin changed to `pin` (e.g. a soft pin expired).
+    PinChanged = 3,
+}
+
+impl EventKind {
+    pub fn from_u8(v: u8) -> Option<EventKind> {
+        match v {
+            0 => Some(EventKind::Inserted),
+            1 => Some(EventKind::Accessed),
+            2 => Some(EventKind::Removed),
+            3 => Some(EventKind::PinChanged),
+            _ => None,
+        }
+    }
+}
+
+/// One event, as a row. Hosts and tests build batches from these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Event {
+    pub kind: EventKind,
+    /// Dense block id, unique for the life of the block (never reused while the block exists).
+    pub id: u64,
+    pub size: u64,
+    pub tokens: u32,
+    pub tier: Tier,
+    /// Parent block id, or [`NO_PARENT`].
+    pub parent: u64,
+    pub pin: Pin,
+}
+
+impl Event {
+    pub fn inserted(id: u64, size: u64, tier: Tier, parent: u64) -> Event {
+        Event { kind: EventKind::Inserted, id, size, tokens: 0, tier, parent, pin: Pin::None }
+    }
+    pub fn accessed(id: u64, tier: Tier) -> Event {
+        Event { kind: EventKind::Accessed, id, size: 0, tokens: 0, tier, parent: NO_PARENT, pin: Pin::None }
+    }
+    pub fn removed(id: u64, tier: Tier) -> Event {
+        Event { kind: EventKind::Removed, id, size: 0, tokens: 0, tier, parent: NO_PARENT, pin: Pin::None }
+    }
+    pub fn pin_changed(id: u64, pin: Pin) -> Event {
+        Event { kind: EventKind::PinChanged, id, size: 0, tokens: 0, tier: Tier::Dram, parent: NO_PARENT, pin }
+    }
+    pub fn with_tokens(mut self, tokens: u32) -> Event {
+        self.tokens = tokens;
+        self
+    }
+    pub fn with_pin(mut self, pin: Pin) -> Event {
+        self.pin = pin;
+        self
+    }
+}
+
+/// A batch of events as columns (one `Vec` per field): this is what crosses the Wasm boundary,
+/// because columns of plain numbers lower ~25x cheaper than a list of records.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Events {
+    pub kind: Vec<u8>,
+    pub id: Vec<u64>,
+    pub size: Vec<u64>,
+    pub tokens: Vec<u32>,
+    pub tier: Vec<u8>,
+    pub parent: Vec<u64>,
+    pub pin: Vec<u8>,
+}
+
+impl Events {
+    pub fn new() -> Events {
+        Events::default()
+    }
+
+    pub fn len(&self) -> usize {
+        self.id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.id.is_empty()
+    }
+
+    pub fn clear(&mut self) {
+        self.kind.clear();
+        self.id.clear();
+        self.size.clear();
+        self.tokens.clear();
+        self.tier.clear();
+        self.parent.clear();
+        self.pin.clear();
+    }
+
+    pub fn push(&mut self, e: Event) {
+        self.kind.push(e.kind as u8);
+        self.id.push(e.id);
+        self.size.push(e.size);
+        self.tokens.push(e.tokens);
+        self.tier.push(e.tier as u8);
+        self.parent.push(e.parent);
+        self.pin.push(e.pin as u8);
+    }
+
+    /// True when every column has the same length (a guest should ignore a batch that is not).
+    pub fn is_well_formed(&self) -> bool {
+        let n = self.id.len();
+        [self.kind.len(), self.size.len(), self.tokens.len(), self.tier.len(), self.parent.len(), self.pin.len()]
+            .iter()
+            .all(|&l| l == n)
+    }
+
+    /// Rows of the batch; rows with an unknown kind, tier or pin code are skipped.
+    pub fn iter(&self) -> impl Iterator<Item = Event> + '_ {
+        let n = if self.is_well_formed() { self.id.len() } else { 0 };
+        (0..n).filter_map(move |i| {
+            Some(Event {
+                kind: EventKind::from_u8(self.kind[i])?,
+                id: self.id[i],
+                size: self.size[i],
+                tokens: self.tokens[i],
+                tier: Tier::from_u8(self.tier[i])?,
+                parent: self.parent[i],
+                pin: Pin::from_u8(self.pin[i])?,
+            })
+        })
+    }
+}
+
+impl FromIterator<Event> for Events {
+    fn from_iter<I: IntoIterator<Item = Event>>(iter: I) -> Events {
+        let mut ev = Events::new();
+        for e in iter {
+            ev.push(e);
+        }
+        ev
+    }
+}
+
+/// Module parameters (`--param k=v` at load time), with typed getters.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Params(pub BTreeMap<String, String>);
+
+/// A parameter that is present but does not parse.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ParamError(pub String);
+
+impl std::fmt::Display for ParamError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for ParamError {}
+
+impl Params {
+    pub fn new() -> Params {
+        Params::default()
+    }
+
+    pub fn from_pairs<K: Into<String>, V: Into<String>>(pairs: impl IntoIterator<Item = (K, V)>) -> Params {
+        Params(pairs.into_iter().map(|(k, v)| (k.into(), v.into())).collect())
+    }
+
+    pub fn get(&self, key: &str) -> Option<&str> {
+        self.0.get(key).map(String::as_str)
+    }
+
+    pub fn get_u64(&self, key: &str, default: u64) -> Result<u64, ParamError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => {
+                v.trim().parse().map_err(|_| ParamError(format!("parameter {key}={v:?} is not an unsigned integer")))
+            }
+        }
+    }
+
+    pub fn get_f64(&self, key: &str, default: f64) -> Result<f64, ParamError> {
+        match self.get(key) {
+            None => Ok(default),
+            Some(v) => match v.trim().parse::<f64>() {
+                Ok(x) if x.is_finite() => Ok(x),
+                _ => Err(ParamError(format!("parameter {key}={v:?} is not a finite number"))),
+            },
+        }
+    }
+
+    pub fn get_bool(&self, key: &str, default: bool) -> Result<bool, ParamError> {
+        match self.get(key).map(str::trim) {
+            None => Ok(default),
+            Some("true" | "1" | "yes" | "on") => Ok(true),
+            Some("false" | "0" | "no" | "off") => Ok(false),
+            Some(v) => Err(ParamError(format!("parameter {key}={v:?} is not a boolean"))),
+        }
+    }
+}
+
+/// Eviction: choose which block copies of a tier to drop (or demote) to free space.
+pub trait EvictionPolicy {
+    /// Apply a batch of events, in order.
+    fn on_events(&mut self, events: &Events);
+
+    /// Choose copies resident in `tier` whose sizes add up to at least `bytes`, in the order
+    /// they should go. Never return an id in `exclude` (sorted ascending: leased or in-flight
+    /// blocks) nor a hard-pinned block. Return fewer bytes only when nothing else is evictable.
+    fn victims(&mut self, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64>;
+}
+
+/// One block asking to enter a tier; a batch of them is [`AdmitBatch`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct AdmitRequest {
+    pub id: u64,
+    pub size: u64,
+    pub tokens: u32,
+    /// Length in tokens of the prefix this block completes (vLLM's `store_threshold` input).
+    pub seq_tokens: u64,
+    /// The tier the host would put it in.
+    pub tier: Tier,
+    pub parent: u64,
+}
+
+/// Admission requests as columns.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct AdmitBatch {
+    pub id: Vec<u64>,
+    pub size: Vec<u64>,
+    pub tokens: Vec<u32>,
+    pub seq_tokens: Vec<u64>,
+    pub tier: Vec<u8>,
+    pub parent: Vec<u64>,
+}
+
+impl AdmitBatch {
+    pub fn len(&self) -> usize {
+        self.id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.id.is_empty()
+    }
+
+    pub fn push(&mut self, r: AdmitRequest) {
+        self.id.push(r.id);
+        self.size.push(r.size);
+        self.tokens.push(r.tokens);
+        self.seq_tokens.push(r.seq_tokens);
+        self.tier.push(r.tier as u8);
+        self.parent.push(r.parent);
+    }
+
+    pub fn is_well_formed(&self) -> bool {
+        let n = self.id.len();
+        [self.size.len(), self.tokens.len(), self.seq_tokens.len(), self.tier.len(), self.parent.len()]
+            .iter()
+            .all(|&l| l == n)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = AdmitRequest> + '_ {
+        let n = if self.is_well_formed() { self.id.len() } else { 0 };
+        (0..n).map(move |i| AdmitRequest {
+            id: self.id[i],
+            size: self.size[i],
+            tokens: self.tokens[i],
+            seq_tokens: self.seq_tokens[i],
+            tier: Tier::from_u8(self.tier[i]).unwrap_or(Tier::Dram),
+            parent: self.parent[i],
+        })
+    }
+}
+
+impl FromIterator<AdmitRequest> for AdmitBatch {
+    fn from_iter<I: IntoIterator<Item = AdmitRequest>>(iter: I) -> AdmitBatch {
+        let mut b = AdmitBatch::default();
+        for r in iter {
+            b.push(r);
+        }
+        b
+    }
+}
+
+/// An admission decision for one request.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Admit {
+    /// Keep the block out of the pool.
+    Reject,
+    /// Store it in this tier (usually the one asked for).
+    Into(Tier),
+}
+
+/// Admission: decide whether (and where) a new block, or a block being demoted, is stored.
+pub trait AdmissionPolicy {
+    fn on_events(&mut self, events: &Events);
+    /// One decision per request, in order.
+    fn admit(&mut self, batch: &AdmitBatch) -> Vec<Admit>;
+}
+
+impl Admit {
+    /// Wire code of a decision: the tier code, or [`ADMIT_REJECT`].
+    pub fn to_u8(self) -> u8 {
+        match self {
+            Admit::Reject => ADMIT_REJECT,
+            Admit::Into(t) => t as u8,
+        }
+    }
+
+    /// Decode a wire code; `None` for a code that is neither a tier nor [`ADMIT_REJECT`].
+    pub fn from_u8(v: u8) -> Option<Admit> {
+        if v == ADMIT_REJECT {
+            Some(Admit::Reject)
+        } else {
+            Tier::from_u8(v).map(Admit::Into)
+        }
+    }
+}
+
+/// Wire code of [`Admit::Reject`] in the `admit` result column.
+pub const ADMIT_REJECT: u8 = 255;
+
+/// "No node" in node-id columns (e.g. a root block's `parent_node`).
+pub const NO_NODE: u64 = u64::MAX;
+
+/// Blocks to place, as columns, plus how many copies each needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PlaceBatch {
+    pub id: Vec<u64>,
+    pub size: Vec<u64>,
+    pub tokens: Vec<u32>,
+    pub parent: Vec<u64>,
+    /// Node that holds the parent block ([`NO_NODE`] for a root or an absent parent).
+    pub parent_node: Vec<u64>,
+    /// Preferred tier code per block.
+    pub tier: Vec<u8>,
+    /// Copies per block, each on a distinct node; at least 1.
+    pub replicas: u32,
+}
+
+impl Default for PlaceBatch {
+    fn default() -> PlaceBatch {
+        PlaceBatch {
+            id: Vec::new(),
+            size: Vec::new(),
+            tokens: Vec::new(),
+            parent: Vec::new(),
+            parent_node: Vec::new(),
+            tier: Vec::new(),
+            replicas: 1,
+        }
+    }
+}
+
+/// One block to place (a row of [`PlaceBatch`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PlaceRequest {
+    pub id: u64,
+    pub size: u64,
+    pub tokens: u32,
+    pub parent: u64,
+    pub parent_node: u64,
+    pub tier: Tier,
+}
+
+impl PlaceBatch {
+    pub fn len(&self) -> usize {
+        self.id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.id.is_empty()
+    }
+
+    pub fn push(&mut self, r: PlaceRequest) {
+        self.id.push(r.id);
+        self.size.push(r.size);
+        self.tokens.push(r.tokens);
+        self.parent.push(r.parent);
+        self.parent_node.push(r.parent_node);
+        self.tier.push(r.tier as u8);
+    }
+
+    pub fn is_well_formed(&self) -> bool {
+        let n = self.id.len();
+        [self.size.len(), self.tokens.len(), self.parent.len(), self.parent_node.len(), self.tier.len()]
+            .iter()
+            .all(|&l| l == n)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = PlaceRequest> + '_ {
+        let n = if self.is_well_formed() { self.id.len() } else { 0 };
+        (0..n).map(move |i| PlaceRequest {
+            id: self.id[i],
+            size: self.size[i],
+            tokens: self.tokens[i],
+            parent: self.parent[i],
+            parent_node: self.parent_node[i],
+            tier: Tier::from_u8(self.tier[i]).unwrap_or(Tier::Dram),
+        })
+    }
+
+    /// Copies per block a policy must return given `nodes` live nodes: `min(replicas, nodes)`,
+    /// at least 1 (0 only when there is no node at all).
+    pub fn effective_replicas(&self, nodes: usize) -> usize {
+        (self.replicas.max(1) as usize).min(nodes)
+    }
+}
+
+impl FromIterator<PlaceRequest> for PlaceBatch {
+    fn from_iter<I: IntoIterator<Item = PlaceRequest>>(iter: I) -> PlaceBatch {
+        let mut b = PlaceBatch::default();
+        for r in iter {
+            b.push(r);
+        }
+        b
+    }
+}
+
+/// Live storage nodes as columns.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct NodeSet {
+    pub id: Vec<u64>,
+    /// Free bytes per tier, indexed by `Tier as usize`.
+    pub free: [Vec<u64>; 3],
+    /// Relative load; lower is less busy.
+    pub load: Vec<u32>,
+}
+
+impl NodeSet {
+    pub fn len(&self) -> usize {
+        self.id.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.id.is_empty()
+    }
+
+    pub fn push(&mut self, id: u64, free: [u64; 3], load: u32) {
+        self.id.push(id);
+        for (col, f) in self.free.iter_mut().zip(free) {
+            col.push(f);
+        }
+        self.load.push(load);
+    }
+
+    pub fn is_well_formed(&self) -> bool {
+        let n = self.id.len();
+        self.free.iter().all(|c| c.len() == n) && self.load.len() == n
+    }
+
+    /// Free bytes of node at index `i` in `tier` (0 for a malformed set).
+    pub fn free_at(&self, i: usize, tier: Tier) -> u64 {
+        self.free[tier as usize].get(i).copied().unwrap_or(0)
+    }
+
+    /// Tier to use on node `i` for a block of `size` preferring `want`: `want` when it has room,
+    /// else the next slower tier with room, else `want` (the host evicts to make room).
+    pub fn fit_tier(&self, i: usize, want: Tier, size: u64) -> Tier {
+        Tier::ALL.iter().copied().filter(|&t| t >= want).find(|&t| self.free_at(i, t) >= size).unwrap_or(want)
+    }
+}
+
+/// Placement answer: block `i` owns entries `[i*r, (i+1)*r)` of both columns, where
+/// `r = PlaceBatch::effective_replicas(nodes.len())`; the nodes of one block are distinct.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placements {
+    pub node: Vec<u64>,
+    pub tier: Vec<u8>,
+}
+
+impl Placements {
+    pub fn push(&mut self, node: u64, tier: Tier) {
+        self.node.push(node);
+        self.tier.push(tier as u8);
+    }
+}
+
+/// Placement: choose the storage node (and tier) of new blocks and their replicas.
+pub trait PlacementPolicy {
+    /// Apply a batch of events (most placement policies need none).
+    fn on_events(&mut self, _events: &Events) {}
+    fn place(&mut self, blocks: &PlaceBatch, nodes: &NodeSet) -> Placements;
+}
+
+/// Construction from load-time parameters; the Wasm export macros call this from `init`.
+/// Unknown parameters should be ignored so that one parameter set can serve several policies.
+pub trait FromParams: Sized {
+    fn from_params(params: &Params) -> Result<Self, ParamError>;
+}
+
+/// Log levels of [`log`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub enum Level {
+    Trace,
+    Debug,
+    Info,
+    Warn,
+    Error,
+}
+
+/// Log a line through the host (tagged with the module's name). Natively this is a no-op:
+/// the SDK has no logging dependency, and native policies log with their host's own logger.
+pub fn log(level: Level, message: &str) {
+    #[cfg(target_arch = "wasm32")]
+    __wasm::log(level, message);
+    #[cfg(not(target_arch = "wasm32"))]
+    let _ = (level, message);
+}
+
+/// Microseconds since the Unix epoch, from the host clock.
+pub fn now_us() -> u64 {
+    #[cfg(target_arch = "wasm32")]
+    return __wasm::now_us();
+    #[cfg(not(target_arch = "wasm32"))]
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64)
+}
+
+#[cfg(target_arch = "wasm32")]
+#[doc(hidden)]
+pub mod __wasm;
+
+/// Export an [`EvictionPolicy`] + [`FromParams`] type as the module's `eviction` world.
+/// Expands to nothing on native targets, so a policy crate also builds and tests natively.
+#[macro_export]
+macro_rules! export_eviction {
+    ($t:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            struct __KvpoolExport;
+            impl $crate::__wasm::eviction::Guest for __KvpoolExport {
+                fn init(
+                    params: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
+                ) -> ::std::result::Result<(), ::std::string::String> {
+                    $crate::__wasm::init_eviction::<$t>(params)
+                }
+                fn on_events(events: $crate::__wasm::eviction::Events) {
+                    $crate::__wasm::eviction_on_events(events)
+                }
+                fn victims(tier: u8, bytes: u64, exclude: ::std::vec::Vec<u64>) -> ::std::vec::Vec<u64> {
+                    $crate::__wasm::eviction_victims(tier, bytes, exclude)
+                }
+            }
+    $crate::__export_eviction_impl!(__KvpoolExport with_types_in $crate::__wasm::eviction);
+        };
+    };
+}
+
+/// Export an [`AdmissionPolicy`] + [`FromParams`] type as the module's `admission` world.
+#[macro_export]
+macro_rules! export_admission {
+    ($t:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            struct __KvpoolExport;
+            impl $crate::__wasm::admission::Guest for __KvpoolExport {
+                fn init(
+                    params: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
+                ) -> ::std::result::Result<(), ::std::string::String> {
+                    $crate::__wasm::init_admission::<$t>(params)
+                }
+                fn on_events(events: $crate::__wasm::admission::Events) {
+                    $crate::__wasm::admission_on_events(events)
+                }
+                fn admit(batch: $crate::__wasm::admission::AdmitBatch) -> ::std::vec::Vec<u8> {
+                    $crate::__wasm::admission_admit(batch)
+                }
+            }
+    $crate::__export_admission_impl!(__KvpoolExport with_types_in $crate::__wasm::admission);
+        };
+    };
+}
+
+/// Export a [`PlacementPolicy`] + [`FromParams`] type as the module's `placement` world.
+#[macro_export]
+macro_rules! export_placement {
+    ($t:ty) => {
+        #[cfg(target_arch = "wasm32")]
+        const _: () = {
+            struct __KvpoolExport;
+            impl $crate::__wasm::placement::Guest for __KvpoolExport {
+                fn init(
+                    params: ::std::vec::Vec<(::std::string::String, ::std::string::String)>,
+                ) -> ::std::result::Result<(), ::std::string::String> {
+                    $crate::__wasm::init_placement::<$t>(params)
+                }
+                fn on_events(events: $crate::__wasm::placement::Events) {
+                    $crate::__wasm::placement_on_events(events)
+                }
+                fn place(
+                    blocks: $crate::__wasm::placement::PlaceBatch,
+                    nodes: $crate::__wasm::placement::Nodes,
+                ) -> $crate::__wasm::placement::Placements {
+                    $crate::__wasm::placement_place(blocks, nodes)
+                }
+            }
+    $crate::__export_placement_impl!(__KvpoolExport with_types_in $crate::__wasm::placement);
+        };
+    };
+}
