@@ -169,6 +169,10 @@ async fn handshake(
         Err(_) => Err(connect_err(format!("no QUIC handshake within {:?}", cfg.request_timeout))),
         Ok(Ok(c)) => Ok(c),
         Ok(Err(e)) => match ClientError::from(e) {
+            // The pinned verifier's refusal reads as a bare enum name; say what it means.
+            ClientError::Tls(m) if m.contains("ApplicationVerificationFailure") => Err(ClientError::Tls(format!(
+                "the server certificate does not match the pinned SHA-256 fingerprint ({m})"
+            ))),
             t @ ClientError::Tls(_) => Err(t),
             other => Err(connect_err(other.to_string())),
         },

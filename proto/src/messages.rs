@@ -313,4 +313,137 @@ mod tests {
         trailing.push(0);
         assert!(codec::decode::<Request>(&trailing).is_err());
     }
+    /// Parse a hex dump written as in docs/PROTOCOL.md: hex pairs, `#` starts a comment.
+    fn dump(text: &str) -> Vec<u8> {
+        let digits: String = text
+            .lines()
+            .map(|l| l.split('#').next().unwrap_or(""))
+            .flat_map(|l| l.chars().filter(|c| c.is_ascii_hexdigit()))
+            .collect();
+        (0..digits.len()).step_by(2).map(|i| u8::from_str_radix(&digits[i..i + 2], 16).unwrap()).collect()
+    }
+
+    #[test]
+    fn documented_hello_and_put_example() {
+        // Copied verbatim into docs/PROTOCOL.md ("Annotated example"); keep the two identical.
+        let hello = crate::frame::encode_frame(&Request::Hello(Hello {
+            version: 1,
+            api_key: "secret".into(),
+            client_name: "demo".into(),
+        }))
+        .unwrap();
+        assert_eq!(
+            hello,
+            dump(
+                "
+                20 00 00 00                 # frame length: 32-byte body
+                00 00 00 00                 # Request tag 0 = Hello
+                01 00                       # version: u16 1
+                06 00 00 00 00 00 00 00     # api_key: length 6
+                73 65 63 72 65 74           #   \"secret\"
+                04 00 00 00 00 00 00 00     # client_name: length 4
+                64 65 6d 6f                 #   \"demo\"
+                "
+            )
+        );
+
+        let hello_ok = crate::frame::encode_frame(&Response::Hello(HelloOk {
+            version: 1,
+            server: "kvpool".into(),
+            tenant: "default".into(),
+            admin: true,
+            limits: Limits { max_frame: 4 << 20, max_key_len: 1024, max_value_size: 64 << 20, max_batch: 1024 },
+        }))
+        .unwrap();
+        assert_eq!(
+            hello_ok,
+            dump(
+                "
+                38 00 00 00                 # frame length: 56-byte body
+                00 00 00 00                 # Response tag 0 = Hello (HelloOk)
+                01 00                       # version: u16 1
+                06 00 00 00 00 00 00 00     # server: length 6
+                6b 76 70 6f 6f 6c           #   \"kvpool\"
+                07 00 00 00 00 00 00 00     # tenant: length 7
+                64 65 66 61 75 6c 74        #   \"default\"
+                01                          # admin: true
+                00 00 40 00                 # limits.max_frame: u32 4194304
+                00 04 00 00                 # limits.max_key_len: u32 1024
+                00 00 00 04 00 00 00 00     # limits.max_value_size: u64 67108864
+                00 04 00 00                 # limits.max_batch: u32 1024
+                "
+            )
+        );
+
+        let put = crate::frame::encode_frame(&Request::Put(PutRequest {
+            mode: PutMode::Insert,
+            items: vec![PutItem {
+                key: b"blk-0".to_vec(),
+                size: 5,
+                parent: None,
+                tokens: 16,
+                seq_tokens: 16,
+                pin: PinSpec::None,
+            }],
+        }))
+        .unwrap();
+        let mut stream = put.clone();
+        stream.extend_from_slice(b"hello");
+        assert_eq!(
+            stream,
+            dump(
+                "
+                36 00 00 00                 # frame length: 54-byte body
+                01 00 00 00                 # Request tag 1 = Put
+                00 00 00 00                 # mode: PutMode tag 0 = Insert
+                01 00 00 00 00 00 00 00     # items: 1 item
+                05 00 00 00 00 00 00 00     #   key: length 5
+                62 6c 6b 2d 30              #     \"blk-0\"
+                05 00 00 00 00 00 00 00     #   size: u64 5
+                00                          #   parent: None
+                10 00 00 00                 #   tokens: u32 16
+                10 00 00 00 00 00 00 00     #   seq_tokens: u64 16
+                00 00 00 00                 #   pin: PinSpec tag 0 = None
+                68 65 6c 6c 6f              # raw value bytes (not framed): \"hello\"
+                "
+            )
+        );
+
+        let put_ok = crate::frame::encode_frame(&Response::Put(StatusList { results: vec![ErrorCode::Ok] })).unwrap();
+        assert_eq!(
+            put_ok,
+            dump(
+                "
+                10 00 00 00                 # frame length: 16-byte body
+                01 00 00 00                 # Response tag 1 = Put (StatusList)
+                01 00 00 00 00 00 00 00     # results: 1 status
+                00 00 00 00                 #   ErrorCode 0 = Ok
+                "
+            )
+        );
+    }
+
+    #[test]
+    fn documented_encoding_rules() {
+        // Option: u8 0/1 then the value; bool: u8; unit variant: tag only; f64: IEEE LE.
+        let parent = PutItem {
+            key: vec![1],
+            size: 0,
+            parent: Some(vec![2]),
+            tokens: 0,
+            seq_tokens: 0,
+            pin: PinSpec::Soft { ttl_ms: 7 },
+        };
+        let b = codec::encode(&parent).unwrap();
+        assert_eq!(&b[17..27], &[1, 1, 0, 0, 0, 0, 0, 0, 0, 2]);
+        assert_eq!(&b[b.len() - 12..], &[1, 0, 0, 0, 7, 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(codec::encode(&Request::Stats).unwrap(), vec![7, 0, 0, 0]);
+        assert_eq!(codec::encode(&RemoveAllRequest { force: true }).unwrap(), vec![1]);
+        assert_eq!(codec::encode(&1.5f64).unwrap(), 1.5f64.to_le_bytes().to_vec());
+        assert_eq!(codec::encode(&ErrorCode::InvalidArgument).unwrap(), vec![20, 0, 0, 0]);
+        assert_eq!(
+            codec::encode(&Response::Error(ErrorBody { code: ErrorCode::NotFound, message: String::new() })).unwrap(),
+            vec![9, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        );
+    }
 }
