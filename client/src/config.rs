@@ -70,12 +70,13 @@ pub fn read_key_file(path: &Path) -> Result<String> {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct EndpointInfo {
     pub quic_addr: String,
+    /// Absent or null when metrics are off.
     #[serde(default)]
-    pub metrics_addr: String,
+    pub metrics_addr: Option<String>,
     #[serde(default)]
-    pub fingerprint: String,
+    pub fingerprint: Option<String>,
     #[serde(default)]
-    pub cert_path: String,
+    pub cert_path: Option<String>,
     #[serde(default = "default_server_name")]
     pub server_name: String,
 }
@@ -96,11 +97,11 @@ impl EndpointInfo {
 
     /// The pinned fingerprint when present, else the certificate file.
     pub fn trust(&self) -> Result<Trust> {
-        if !self.fingerprint.is_empty() {
-            return Ok(Trust::Fingerprint(parse_fingerprint(&self.fingerprint)?));
+        if let Some(fp) = self.fingerprint.as_deref().filter(|f| !f.is_empty()) {
+            return Ok(Trust::Fingerprint(parse_fingerprint(fp)?));
         }
-        if !self.cert_path.is_empty() {
-            return Ok(Trust::CaFile(PathBuf::from(&self.cert_path)));
+        if let Some(p) = self.cert_path.as_deref().filter(|p| !p.is_empty()) {
+            return Ok(Trust::CaFile(PathBuf::from(p)));
         }
         Err(ClientError::Config("endpoint.json names neither a fingerprint nor a certificate".into()))
     }
@@ -141,7 +142,7 @@ mod tests {
         let fp = "ab".repeat(32);
         std::fs::write(
             dir.join("endpoint.json"),
-            format!(r#"{{"quic_addr":"127.0.0.1:7999","metrics_addr":"127.0.0.1:9999","fingerprint":"{fp}","cert_path":"/x.pem","server_name":"localhost"}}"#),
+            format!(r#"{{"quic_addr":"127.0.0.1:7999","metrics_addr":null,"fingerprint":"{fp}","cert_path":"/x.pem","server_name":"localhost"}}"#),
         )
         .unwrap();
         std::fs::write(dir.join("api-key"), "secret-key\n").unwrap();

@@ -1,0 +1,461 @@
+//! `kvpool-bench`: throughput and latency of block puts and gets, beside an in-process memcpy
+//! of the same bytes measured in the same run.
+
+mod target;
+
+use anyhow::{bail, Context, Result};
+use clap::{Args, Parser, Subcommand};
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
+use kvpool_client::ClientConfig;
+use rand::{RngCore, SeedableRng};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use target::{KvpoolTarget, LocalServer, Target};
+
+#[derive(Debug, Parser)]
+#[command(name = "kvpool-bench", version, about = "kvpool benchmark harness")]
+struct Cli {
+    #[command(subcommand)]
+    cmd: Cmd,
+}
+
+#[derive(Debug, Subcommand)]
+enum Cmd {
+    /// Put then get blocks of several sizes, batch sizes and concurrencies
+    Throughput(ThroughputArgs),
+}
+
+#[derive(Debug, Args)]
+struct ThroughputArgs {
+    /// Use a running server instead of starting one (needs --data-dir for its key and certificate)
+    #[arg(long, env = "KVPOOL_SERVER", requires = "data_dir")]
+    server: Option<String>,
+    /// Data directory of a running server (endpoint.json and api-key are read from it)
+    #[arg(long, env = "KVPOOL_DATA_DIR")]
+    data_dir: Option<PathBuf>,
+    /// Block sizes
+    #[arg(long, value_delimiter = ',', default_value = "64KiB,1MiB,4MiB")]
+    sizes: Vec<String>,
+    /// Blocks per request
+    #[arg(long, value_delimiter = ',', default_value = "1,16,64")]
+    batches: Vec<usize>,
+    /// Requests in flight on the one connection
+    #[arg(long, value_delimiter = ',', default_value = "1,8")]
+    concurrency: Vec<usize>,
+    /// Bytes moved per phase (put or get) of each configuration, before rounding up to whole requests
+    #[arg(long, default_value = "512MiB")]
+    budget: String,
+    /// Fewest requests per worker in a phase
+    #[arg(long, default_value_t = 2)]
+    min_ops: usize,
+    /// DRAM segment of the server the bench starts; must hold one phase of the largest configuration
+    #[arg(long, default_value = "3GiB")]
+    dram: String,
+    /// Tiny smoke run (small sizes, small budget)
+    #[arg(long)]
+    quick: bool,
+    /// Also write the results as JSON to this file
+    #[arg(long)]
+    json: Option<PathBuf>,
+}
+
+fn parse_size(s: &str) -> Result<usize> {
+    let b: bytesize::ByteSize = s.parse().map_err(|e| anyhow::anyhow!("bad size {s:?}: {e}"))?;
+    Ok(b.as_u64() as usize)
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct OpResult {
+    ops: u64,
+    bytes: u64,
+    seconds: f64,
+    mb_per_s: f64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct Row {
+    target: String,
+    block_size: usize,
+    batch: usize,
+    concurrency: usize,
+    op: &'static str,
+    result: OpResult,
+    memcpy: OpResult,
+    /// Target MB/s divided by memcpy MB/s of the same bytes.
+    ratio: f64,
+}
+
+#[derive(Debug, Serialize)]
+struct Report {
+    command: String,
+    target: String,
+    server: String,
+    cpus: usize,
+    mem_total: String,
+    started_unix: u64,
+    rows: Vec<Row>,
+}
+
+fn hist() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 600_000_000, 3).expect("static histogram bounds")
+}
+
+fn summarize(h: &Histogram<u64>, bytes: u64, seconds: f64) -> OpResult {
+    OpResult {
+        ops: h.len(),
+        bytes,
+        seconds,
+        mb_per_s: if seconds > 0.0 { bytes as f64 / seconds / 1e6 } else { 0.0 },
+        p50_us: h.value_at_quantile(0.50),
+        p99_us: h.value_at_quantile(0.99),
+    }
+}
+
+fn micros(d: Duration) -> u64 {
+    (d.as_micros() as u64).max(1)
+}
+
+/// Buffers of one worker: one destination per item of a batch.
+type WorkerBufs = Vec<Vec<u8>>;
+
+/// memcpy of the same bytes with the same parallelism: each "op" copies one batch from the
+/// shared source into the worker's own buffers.
+fn run_memcpy(pool: &[u8], size: usize, batch: usize, bufs: &mut [WorkerBufs], ops_per_worker: usize) -> OpResult {
+    let start = Instant::now();
+    let hists: Vec<Histogram<u64>> = std::thread::scope(|s| {
+        let handles: Vec<_> = bufs
+            .iter_mut()
+            .map(|wb| {
+                s.spawn(move || {
+                    let mut h = hist();
+                    for _ in 0..ops_per_worker {
+                        let t = Instant::now();
+                        for (j, dst) in wb.iter_mut().enumerate().take(batch) {
+                            dst.copy_from_slice(&pool[j * size..(j + 1) * size]);
+                        }
+                        std::hint::black_box(&wb);
+                        let _ = h.record(micros(t.elapsed()));
+                    }
+                    h
+                })
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("memcpy thread")).collect()
+    });
+    let secs = start.elapsed().as_secs_f64();
+    let mut all = hist();
+    for h in &hists {
+        all.add(h).expect("same bounds");
+    }
+    let bytes = (bufs.len() * ops_per_worker * batch * size) as u64;
+    summarize(&all, bytes, secs)
+}
+
+fn key(run: &str, size: usize, batch: usize, conc: usize, worker: usize, op: usize, item: usize) -> Vec<u8> {
+    format!("bench/{run}/{size}/{batch}/{conc}/w{worker}/o{op}/i{item}").into_bytes()
+}
+
+struct Phase<'a> {
+    target: &'a Arc<dyn Target>,
+    pool: &'a Arc<Vec<u8>>,
+    run: &'a Arc<String>,
+    size: usize,
+    batch: usize,
+    ops_per_worker: usize,
+    progress: &'a ProgressBar,
+}
+
+impl Phase<'_> {
+    async fn put(&self, conc: usize) -> Result<OpResult> {
+        let start = Instant::now();
+        let mut tasks = Vec::new();
+        for w in 0..conc {
+            let (target, pool, run, pb) =
+                (self.target.clone(), self.pool.clone(), self.run.clone(), self.progress.clone());
+            let (size, batch, ops) = (self.size, self.batch, self.ops_per_worker);
+            tasks.push(tokio::spawn(async move {
+                let values: Vec<&[u8]> = (0..batch).map(|j| &pool[j * size..(j + 1) * size]).collect();
+                let mut h = hist();
+                for op in 0..ops {
+                    let keys: Vec<Vec<u8>> = (0..batch).map(|j| key(&run, size, batch, conc, w, op, j)).collect();
+                    let t = Instant::now();
+                    target.put_batch(&keys, &values).await?;
+                    let _ = h.record(micros(t.elapsed()));
+                    pb.inc(1);
+                }
+                Ok::<_, anyhow::Error>(h)
+            }));
+        }
+        let mut all = hist();
+        for t in tasks {
+            all.add(t.await??).expect("same bounds");
+        }
+        let secs = start.elapsed().as_secs_f64();
+        Ok(summarize(&all, (conc * self.ops_per_worker * self.batch * self.size) as u64, secs))
+    }
+
+    async fn get(&self, bufs: Vec<WorkerBufs>) -> Result<(OpResult, Vec<WorkerBufs>)> {
+        let conc = bufs.len();
+        let start = Instant::now();
+        let mut tasks = Vec::new();
+        for (w, mut wb) in bufs.into_iter().enumerate() {
+            let (target, run, pb) = (self.target.clone(), self.run.clone(), self.progress.clone());
+            let (size, batch, ops) = (self.size, self.batch, self.ops_per_worker);
+            tasks.push(tokio::spawn(async move {
+                let mut h = hist();
+                let mut bytes = 0u64;
+                for op in 0..ops {
+                    let keys: Vec<Vec<u8>> = (0..batch).map(|j| key(&run, size, batch, conc, w, op, j)).collect();
+                    let mut views: Vec<&mut [u8]> = wb.iter_mut().map(|b| &mut b[..]).collect();
+                    let t = Instant::now();
+                    bytes += target.get_batch(&keys, &mut views).await?;
+                    let _ = h.record(micros(t.elapsed()));
+                    pb.inc(1);
+                }
+                Ok::<_, anyhow::Error>((h, bytes, wb))
+            }));
+        }
+        let mut all = hist();
+        let mut bytes = 0;
+        let mut back = Vec::new();
+        for t in tasks {
+            let (h, b, wb) = t.await??;
+            all.add(h).expect("same bounds");
+            bytes += b;
+            back.push(wb);
+        }
+        let secs = start.elapsed().as_secs_f64();
+        let expect = (conc * self.ops_per_worker * self.batch * self.size) as u64;
+        if bytes != expect {
+            bail!("get returned {bytes} bytes, expected {expect}");
+        }
+        Ok((summarize(&all, bytes, secs), back))
+    }
+
+    fn all_keys(&self, conc: usize) -> Vec<Vec<u8>> {
+        let mut keys = Vec::new();
+        for w in 0..conc {
+            for op in 0..self.ops_per_worker {
+                for j in 0..self.batch {
+                    keys.push(key(self.run, self.size, self.batch, conc, w, op, j));
+                }
+            }
+        }
+        keys
+    }
+}
+
+fn mem_total() -> String {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| m.lines().find(|l| l.starts_with("MemTotal:")).map(|l| l[9..].trim().to_string()))
+        .unwrap_or_else(|| "unknown".into())
+}
+
+fn fmt_us(us: u64) -> String {
+    if us >= 10_000 {
+        format!("{:.1} ms", us as f64 / 1e3)
+    } else if us >= 1_000 {
+        format!("{:.2} ms", us as f64 / 1e3)
+    } else {
+        format!("{us} us")
+    }
+}
+
+fn print_table(rows: &[Row]) {
+    println!(
+        "{:<8} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10} {:>10} {:>10} {:>12} {:>10} {:>10} {:>7}",
+        "target",
+        "block",
+        "batch",
+        "conc",
+        "op",
+        "reqs",
+        "MB/s",
+        "p50",
+        "p99",
+        "memcpy MB/s",
+        "memcpy p50",
+        "memcpy p99",
+        "ratio"
+    );
+    for r in rows {
+        println!(
+            "{:<8} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10.0} {:>10} {:>10} {:>12.0} {:>10} {:>10} {:>6.1}%",
+            r.target,
+            bytesize::ByteSize(r.block_size as u64).to_string_as(true).replace(' ', ""),
+            r.batch,
+            r.concurrency,
+            r.op,
+            r.result.ops,
+            r.result.mb_per_s,
+            fmt_us(r.result.p50_us),
+            fmt_us(r.result.p99_us),
+            r.memcpy.mb_per_s,
+            fmt_us(r.memcpy.p50_us),
+            fmt_us(r.memcpy.p99_us),
+            r.ratio * 100.0
+        );
+    }
+}
+
+async fn throughput(mut a: ThroughputArgs) -> Result<()> {
+    if a.quick {
+        a.sizes = vec!["64KiB".into(), "1MiB".into()];
+        a.batches = vec![1, 16];
+        a.concurrency = vec![1, 4];
+        a.budget = "16MiB".into();
+        a.min_ops = 1;
+        a.dram = "512MiB".into();
+    }
+    let sizes: Vec<usize> = a.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?;
+    let budget = parse_size(&a.budget)?;
+    if sizes.contains(&0) || a.batches.contains(&0) || a.concurrency.contains(&0) {
+        bail!("sizes, batches and concurrency must be positive");
+    }
+
+    // Start our own server unless pointed at one.
+    let (_server, cfg) = match (&a.server, &a.data_dir) {
+        (_, Some(dir)) => {
+            let mut cfg = ClientConfig::from_data_dir(dir)?;
+            if let Some(s) = &a.server {
+                cfg.server = s.clone();
+            }
+            (None, cfg)
+        }
+        (None, None) => {
+            let s = LocalServer::start(&a.dram, &[])?;
+            let cfg = ClientConfig::from_data_dir(s.path())?;
+            (Some(s), cfg)
+        }
+        (Some(_), None) => unreachable!("clap requires --data-dir with --server"),
+    };
+    let mut cfg = cfg;
+    cfg.client_name = "kvpool-bench".into();
+    cfg.request_timeout = Duration::from_secs(300);
+    let kv = KvpoolTarget::connect(cfg).await?;
+    let server = kv.client().hello().server;
+    let limits = kv.client().limits();
+    let target: Arc<dyn Target> = Arc::new(kv);
+
+    let max_size = *sizes.iter().max().expect("at least one size");
+    let max_batch = *a.batches.iter().max().expect("at least one batch");
+    if max_batch as u64 > limits.max_batch as u64 || max_size as u64 > limits.max_value_size {
+        bail!("the server limits (batch {}, value {}) are below this run's", limits.max_batch, limits.max_value_size);
+    }
+    let mut pool = vec![0u8; max_size * max_batch];
+    rand::rngs::StdRng::seed_from_u64(0x6b76706f6f6c).fill_bytes(&mut pool);
+    let pool = Arc::new(pool);
+    let run = Arc::new(format!("{:x}", std::process::id() as u64 ^ Instant::now().elapsed().as_nanos() as u64));
+
+    // Plan every configuration first so that the progress bar knows the total.
+    let mut plan = Vec::new();
+    for &size in &sizes {
+        for &batch in &a.batches {
+            for &conc in &a.concurrency {
+                let per_op = size * batch;
+                let ops = budget.div_ceil(per_op).max(conc * a.min_ops).div_ceil(conc);
+                plan.push((size, batch, conc, ops));
+            }
+        }
+    }
+    let total: u64 = plan.iter().map(|(_, _, c, o)| (2 * c * o) as u64).sum();
+    let pb = ProgressBar::new(total);
+    pb.set_style(
+        ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}")
+            .expect("static template"),
+    );
+
+    let mut rows = Vec::new();
+    for (size, batch, conc, ops) in plan {
+        let label = format!("{} x{batch} c{conc}", bytesize::ByteSize(size as u64).to_string_as(true));
+        pb.set_message(label.clone());
+        let mut bufs: Vec<WorkerBufs> = (0..conc).map(|_| (0..batch).map(|_| vec![1u8; size]).collect()).collect();
+        let memcpy = run_memcpy(&pool, size, batch, &mut bufs, ops);
+        let phase = Phase { target: &target, pool: &pool, run: &run, size, batch, ops_per_worker: ops, progress: &pb };
+        let put = phase.put(conc).await.with_context(|| format!("put phase of {label}"))?;
+        let (get, _bufs) = phase.get(bufs).await.with_context(|| format!("get phase of {label}"))?;
+        target.cleanup(&phase.all_keys(conc)).await.with_context(|| format!("cleanup of {label}"))?;
+        for (op, r) in [("put", put), ("get", get)] {
+            let ratio = if memcpy.mb_per_s > 0.0 { r.mb_per_s / memcpy.mb_per_s } else { 0.0 };
+            rows.push(Row {
+                target: target.name(),
+                block_size: size,
+                batch,
+                concurrency: conc,
+                op,
+                result: r,
+                memcpy: memcpy.clone(),
+                ratio,
+            });
+        }
+    }
+    pb.finish_and_clear();
+    print_table(&rows);
+
+    if let Some(path) = &a.json {
+        let report = Report {
+            command: std::env::args().collect::<Vec<_>>().join(" "),
+            target: target.name(),
+            server,
+            cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            mem_total: mem_total(),
+            started_unix: std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_secs())
+                .unwrap_or(0),
+            rows,
+        };
+        std::fs::write(path, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("KVPOOL_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let cli = Cli::parse();
+    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    match cli.cmd {
+        Cmd::Throughput(a) => rt.block_on(throughput(a)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use clap::CommandFactory;
+
+    #[test]
+    fn cli_is_consistent() {
+        Cli::command().debug_assert();
+    }
+
+    #[test]
+    fn sizes_parse() {
+        assert_eq!(parse_size("64KiB").unwrap(), 64 << 10);
+        assert_eq!(parse_size("4MiB").unwrap(), 4 << 20);
+        assert!(parse_size("lots").is_err());
+    }
+
+    #[test]
+    fn memcpy_baseline_counts_bytes() {
+        let pool = vec![3u8; 4 * 1024];
+        let mut bufs = vec![vec![vec![0u8; 1024]; 4]; 2];
+        let r = run_memcpy(&pool, 1024, 4, &mut bufs, 3);
+        assert_eq!(r.ops, 6);
+        assert_eq!(r.bytes, 2 * 3 * 4 * 1024);
+        assert!(bufs.iter().flatten().all(|b| b.iter().all(|x| *x == 3)));
+    }
+}

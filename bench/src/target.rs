@@ -1,0 +1,160 @@
+//! Benchmark targets: one harness, many stores. A target only has to move batches of blocks;
+//! Mooncake, Redis or a shared-memory store plug in as further implementations of [`Target`].
+
+use anyhow::{bail, Context, Result};
+use kvpool_client::{Client, ClientConfig, ErrorCode, PutEntry, PutMode};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::pin::Pin;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// A key-value block store under test. Implementations are shared by all workers of a run
+/// (`&self`, `Send + Sync`), the way one connector process shares one client.
+pub trait Target: Send + Sync {
+    /// Short name for tables, e.g. "kvpool".
+    fn name(&self) -> String;
+    /// Store `values[i]` under `keys[i]`; any per-item failure is an error.
+    fn put_batch<'a>(&'a self, keys: &'a [Vec<u8>], values: &'a [&'a [u8]]) -> BoxFut<'a, Result<()>>;
+    /// Read `keys[i]` into `bufs[i]` (each exactly the value size); returns the bytes read.
+    fn get_batch<'a, 'b: 'a>(&'a self, keys: &'a [Vec<u8>], bufs: &'a mut [&'b mut [u8]]) -> BoxFut<'a, Result<u64>>;
+    /// Remove the given keys (the blocks this run created).
+    fn cleanup<'a>(&'a self, keys: &'a [Vec<u8>]) -> BoxFut<'a, Result<()>>;
+}
+
+pub struct KvpoolTarget {
+    client: Client,
+}
+
+impl KvpoolTarget {
+    pub async fn connect(cfg: ClientConfig) -> Result<Self> {
+        let client = Client::connect(cfg).await.context("connecting to kvpool")?;
+        Ok(KvpoolTarget { client })
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl Target for KvpoolTarget {
+    fn name(&self) -> String {
+        "kvpool".into()
+    }
+
+    fn put_batch<'a>(&'a self, keys: &'a [Vec<u8>], values: &'a [&'a [u8]]) -> BoxFut<'a, Result<()>> {
+        Box::pin(async move {
+            let entries: Vec<PutEntry<'_>> = keys.iter().zip(values).map(|(k, v)| PutEntry::new(k, v)).collect();
+            let st = self.client.put_batch(&entries, PutMode::Insert).await?;
+            if let Some((i, c)) = st.iter().enumerate().find(|(_, c)| **c != ErrorCode::Ok) {
+                bail!("put of item {i} failed: {c}");
+            }
+            Ok(())
+        })
+    }
+
+    fn get_batch<'a, 'b: 'a>(&'a self, keys: &'a [Vec<u8>], bufs: &'a mut [&'b mut [u8]]) -> BoxFut<'a, Result<u64>> {
+        Box::pin(async move {
+            let r = self.client.get_batch_into(keys, bufs).await?;
+            let mut total = 0;
+            for (i, item) in r.iter().enumerate() {
+                if item.status != ErrorCode::Ok {
+                    bail!("get of item {i} failed: {}", item.status);
+                }
+                total += item.size;
+            }
+            Ok(total)
+        })
+    }
+
+    fn cleanup<'a>(&'a self, keys: &'a [Vec<u8>]) -> BoxFut<'a, Result<()>> {
+        Box::pin(async move {
+            let chunk = self.client.limits().max_batch.max(1) as usize;
+            for part in keys.chunks(chunk) {
+                self.client.remove_batch(part, true).await?;
+            }
+            Ok(())
+        })
+    }
+}
+
+/// A `kvpool-server` child process with a throw-away data directory; killed on drop.
+pub struct LocalServer {
+    child: Child,
+    pub data_dir: tempfile::TempDir,
+}
+
+impl LocalServer {
+    /// Start the server binary that sits next to this executable (same cargo target dir).
+    pub fn start(dram: &str, extra: &[String]) -> Result<Self> {
+        let bin = server_binary()?;
+        let data_dir = tempfile::Builder::new().prefix("kvpool-bench-").tempdir()?;
+        let log = std::fs::File::create(data_dir.path().join("server.log"))?;
+        let child = Command::new(&bin)
+            .arg("--data-dir")
+            .arg(data_dir.path())
+            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "off", "--dram-size", dram, "--ssd-capacity", "0"])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone()?)
+            .stderr(log)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let mut s = LocalServer { child, data_dir };
+        s.wait_ready(Duration::from_secs(60))?;
+        Ok(s)
+    }
+
+    pub fn path(&self) -> &Path {
+        self.data_dir.path()
+    }
+
+    fn wait_ready(&mut self, limit: Duration) -> Result<()> {
+        let ep = self.path().join("endpoint.json");
+        let start = Instant::now();
+        while start.elapsed() < limit {
+            if let Some(status) = self.child.try_wait()? {
+                bail!("kvpool-server exited with {status} before it was ready:\n{}", self.log_tail());
+            }
+            // The server writes endpoint.json atomically (rename) when it is ready.
+            if ep.exists() {
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        bail!("kvpool-server not ready after {limit:?}:\n{}", self.log_tail())
+    }
+
+    pub fn log_tail(&self) -> String {
+        let text = std::fs::read_to_string(self.path().join("server.log")).unwrap_or_default();
+        let lines: Vec<&str> = text.lines().collect();
+        lines[lines.len().saturating_sub(20)..].join("\n")
+    }
+}
+
+impl Drop for LocalServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn server_binary() -> Result<PathBuf> {
+    let exe = std::env::current_exe()?;
+    let dir = exe.parent().context("executable has no directory")?;
+    let name = format!("kvpool-server{}", std::env::consts::EXE_SUFFIX);
+    // Binaries live in target/<profile>/; test and example builds one level below.
+    for d in [Some(dir), dir.parent()].into_iter().flatten() {
+        let p = d.join(&name);
+        if p.is_file() {
+            return Ok(p);
+        }
+    }
+    bail!(
+        "{name} not found next to {}; build it first (cargo build --release -p kvpool-server) or pass --server",
+        exe.display()
+    )
+}
