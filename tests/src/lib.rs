@@ -1,1 +1,254 @@
+//! Harness for the end-to-end tests: starts a real `kvpool-server` process on a temp data dir
+//! with a generated config, and connects clients to it.
 
+use kvpool_client::{Client, ClientConfig, Trust};
+use sha2::{Digest, Sha256};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const ADMIN_KEY: &str = "test-admin-key";
+pub const ALICE_KEY: &str = "test-alice-key";
+pub const BOB_KEY: &str = "test-bob-key";
+
+/// Path of a binary built by this workspace (`cargo build --bins` puts it beside `deps/`).
+pub fn bin(name: &str) -> PathBuf {
+    let exe = std::env::current_exe().expect("test executable path");
+    let dir = exe.parent().and_then(Path::parent).expect("target dir");
+    let p = dir.join(name);
+    assert!(
+        p.exists(),
+        "{} not found: run `cargo build --bins` before the tests (the README test command does)",
+        p.display()
+    );
+    p
+}
+
+fn sha(k: &str) -> String {
+    hex::encode(Sha256::digest(k.as_bytes()))
+}
+
+/// Settings of a test server; `extra` is appended to the generated TOML.
+#[derive(Clone, Debug)]
+pub struct Opts {
+    pub dram: &'static str,
+    pub ssd: &'static str,
+    /// Lines added to the `[cache]` table.
+    pub cache: String,
+    /// TOML appended at the end (new tables).
+    pub extra: String,
+}
+
+impl Default for Opts {
+    fn default() -> Self {
+        Opts { dram: "256MiB", ssd: "0", cache: String::new(), extra: String::new() }
+    }
+}
+
+pub struct TestServer {
+    pub dir: tempfile::TempDir,
+    pub child: Option<Child>,
+    pub opts: Opts,
+    pub endpoint: serde_json::Value,
+}
+
+impl TestServer {
+    pub fn start(opts: Opts) -> TestServer {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let mut s = TestServer { dir, child: None, opts, endpoint: serde_json::Value::Null };
+        s.spawn();
+        s
+    }
+
+    pub fn data_dir(&self) -> &Path {
+        self.dir.path()
+    }
+
+    pub fn config_path(&self) -> PathBuf {
+        self.dir.path().join("kvpool.toml")
+    }
+
+    fn spawn(&mut self) {
+        let d = self.dir.path();
+        let cfg = format!(
+            r#"
+[server]
+listen = "127.0.0.1:0"
+metrics_listen = "127.0.0.1:0"
+data_dir = "{data}"
+
+[dram]
+size = "{dram}"
+
+[ssd]
+capacity = "{ssd}"
+
+[cache]
+put_wait_ms = 3000
+eviction_interval_ms = 5
+{cache}
+
+[[auth.keys]]
+tenant = "default"
+sha256 = "{admin}"
+admin = true
+
+[[auth.keys]]
+tenant = "alice"
+sha256 = "{alice}"
+
+[[auth.keys]]
+tenant = "bob"
+sha256 = "{bob}"
+{extra}
+"#,
+            data = d.display(),
+            dram = self.opts.dram,
+            ssd = self.opts.ssd,
+            admin = sha(ADMIN_KEY),
+            alice = sha(ALICE_KEY),
+            bob = sha(BOB_KEY),
+            cache = self.opts.cache,
+            extra = self.opts.extra,
+        );
+        std::fs::write(self.config_path(), cfg).expect("write config");
+        let _ = std::fs::remove_file(d.join("endpoint.json"));
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(d.join("server.log")).expect("log file");
+        let child = Command::new(bin("kvpool-server"))
+            .arg("--config")
+            .arg(self.config_path())
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn kvpool-server");
+        self.child = Some(child);
+        let deadline = Instant::now() + Duration::from_secs(30);
+        loop {
+            if let Ok(text) = std::fs::read_to_string(d.join("endpoint.json")) {
+                if let Ok(v) = serde_json::from_str::<serde_json::Value>(&text) {
+                    if v["pid"].as_u64() == self.child.as_ref().map(|c| c.id() as u64) {
+                        self.endpoint = v;
+                        return;
+                    }
+                }
+            }
+            if let Some(Ok(Some(st))) = self.child.as_mut().map(|c| c.try_wait()) {
+                panic!("server exited with {st}; log:\n{}", self.log());
+            }
+            assert!(Instant::now() < deadline, "server did not start; log:\n{}", self.log());
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("server.log")).unwrap_or_default()
+    }
+
+    pub fn addr(&self) -> String {
+        self.endpoint["quic_addr"].as_str().expect("quic_addr").to_string()
+    }
+
+    pub fn metrics_addr(&self) -> String {
+        self.endpoint["metrics_addr"].as_str().expect("metrics_addr").to_string()
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.as_ref().expect("running").id()
+    }
+
+    pub fn client_config(&self, key: &str) -> ClientConfig {
+        let cert = PathBuf::from(self.endpoint["cert_path"].as_str().expect("cert_path"));
+        ClientConfig::new(self.addr(), key, Trust::CaFile(cert))
+    }
+
+    pub async fn client(&self, key: &str) -> Client {
+        Client::connect(self.client_config(key)).await.expect("connect")
+    }
+
+    /// SIGKILL: no shutdown path runs.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: plain kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGKILL) };
+            let _ = c.wait();
+        }
+    }
+
+    /// Graceful stop (SIGTERM), then start again on the same data dir.
+    pub fn restart(&mut self) {
+        self.stop();
+        self.spawn();
+    }
+
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none());
+        self.spawn();
+    }
+
+    pub fn stop(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            // SAFETY: plain kill(2) on our own child.
+            unsafe { libc::kill(c.id() as i32, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = c.try_wait() {
+                    return;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Resident set size of the server process, in bytes.
+    pub fn rss(&self) -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", self.pid())).unwrap_or_default();
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.split_whitespace().next()?.parse::<u64>().ok())
+            .map(|kb| kb * 1024)
+            .unwrap_or(0)
+    }
+
+    /// The Prometheus text from /metrics.
+    pub fn scrape(&self) -> String {
+        use std::io::{Read, Write};
+        let mut s = std::net::TcpStream::connect(self.metrics_addr()).expect("metrics connect");
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").expect("write");
+        let mut out = String::new();
+        s.read_to_string(&mut out).expect("read");
+        out
+    }
+}
+
+impl Drop for TestServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// Deterministic value for a key, so a reader can check bytes without remembering them.
+pub fn value_for(key: &str, len: usize) -> Vec<u8> {
+    let mut seed = u64::from_le_bytes(Sha256::digest(key.as_bytes())[..8].try_into().expect("8 bytes"));
+    let mut v = Vec::with_capacity(len + 8);
+    while v.len() < len {
+        // xorshift: cheap, deterministic filler
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        v.extend_from_slice(&seed.to_le_bytes());
+    }
+    v.truncate(len);
+    v
+}
+
+/// Value of the metric line `name{labels} value`, summed over matching lines.
+pub fn metric(text: &str, name_and_labels: &str) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(name_and_labels))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}

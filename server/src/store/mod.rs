@@ -846,7 +846,7 @@ impl Store {
 
     /// Read an SSD copy, verify it, and promote it to DRAM when there is room.
     /// `Err(Corrupt)` when the checksum fails (the copy is dropped, never served).
-    pub async fn read_ssd(&self, id: u64, file: u64, size: u64, sum: u64) -> Result<Served, ErrorCode> {
+    pub async fn read_ssd(self: &Arc<Self>, id: u64, file: u64, size: u64, sum: u64) -> Result<Served, ErrorCode> {
         let Some(ssd) = self.ssd.clone() else { return Err(ErrorCode::NotFound) };
         let promote = self.cfg.promote_on_hit
             && (self.dram.used() + DramTier::footprint(size)) as f64
@@ -875,7 +875,35 @@ impl Store {
             self.drop_ssd_copy(id, file);
             return Err(ErrorCode::Corrupt);
         }
-        let Some(blk) = blk else { return Ok(Served::Owned(vec, sum, Tier::Ssd)) };
+        let Some(blk) = blk else {
+            if self.cfg.promote_on_hit {
+                // DRAM is full: promote off the request path, making room by eviction.
+                let (store, data) = (self.clone(), vec.clone());
+                tokio::spawn(async move { store.promote(id, file, data).await });
+            }
+            return Ok(Served::Owned(vec, sum, Tier::Ssd));
+        };
+        self.install_promoted(id, file, blk, sum)
+    }
+
+    async fn promote(&self, id: u64, file: u64, data: Vec<u8>) {
+        let len = data.len() as u64;
+        let mut blk = match self.dram.allocate(len) {
+            Some(b) => b,
+            None => {
+                self.evict(Tier::Dram, DramTier::footprint(len)).await;
+                match self.dram.allocate(len) {
+                    Some(b) => b,
+                    None => return,
+                }
+            }
+        };
+        blk.bytes_mut().copy_from_slice(&data);
+        let sum = checksum(blk.bytes());
+        let _ = self.install_promoted(id, file, blk, sum);
+    }
+
+    fn install_promoted(&self, id: u64, file: u64, blk: DramBlock, sum: u64) -> Result<Served, ErrorCode> {
         let blk = Arc::new(blk);
         let mut st = self.state.lock();
         if let Some(b) = st.blocks.get_mut(&id).filter(|b| b.dram.is_none() && b.ssd == Some(file)) {
