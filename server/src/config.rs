@@ -59,7 +59,7 @@ impl<'de> Deserialize<'de> for Size {
     }
 }
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 #[serde(default)]
 pub struct Config {
     pub server: ServerSection,
@@ -69,20 +69,6 @@ pub struct Config {
     pub cache: CacheSection,
     pub auth: AuthSection,
     pub transport: TransportSection,
-}
-
-impl Default for Config {
-    fn default() -> Config {
-        Config {
-            server: ServerSection::default(),
-            limits: LimitsSection::default(),
-            dram: DramSection::default(),
-            ssd: SsdSection::default(),
-            cache: CacheSection::default(),
-            auth: AuthSection::default(),
-            transport: TransportSection::default(),
-        }
-    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -28,7 +28,7 @@ async fn two_hundred_concurrent_clients_mixed_operations() {
                 }
                 let chain: Vec<String> = (0..=i).map(|j| format!("c{n}-k{j}")).collect();
                 c.lookup(&chain).await?;
-                c.exists(&[k.clone()]).await?;
+                c.exists(std::slice::from_ref(&k)).await?;
                 if i % 3 == 0 {
                     c.remove(&k, true).await?;
                 }

@@ -9,7 +9,7 @@ use rand::{Rng, SeedableRng};
 async fn wrong_or_missing_api_key_is_refused() {
     let srv = TestServer::start(Opts::default());
     for key in ["wrong-key", "", "test-admin-key "] {
-        let err = Client::connect(srv.client_config(key)).await.err().expect("must be refused");
+        let Err(err) = Client::connect(srv.client_config(key)).await else { panic!("{key:?} must be refused") };
         assert_eq!(err.code(), ErrorCode::Unauthorized, "{key:?}: {err}");
     }
     // a good client still works

@@ -112,6 +112,10 @@ impl DramBlock {
         self.len
     }
 
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
     pub fn offset(&self) -> u64 {
         self.offset
     }
