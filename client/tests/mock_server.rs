@@ -101,11 +101,12 @@ async fn serve(
                 let mut v = vec![0u8; item.size as usize];
                 rx.read_exact(&mut v).await.unwrap();
                 let mut s = store.lock().unwrap();
-                results.push(if s.contains_key(&item.key) {
-                    ErrorCode::AlreadyExists
-                } else {
-                    s.insert(item.key, v);
-                    ErrorCode::Ok
+                results.push(match s.entry(item.key) {
+                    std::collections::hash_map::Entry::Occupied(_) => ErrorCode::AlreadyExists,
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        e.insert(v);
+                        ErrorCode::Ok
+                    }
                 });
             }
             Response::Put(StatusList { results })
@@ -216,7 +217,7 @@ async fn put_get_checksum_and_limits() {
     assert_eq!(r[2].value.as_deref(), Some(&a[..]));
 
     let mut buf_a = vec![0u8; 200_000];
-    let mut small = vec![0u8; 3];
+    let mut small = [0u8; 3];
     let r = c.get_batch_into(&["a", "b"], &mut [&mut buf_a[..], &mut small[..]]).await.unwrap();
     assert_eq!((r[0].status, r[0].size), (ErrorCode::Ok, a.len() as u64));
     assert_eq!(&buf_a[..a.len()], &a[..]);
