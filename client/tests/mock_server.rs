@@ -53,12 +53,12 @@ async fn start_mock() -> Mock {
                 while let Ok((tx, rx)) = conn.accept_bi().await {
                     if !hello_done {
                         hello_done = true;
-                        if !serve(tx, rx, store.clone(), true).await {
+                        if !serve(tx, rx, store.clone(), true, conn.clone()).await {
                             conn.close(kvpool_client::proto::close::UNAUTHORIZED.into(), b"bad key");
                             return;
                         }
                     } else {
-                        tokio::spawn(serve(tx, rx, store.clone(), false));
+                        tokio::spawn(serve(tx, rx, store.clone(), false, conn.clone()));
                     }
                 }
             });
@@ -73,6 +73,7 @@ async fn serve(
     mut rx: quinn::RecvStream,
     store: Arc<Mutex<HashMap<Vec<u8>, Vec<u8>>>>,
     first: bool,
+    conn: quinn::Connection,
 ) -> bool {
     let req: Request = frame::read_message(&mut rx, 1 << 20).await.unwrap();
     let mut bulk: Vec<Vec<u8>> = Vec::new();
@@ -129,6 +130,11 @@ async fn serve(
                 })
                 .collect();
             Response::Get(GetResponse { items })
+        }
+        // Test hook: the server drops the connection, as a restart would.
+        Request::Exists(e) if e.keys == [b"bye".to_vec()] => {
+            conn.close(0u8.into(), b"bye");
+            return true;
         }
         Request::Exists(e) => {
             let s = store.lock().unwrap();
@@ -262,4 +268,17 @@ async fn put_get_checksum_and_limits() {
     assert_eq!(resp, Response::Pong(Pong { nonce: 9, server_time_us: 1 }));
     assert!(rest.is_empty());
     let _ = codec::encode(&Request::Stats).unwrap();
+}
+
+#[tokio::test]
+async fn reconnects_after_the_connection_drops() {
+    let mock = start_mock().await;
+    let fp = kvpool_client::tls::cert_fingerprint(&mock.cert_der);
+    let c = Client::connect(cfg(&mock, Trust::Fingerprint(fp))).await.unwrap();
+    let first = c.connection().stable_id();
+    assert!(c.exists(&["bye"]).await.is_err());
+    c.connection().closed().await;
+    c.ping().await.unwrap();
+    assert_ne!(c.connection().stable_id(), first);
+    assert_eq!(c.tenant(), "t");
 }
