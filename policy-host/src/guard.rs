@@ -1,0 +1,504 @@
+//! The guard layer: every answer of a Wasm module is validated against host truth; a trap, a
+//! deadline or an invalid answer is counted and logged, and the native fallback policy (fed the
+//! same events all along) answers that call. Too many faults quarantine the module: the
+//! fallback answers from then on until the module is replaced.
+
+use crate::engine::LoadedModule;
+use crate::wasm::{CallError, WasmAdmission, WasmEviction, WasmPlacement};
+use crate::{HostError, PolicyKind};
+use kvpool_policy_sdk::{
+    AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, NodeSet, Params, Pin, PlaceBatch, PlacementPolicy,
+    Placements, Tier,
+};
+use std::collections::{HashMap, HashSet};
+use std::time::SystemTime;
+
+/// Host truth the guard checks eviction answers against (the server's block store).
+pub trait BlockOracle {
+    /// Size of the copy of `id` resident in `tier`, or `None` when there is none.
+    fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64>;
+    /// Current pin of `id` (`Pin::None` for an unknown id).
+    fn pin(&self, id: u64) -> Pin;
+    /// Bytes that could be freed in `tier` without touching `exclude`d (sorted) or hard-pinned
+    /// copies: a module may return fewer bytes than asked only when this is smaller.
+    fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64;
+    /// The current block set as `Inserted` events (with pins), oldest first: used to rebuild a
+    /// module's state after a trap.
+    fn snapshot(&self) -> Events;
+}
+
+/// Kinds of fault, as counted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FaultKind {
+    Trap,
+    Timeout,
+    Invalid,
+}
+
+impl FaultKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            FaultKind::Trap => "trap",
+            FaultKind::Timeout => "timeout",
+            FaultKind::Invalid => "invalid",
+        }
+    }
+}
+
+/// What was wrong with an answer.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum Invalid {
+    #[error("victim {0} has no copy in the tier")]
+    UnknownId(u64),
+    #[error("victim {0} is excluded (leased or in flight)")]
+    Excluded(u64),
+    #[error("victim {0} is hard-pinned")]
+    Pinned(u64),
+    #[error("id {0} appears twice")]
+    Duplicate(u64),
+    #[error("victims free {freed} of {wanted} bytes while {evictable} were evictable")]
+    TooFew { freed: u64, wanted: u64, evictable: u64 },
+    #[error("answer has {len} entries, more than the limit {max}")]
+    Oversize { len: usize, max: usize },
+    #[error("answer has {got} entries, expected {want}")]
+    WrongCount { got: usize, want: usize },
+    #[error("decision code {0} is neither a tier nor reject")]
+    BadDecision(u8),
+    #[error("node {0} does not exist")]
+    BadNode(u64),
+    #[error("node {0} chosen twice for one block")]
+    DuplicateNode(u64),
+    #[error("tier code {0} does not exist")]
+    BadTier(u8),
+}
+
+/// Fault counters of a module.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultCounts {
+    pub trap: u64,
+    pub timeout: u64,
+    pub invalid: u64,
+    /// Faults since the last good answer.
+    pub consecutive: u32,
+}
+
+impl FaultCounts {
+    pub fn total(&self) -> u64 {
+        self.trap + self.timeout + self.invalid
+    }
+}
+
+/// Module metadata for an admin `list`.
+#[derive(Debug, Clone)]
+pub struct ModuleInfo {
+    pub name: String,
+    pub kind: PolicyKind,
+    pub sha256: String,
+    pub params: Params,
+    pub loaded_at: SystemTime,
+    pub faults: FaultCounts,
+    pub quarantined: bool,
+    /// Decision calls answered by the module.
+    pub answered: u64,
+    /// Decision calls answered by the native fallback.
+    pub fallback_answers: u64,
+}
+
+/// Bookkeeping shared by the three guards.
+struct GuardState {
+    module: LoadedModule,
+    faults: FaultCounts,
+    quarantined: bool,
+    last_fault: Option<(FaultKind, String)>,
+    /// The instance was dropped after a trap and must be rebuilt before it answers again.
+    needs_rebuild: bool,
+    answered: u64,
+    fallback_answers: u64,
+}
+
+impl GuardState {
+    fn new(module: &LoadedModule) -> GuardState {
+        GuardState {
+            module: module.clone(),
+            faults: FaultCounts::default(),
+            quarantined: false,
+            last_fault: None,
+            needs_rebuild: false,
+            answered: 0,
+            fallback_answers: 0,
+        }
+    }
+
+    /// Count a fault; returns true when the instance must be dropped (poisoned or quarantined).
+    fn fault(&mut self, kind: FaultKind, call: &str, detail: String) -> bool {
+        match kind {
+            FaultKind::Trap => self.faults.trap += 1,
+            FaultKind::Timeout => self.faults.timeout += 1,
+            FaultKind::Invalid => self.faults.invalid += 1,
+        }
+        self.faults.consecutive = self.faults.consecutive.saturating_add(1);
+        let module = &*self.module.name;
+        tracing::warn!(module, kind = self.module.kind.name(), call, fault = kind.name(), detail = %detail, "policy module fault; native fallback answers");
+        self.last_fault = Some((kind, detail));
+        let cfg = self.module.engine.config();
+        if !self.quarantined
+            && (self.faults.consecutive >= cfg.max_consecutive_faults
+                || self.faults.total() >= u64::from(cfg.max_total_faults))
+        {
+            self.quarantined = true;
+            tracing::error!(
+                module,
+                kind = self.module.kind.name(),
+                faults = self.faults.total(),
+                "policy module quarantined; native fallback answers until it is replaced"
+            );
+        }
+        let poisoned = kind != FaultKind::Invalid;
+        if poisoned {
+            self.needs_rebuild = true;
+        }
+        poisoned || self.quarantined
+    }
+
+    fn call_fault(&mut self, call: &str, e: CallError) -> bool {
+        let kind = match e {
+            CallError::Timeout(_) => FaultKind::Timeout,
+            CallError::Trap(_) | CallError::Poisoned => FaultKind::Trap,
+        };
+        self.fault(kind, call, e.to_string())
+    }
+
+    fn ok(&mut self) {
+        self.faults.consecutive = 0;
+        self.answered += 1;
+    }
+
+    fn info(&self) -> ModuleInfo {
+        let m = &self.module;
+        ModuleInfo {
+            name: m.name.to_string(),
+            kind: m.kind,
+            sha256: m.sha256.clone(),
+            params: m.params.clone(),
+            loaded_at: m.loaded_at,
+            faults: self.faults,
+            quarantined: self.quarantined,
+            answered: self.answered,
+            fallback_answers: self.fallback_answers,
+        }
+    }
+}
+
+macro_rules! guard_common {
+    ($wasm:ty) => {
+        /// Metadata and counters for an admin `list`.
+        pub fn info(&self) -> ModuleInfo {
+            self.st.info()
+        }
+        pub fn faults(&self) -> FaultCounts {
+            self.st.faults
+        }
+        pub fn is_quarantined(&self) -> bool {
+            self.st.quarantined
+        }
+        /// The latest fault: kind and a description.
+        pub fn last_fault(&self) -> Option<&(FaultKind, String)> {
+            self.st.last_fault.as_ref()
+        }
+        pub fn module(&self) -> &LoadedModule {
+            &self.st.module
+        }
+        /// True when a trap dropped the instance and it was not rebuilt yet.
+        pub fn needs_rebuild(&self) -> bool {
+            self.st.needs_rebuild && !self.st.quarantined
+        }
+        /// Instantiate the module again and replay `snapshot` (the current block set) into it,
+        /// e.g. off the request path after a trap. A failure counts as a fault.
+        pub fn rebuild(&mut self, snapshot: &Events) {
+            if self.st.quarantined {
+                return;
+            }
+            self.wasm = None;
+            let built = <$wasm>::new(&self.st.module).map_err(|e| CallError::Trap(e.to_string())).and_then(|mut w| {
+                w.replay(snapshot)?;
+                Ok(w)
+            });
+            match built {
+                Ok(w) => {
+                    self.wasm = Some(w);
+                    self.st.needs_rebuild = false;
+                }
+                Err(e) => {
+                    self.st.call_fault("rebuild", e);
+                }
+            }
+        }
+        /// Feed events to the fallback and the module.
+        fn feed(&mut self, events: &Events) {
+            self.fallback.on_events(events);
+            if let Some(w) = &mut self.wasm {
+                if let Err(e) = w.try_on_events(events) {
+                    if self.st.call_fault("on-events", e) {
+                        self.wasm = None;
+                    }
+                }
+            }
+        }
+    };
+}
+
+/// A Wasm eviction module behind validation, with a native fallback.
+pub struct GuardedEviction {
+    st: GuardState,
+    wasm: Option<WasmEviction>,
+    fallback: Box<dyn EvictionPolicy + Send>,
+}
+
+impl GuardedEviction {
+    /// Instantiate `module`, replay `snapshot` (the current block set) into it and into
+    /// `fallback`: everything a swap needs, done off the request path. Events that happen
+    /// after the snapshot go through [`GuardedEviction::on_events`] before the switch.
+    pub fn new(
+        module: &LoadedModule,
+        mut fallback: Box<dyn EvictionPolicy + Send>,
+        snapshot: &Events,
+    ) -> Result<GuardedEviction, HostError> {
+        let mut w = WasmEviction::new(module)?;
+        w.replay(snapshot).map_err(|e| HostError::Replay { module: module.name.to_string(), source: e })?;
+        fallback.on_events(snapshot);
+        Ok(GuardedEviction { st: GuardState::new(module), wasm: Some(w), fallback })
+    }
+
+    guard_common!(WasmEviction);
+
+    pub fn on_events(&mut self, events: &Events) {
+        self.feed(events)
+    }
+
+    /// Victims to free `bytes` in `tier`, validated against `oracle`; the fallback answers on
+    /// any fault or while quarantined. A module that trapped earlier is rebuilt here from
+    /// `oracle.snapshot()` first (at most `max_total_faults` times in its life).
+    pub fn victims(&mut self, oracle: &dyn BlockOracle, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
+        if self.needs_rebuild() {
+            self.rebuild(&oracle.snapshot());
+        }
+        if let Some(w) = &mut self.wasm {
+            match w.try_victims(tier, bytes, exclude) {
+                Ok(ids) => match validate_victims(
+                    &ids,
+                    oracle,
+                    tier,
+                    bytes,
+                    exclude,
+                    self.st.module.engine.config().max_output,
+                ) {
+                    Ok(()) => {
+                        self.st.ok();
+                        return ids;
+                    }
+                    Err(why) => {
+                        if self.st.fault(FaultKind::Invalid, "victims", why.to_string()) {
+                            self.wasm = None;
+                        }
+                    }
+                },
+                Err(e) => {
+                    if self.st.call_fault("victims", e) {
+                        self.wasm = None;
+                    }
+                }
+            }
+        }
+        self.st.fallback_answers += 1;
+        self.fallback.victims(tier, bytes, exclude)
+    }
+}
+
+/// Check a victim list: known copies in the tier, not excluded, not hard-pinned, no duplicates,
+/// not oversize, and enough bytes unless the tier has no more to give.
+pub fn validate_victims(
+    ids: &[u64],
+    oracle: &dyn BlockOracle,
+    tier: Tier,
+    bytes: u64,
+    exclude: &[u64],
+    max_output: usize,
+) -> Result<(), Invalid> {
+    if ids.len() > max_output {
+        return Err(Invalid::Oversize { len: ids.len(), max: max_output });
+    }
+    let mut seen = HashSet::with_capacity(ids.len());
+    let mut freed = 0u64;
+    for &id in ids {
+        if !seen.insert(id) {
+            return Err(Invalid::Duplicate(id));
+        }
+        if exclude.binary_search(&id).is_ok() {
+            return Err(Invalid::Excluded(id));
+        }
+        let Some(size) = oracle.size_in_tier(id, tier) else { return Err(Invalid::UnknownId(id)) };
+        if oracle.pin(id) == Pin::Hard {
+            return Err(Invalid::Pinned(id));
+        }
+        freed = freed.saturating_add(size);
+    }
+    if freed < bytes {
+        let evictable = oracle.evictable_bytes(tier, exclude);
+        if freed < bytes.min(evictable) {
+            return Err(Invalid::TooFew { freed, wanted: bytes, evictable });
+        }
+    }
+    Ok(())
+}
+
+/// A Wasm admission module behind validation, with a native fallback.
+pub struct GuardedAdmission {
+    st: GuardState,
+    wasm: Option<WasmAdmission>,
+    fallback: Box<dyn AdmissionPolicy + Send>,
+}
+
+impl GuardedAdmission {
+    /// See [`GuardedEviction::new`].
+    pub fn new(
+        module: &LoadedModule,
+        mut fallback: Box<dyn AdmissionPolicy + Send>,
+        snapshot: &Events,
+    ) -> Result<GuardedAdmission, HostError> {
+        let mut w = WasmAdmission::new(module)?;
+        w.replay(snapshot).map_err(|e| HostError::Replay { module: module.name.to_string(), source: e })?;
+        fallback.on_events(snapshot);
+        Ok(GuardedAdmission { st: GuardState::new(module), wasm: Some(w), fallback })
+    }
+
+    guard_common!(WasmAdmission);
+}
+
+/// After a trap the instance is re-made with empty state at the next call (admission history
+/// cannot be rebuilt from the block set); call `rebuild` to replay a snapshot instead.
+impl AdmissionPolicy for GuardedAdmission {
+    fn on_events(&mut self, events: &Events) {
+        self.feed(events)
+    }
+
+    fn admit(&mut self, batch: &AdmitBatch) -> Vec<Admit> {
+        if self.needs_rebuild() {
+            self.rebuild(&Events::new());
+        }
+        if let Some(w) = &mut self.wasm {
+            match w.try_admit(batch) {
+                Ok(codes) => match decode_decisions(&codes, batch.len()) {
+                    Ok(d) => {
+                        self.st.ok();
+                        return d;
+                    }
+                    Err(why) => {
+                        if self.st.fault(FaultKind::Invalid, "admit", why.to_string()) {
+                            self.wasm = None;
+                        }
+                    }
+                },
+                Err(e) => {
+                    if self.st.call_fault("admit", e) {
+                        self.wasm = None;
+                    }
+                }
+            }
+        }
+        self.st.fallback_answers += 1;
+        self.fallback.admit(batch)
+    }
+}
+
+/// Exactly one valid decision per request.
+pub fn decode_decisions(codes: &[u8], want: usize) -> Result<Vec<Admit>, Invalid> {
+    if codes.len() != want {
+        return Err(Invalid::WrongCount { got: codes.len(), want });
+    }
+    codes.iter().map(|&c| Admit::from_u8(c).ok_or(Invalid::BadDecision(c))).collect()
+}
+
+/// A Wasm placement module behind validation, with a native fallback.
+pub struct GuardedPlacement {
+    st: GuardState,
+    wasm: Option<WasmPlacement>,
+    fallback: Box<dyn PlacementPolicy + Send>,
+}
+
+impl GuardedPlacement {
+    /// See [`GuardedEviction::new`].
+    pub fn new(
+        module: &LoadedModule,
+        mut fallback: Box<dyn PlacementPolicy + Send>,
+        snapshot: &Events,
+    ) -> Result<GuardedPlacement, HostError> {
+        let mut w = WasmPlacement::new(module)?;
+        w.replay(snapshot).map_err(|e| HostError::Replay { module: module.name.to_string(), source: e })?;
+        fallback.on_events(snapshot);
+        Ok(GuardedPlacement { st: GuardState::new(module), wasm: Some(w), fallback })
+    }
+
+    guard_common!(WasmPlacement);
+}
+
+impl PlacementPolicy for GuardedPlacement {
+    fn on_events(&mut self, events: &Events) {
+        self.feed(events)
+    }
+
+    fn place(&mut self, blocks: &PlaceBatch, nodes: &NodeSet) -> Placements {
+        if self.needs_rebuild() {
+            self.rebuild(&Events::new());
+        }
+        if let Some(w) = &mut self.wasm {
+            match w.try_place(blocks, nodes) {
+                Ok(p) => match validate_placements(&p, blocks, nodes) {
+                    Ok(()) => {
+                        self.st.ok();
+                        return p;
+                    }
+                    Err(why) => {
+                        if self.st.fault(FaultKind::Invalid, "place", why.to_string()) {
+                            self.wasm = None;
+                        }
+                    }
+                },
+                Err(e) => {
+                    if self.st.call_fault("place", e) {
+                        self.wasm = None;
+                    }
+                }
+            }
+        }
+        self.st.fallback_answers += 1;
+        self.fallback.place(blocks, nodes)
+    }
+}
+
+/// `effective_replicas` entries per block, each a live node, distinct per block, valid tiers.
+pub fn validate_placements(p: &Placements, blocks: &PlaceBatch, nodes: &NodeSet) -> Result<(), Invalid> {
+    let r = blocks.effective_replicas(nodes.len());
+    let want = blocks.len() * r;
+    if p.node.len() != want {
+        return Err(Invalid::WrongCount { got: p.node.len(), want });
+    }
+    if p.tier.len() != want {
+        return Err(Invalid::WrongCount { got: p.tier.len(), want });
+    }
+    let live: HashMap<u64, ()> = nodes.id.iter().map(|&n| (n, ())).collect();
+    for (b, chunk) in p.node.chunks(r.max(1)).enumerate() {
+        for (k, &n) in chunk.iter().enumerate() {
+            if !live.contains_key(&n) {
+                return Err(Invalid::BadNode(n));
+            }
+            if chunk[..k].contains(&n) {
+                return Err(Invalid::DuplicateNode(n));
+            }
+            let t = p.tier[b * r + k];
+            if Tier::from_u8(t).is_none() {
+                return Err(Invalid::BadTier(t));
+            }
+        }
+    }
+    Ok(())
+}
