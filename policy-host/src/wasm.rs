@@ -63,7 +63,9 @@ struct Core {
 
 impl Core {
     fn new(module: &LoadedModule) -> Core {
-        let store = module.engine.new_store(&module.name, &module.params);
+        let mut store = module.engine.new_store(&module.name, &module.params);
+        // Instantiation runs guest code too (start functions): it needs a deadline as well.
+        module.engine.arm(&mut store);
         Core { module: module.clone(), store, poisoned: false }
     }
 

@@ -214,3 +214,40 @@ fn compile_cache_is_used_and_checked() {
     let c = PolicyEngine::new(cfg).unwrap().load("lru", PolicyKind::Eviction, wasm, &Params::new()).unwrap();
     assert!(!c.from_cache());
 }
+
+/// The swap path: build from a snapshot off the request path, apply the events that happened
+/// since, then the new module answers exactly as a policy that saw everything.
+#[test]
+fn swap_prepare_replay_and_catch_up() {
+    use common::Oracle;
+    use kvpool_policy_host::{BlockOracle, GuardedEviction};
+    let engine = PolicyEngine::new(HostConfig { replay_chunk: 100, ..HostConfig::default() }).unwrap();
+    let mut oracle = Oracle::default();
+    let mut rng = Rng(3);
+    let mut next_id = 1;
+    for _ in 0..10 {
+        let b = random_batch(&mut rng, &oracle, &mut next_id, 100);
+        oracle.apply(&b);
+    }
+    let snapshot = oracle.snapshot();
+    assert!(snapshot.len() > 300);
+    let module = load(&engine, "s3fifo", PolicyKind::Eviction, &Params::from_pairs([("small_pct", "20")]));
+    let mut fresh = pol::S3Fifo::from_params(&Params::from_pairs([("small_pct", "20")])).unwrap();
+    fresh.on_events(&snapshot);
+    let mut g = GuardedEviction::new(&module, Box::new(pol::LeafLru::new()), &snapshot).unwrap();
+    // Events during the build: applied before the switch.
+    let delta = random_batch(&mut rng, &oracle, &mut next_id, 200);
+    oracle.apply(&delta);
+    g.on_events(&delta);
+    fresh.on_events(&delta);
+    let ex: Vec<u64> = vec![];
+    assert_eq!(g.victims(&oracle, Tier::Dram, 5000, &ex), fresh.victims(Tier::Dram, 5000, &ex));
+    let info = g.info();
+    assert_eq!(
+        (info.name.as_str(), info.kind, info.answered, info.faults.total()),
+        ("s3fifo", PolicyKind::Eviction, 1, 0)
+    );
+    assert_eq!(info.sha256.len(), 64);
+    assert_eq!(info.params.get("small_pct"), Some("20"));
+    let _ = oracle.evictable_bytes(Tier::Dram, &ex);
+}
