@@ -151,9 +151,22 @@ fn quic_config(trust: &Trust) -> Result<quinn::ClientConfig> {
     Ok(cfg)
 }
 
+/// UDP socket buffer the client asks for. Linux defaults (~200 KiB) overflow under bulk gets and
+/// every dropped datagram shrinks QUIC's congestion window; the kernel caps the request at
+/// `net.core.rmem_max`.
+const UDP_BUFFER: usize = 16 << 20;
+
 fn client_endpoint(addr: &SocketAddr) -> Result<quinn::Endpoint> {
+    use socket2::{Domain, Protocol, Socket, Type};
     let bind: SocketAddr = if addr.is_ipv6() { "[::]:0".parse() } else { "0.0.0.0:0".parse() }.expect("literal");
-    quinn::Endpoint::client(bind).map_err(|e| ClientError::Io(format!("cannot bind a UDP socket: {e}")))
+    let io = |e: std::io::Error| ClientError::Io(format!("cannot set up a UDP socket: {e}"));
+    let sock = Socket::new(Domain::for_address(bind), Type::DGRAM, Some(Protocol::UDP)).map_err(io)?;
+    if let Err(e) = sock.set_recv_buffer_size(UDP_BUFFER).and_then(|_| sock.set_send_buffer_size(UDP_BUFFER)) {
+        tracing::debug!(error = %e, "cannot enlarge the UDP socket buffers");
+    }
+    sock.bind(&bind.into()).map_err(io)?;
+    let runtime = quinn::default_runtime().ok_or_else(|| ClientError::Io("no async runtime for QUIC".into()))?;
+    quinn::Endpoint::new(quinn::EndpointConfig::default(), None, sock.into(), runtime).map_err(io)
 }
 
 async fn handshake(
