@@ -98,6 +98,8 @@ struct Report {
     cpus: usize,
     mem_total: String,
     started_unix: u64,
+    /// Client-side QUIC path statistics at the end of the run.
+    quic: String,
     rows: Vec<Row>,
 }
 
@@ -250,6 +252,16 @@ impl Phase<'_> {
     }
 }
 
+/// What the client's side of the connection saw: path MTU reached, losses, congestion events.
+fn quic_summary(client: &kvpool_client::Client) -> String {
+    let st = client.connection().stats();
+    let p = st.path;
+    format!(
+        "quic (client side): path MTU {} B, rtt {:?}, sent {} packets, lost {} ({} bytes), {} congestion events, received {} UDP datagrams",
+        p.current_mtu, p.rtt, p.sent_packets, p.lost_packets, p.lost_bytes, p.congestion_events, st.udp_rx.datagrams
+    )
+}
+
 fn mem_total() -> String {
     std::fs::read_to_string("/proc/meminfo")
         .ok()
@@ -341,6 +353,7 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
     let kv = KvpoolTarget::connect(cfg).await?;
     let server = kv.client().hello().server;
     let limits = kv.client().limits();
+    let client = kv.client().clone();
     let target: Arc<dyn Target> = Arc::new(kv);
 
     let max_size = *sizes.iter().max().expect("at least one size");
@@ -397,6 +410,8 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
     }
     pb.finish_and_clear();
     print_table(&rows);
+    let quic = quic_summary(&client);
+    println!("{quic}");
 
     if let Some(path) = &a.json {
         let report = Report {
@@ -409,6 +424,7 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
+            quic,
             rows,
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)?)

@@ -143,6 +143,12 @@ fn quic_config(trust: &Trust) -> Result<quinn::ClientConfig> {
     t.stream_receive_window(quinn::VarInt::from_u32(64 << 20));
     t.receive_window(quinn::VarInt::from_u32(256 << 20));
     t.send_window(256 << 20);
+    // Let path MTU discovery go past quinn's 1452-byte default: on loopback and jumbo-frame
+    // networks, per-packet costs (syscalls, crypto setup) dominate bulk transfers; probes that
+    // do not fit a path are simply lost, and the search settles below them.
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(MAX_UDP_PAYLOAD);
+    t.mtu_discovery_config(Some(mtu));
     t.max_concurrent_bidi_streams(0u8.into());
     t.max_concurrent_uni_streams(0u8.into());
     t.keep_alive_interval(Some(Duration::from_secs(5)));
@@ -155,6 +161,9 @@ fn quic_config(trust: &Trust) -> Result<quinn::ClientConfig> {
 /// every dropped datagram shrinks QUIC's congestion window; the kernel caps the request at
 /// `net.core.rmem_max`.
 const UDP_BUFFER: usize = 16 << 20;
+
+/// Largest UDP payload MTU discovery may try (IPv4 maximum less headers, as quinn's own cap).
+const MAX_UDP_PAYLOAD: u16 = 65_527;
 
 fn client_endpoint(addr: &SocketAddr) -> Result<quinn::Endpoint> {
     use socket2::{Domain, Protocol, Socket, Type};
