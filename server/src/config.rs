@@ -69,6 +69,41 @@ pub struct Config {
     pub cache: CacheSection,
     pub auth: AuthSection,
     pub transport: TransportSection,
+    pub policy: PolicySection,
+}
+
+/// The Wasm policy sandbox.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct PolicySection {
+    /// Wall-clock deadline of one policy call (epoch interruption), milliseconds.
+    pub call_deadline_ms: u64,
+    /// When > 0, bound calls by fuel (Wasm operations) instead of a wall-clock deadline.
+    pub fuel_per_call: u64,
+    /// Linear memory limit of one module instance.
+    pub memory_limit: Size,
+    /// Faults (in a row, or in total) that quarantine a module.
+    pub max_faults: u32,
+    /// Longest list a module may return.
+    pub max_output: u32,
+    /// Compiled-module cache; empty = `<data_dir>/policy-cache`.
+    pub cache_dir: Option<PathBuf>,
+    /// Largest module accepted by `policy load`.
+    pub max_module_size: Size,
+}
+
+impl Default for PolicySection {
+    fn default() -> Self {
+        PolicySection {
+            call_deadline_ms: 50,
+            fuel_per_call: 0,
+            memory_limit: Size(64 << 20),
+            max_faults: 3,
+            max_output: 1 << 20,
+            cache_dir: None,
+            max_module_size: Size(16 << 20),
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]

@@ -4,6 +4,7 @@
 pub mod auth;
 pub mod config;
 pub mod metrics;
+pub mod policy;
 pub mod service;
 pub mod store;
 pub mod tls;
@@ -36,6 +37,8 @@ pub enum ServerError {
     Transport { protocol: String, why: String },
     #[error("metadata store: {0}")]
     Meta(#[from] store::meta::MetaError),
+    #[error("policy engine: {0}")]
+    Policy(#[from] policy::PolicyError),
 }
 
 /// A running server.
@@ -173,9 +176,26 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     let store = Store::open(
         store_cfg,
         metrics.clone(),
-        Box::new(kvpool_policies::LeafLru::new()),
-        Box::new(kvpool_policies::ThresholdAdmission::new(cfg.cache.store_threshold)),
+        policy::EvictionSlot::Native(Box::new(kvpool_policies::LeafLru::new())),
+        policy::AdmissionSlot::Native(Box::new(kvpool_policies::ThresholdAdmission::new(cfg.cache.store_threshold))),
     )?;
+    let p = &cfg.policy;
+    let host = kvpool_policy_host::HostConfig {
+        deadline: if p.fuel_per_call > 0 {
+            kvpool_policy_host::Deadline::Fuel(p.fuel_per_call)
+        } else {
+            kvpool_policy_host::Deadline::Epoch { tick: Duration::from_millis(1), ticks: p.call_deadline_ms.max(1) }
+        },
+        memory_limit: p.memory_limit.0 as usize,
+        max_output: p.max_output as usize,
+        cache_dir: Some(p.cache_dir.clone().unwrap_or_else(|| data_dir.join("policy-cache"))),
+        max_consecutive_faults: p.max_faults,
+        max_total_faults: p.max_faults,
+        ..kvpool_policy_host::HostConfig::default()
+    };
+    let policies = policy::PolicyManager::new(host, store.clone(), cfg.cache.store_threshold)?;
+    // Modules active before a restart come back before the first request is served.
+    policies.restore().await;
 
     let mut keys = cfg.auth.keys.clone();
     let mut api_key_file = None;
@@ -218,6 +238,8 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
         server_name: format!("kvpool {}", env!("CARGO_PKG_VERSION")),
         started: Instant::now(),
         max_connections: cfg.server.max_connections,
+        policies: policies.clone(),
+        max_module_size: cfg.policy.max_module_size.0,
     });
     let mut tasks = vec![tokio::spawn(service::serve(endpoint.clone(), shared))];
 
@@ -228,7 +250,7 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
                 .await
                 .map_err(|source| ServerError::Listen { addr: a.into(), source })?;
             let bound = listener.local_addr().ok();
-            tasks.push(tokio::spawn(serve_metrics(listener, metrics.clone(), store.clone())));
+            tasks.push(tokio::spawn(serve_metrics(listener, metrics.clone(), store.clone(), policies.clone())));
             bound
         }
     };
@@ -272,19 +294,25 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     })
 }
 
-async fn serve_metrics(listener: tokio::net::TcpListener, metrics: Arc<Metrics>, store: Arc<Store>) {
+async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    metrics: Arc<Metrics>,
+    store: Arc<Store>,
+    policies: Arc<policy::PolicyManager>,
+) {
     use http_body_util::Full;
     use hyper::{body::Bytes, service::service_fn, Response};
     loop {
         let Ok((stream, _)) = listener.accept().await else { continue };
-        let (m, st) = (metrics.clone(), store.clone());
+        let (m, st, pm) = (metrics.clone(), store.clone(), policies.clone());
         tokio::spawn(async move {
             let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let (m, st) = (m.clone(), st.clone());
+                let (m, st, pm) = (m.clone(), st.clone(), pm.clone());
                 async move {
                     let resp = match req.uri().path() {
                         "/metrics" => {
                             st.update_gauges();
+                            pm.export_metrics(&m);
                             Response::builder()
                                 .header("content-type", "text/plain; version=0.0.4")
                                 .body(Full::new(Bytes::from(m.render())))

@@ -5,7 +5,20 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-pub const OPS: [&str; 9] = ["hello", "put", "get", "lookup", "exists", "remove", "remove_all", "stats", "ping"];
+pub const OPS: [&str; 12] = [
+    "hello",
+    "put",
+    "get",
+    "lookup",
+    "exists",
+    "remove",
+    "remove_all",
+    "stats",
+    "ping",
+    "policy_load",
+    "policy_list",
+    "policy_rollback",
+];
 
 pub struct Metrics {
     pub registry: Registry,
@@ -24,6 +37,8 @@ pub struct Metrics {
     pub connections: IntGauge,
     pub auth_failures: IntCounter,
     pub lookup_blocks: IntCounterVec,
+    pub policy_faults: IntGaugeVec,
+    pub policy_quarantined: IntGaugeVec,
 }
 
 fn counter_vec(reg: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -82,6 +97,18 @@ impl Metrics {
                 "lookup_blocks_total",
                 "Blocks asked about by lookup, by result",
                 &["result"],
+            ),
+            policy_faults: gauge_vec(
+                &reg,
+                "policy_faults",
+                "Faults of the active policy module (answered by the native fallback)",
+                &["kind", "module", "fault"],
+            ),
+            policy_quarantined: gauge_vec(
+                &reg,
+                "policy_quarantined",
+                "1 when the active policy module is quarantined",
+                &["kind", "module"],
             ),
             op_seconds,
             connections,

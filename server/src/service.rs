@@ -6,8 +6,8 @@ use crate::store::{GetPlan, PutPlan, Served, Store};
 use kvpool_proto::frame::{read_frame, write_message};
 use kvpool_proto::{
     close, codec, message_tag, ErrorBody, ErrorCode, ExistsResponse, GetItem, GetResponse, HelloOk, Limits,
-    LookupResponse, OpStats, Pong, PutRequest, RemoveAllResponse, Request, Response, StatsReport, StatusList,
-    TierStats, PROTOCOL_VERSION, REQUEST_TAGS,
+    LookupResponse, OpStats, PolicyListResponse, Pong, PutRequest, RemoveAllResponse, Request, Response, StatsReport,
+    StatusList, TierStats, PROTOCOL_VERSION, REQUEST_TAGS,
 };
 use quinn::{RecvStream, SendStream};
 use std::sync::Arc;
@@ -22,6 +22,8 @@ pub struct Shared {
     pub server_name: String,
     pub started: Instant,
     pub max_connections: u32,
+    pub policies: Arc<crate::policy::PolicyManager>,
+    pub max_module_size: u64,
 }
 
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
@@ -166,6 +168,9 @@ fn op_name(r: &Request) -> &'static str {
         Request::RemoveAll(_) => "remove_all",
         Request::Stats => "stats",
         Request::Ping(_) => "ping",
+        Request::PolicyLoad(_) => "policy_load",
+        Request::PolicyList => "policy_list",
+        Request::PolicyRollback(_) => "policy_rollback",
     }
 }
 
@@ -247,6 +252,30 @@ async fn dispatch(
             Response::RemoveAll(RemoveAllResponse { removed, skipped })
         }
         Request::Stats => Response::Stats(stats(s)),
+        Request::PolicyLoad(_) | Request::PolicyList | Request::PolicyRollback(_) if !p.admin => {
+            return Err(error(ErrorCode::Forbidden, "policy administration needs an admin api key"));
+        }
+        Request::PolicyLoad(l) => {
+            if l.module_size > s.max_module_size {
+                return Err(error(
+                    ErrorCode::ValueTooLarge,
+                    format!("module of {} bytes; the limit is {}", l.module_size, s.max_module_size),
+                ));
+            }
+            let mut wasm = vec![0u8; l.module_size as usize];
+            if recv.read_exact(&mut wasm).await.is_err() {
+                return Err(error(ErrorCode::Malformed, "stream ended before the declared module bytes"));
+            }
+            match s.policies.load(l.kind, &l.name, l.params, wasm).await {
+                Ok(info) => Response::Policy(info),
+                Err(e) => return Err(error(ErrorCode::PolicyError, e.to_string())),
+            }
+        }
+        Request::PolicyList => Response::PolicyList(PolicyListResponse { policies: s.policies.list() }),
+        Request::PolicyRollback(r) => match s.policies.rollback(r.kind).await {
+            Ok(info) => Response::Policy(info),
+            Err(e) => return Err(error(ErrorCode::PolicyError, e.to_string())),
+        },
         Request::Ping(ping) => Response::Pong(Pong {
             nonce: ping.nonce,
             server_time_us: std::time::SystemTime::now()

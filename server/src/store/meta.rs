@@ -76,6 +76,10 @@ impl Meta {
             .collect()
     }
 
+    pub fn db(&self) -> &sled::Db {
+        &self.db
+    }
+
     pub fn flush(&self) -> Result<(), MetaError> {
         self.db.flush()?;
         Ok(())

@@ -11,9 +11,10 @@ pub mod meta;
 pub mod ssd;
 
 use crate::metrics::Metrics;
+use crate::policy::{AdmissionSlot, BlockOracle, EvictionSlot, NewSlot, PlacementSlot};
 use dram::{DramBlock, DramTier};
 use kvpool_policy_sdk::{
-    AdmissionPolicy, Admit, AdmitBatch, AdmitRequest, Event, EventKind, Events, EvictionPolicy, Pin, Tier, NO_PARENT,
+    Admit, AdmitBatch, AdmitRequest, Event, EventKind, Events, NodeSet, Pin, PlaceBatch, Tier, NO_PARENT,
 };
 use kvpool_proto::{ErrorCode, PinSpec, PutMode};
 use meta::{BlockRecord, Meta};
@@ -74,6 +75,8 @@ struct Block {
     ssd: Option<u64>,
     /// A demotion of this block is in flight.
     moving: bool,
+    /// Recency tick of the last insert or read (orders the snapshot a new policy is fed).
+    last_access: u64,
 }
 
 impl Block {
@@ -111,14 +114,21 @@ struct State {
     leased: BTreeSet<u64>,
     soft_pins: BTreeSet<(u64, u64)>,
     events: Events,
-    eviction: Box<dyn EvictionPolicy + Send>,
-    admission: Box<dyn AdmissionPolicy + Send>,
+    eviction: EvictionSlot,
+    admission: AdmissionSlot,
+    placement: PlacementSlot,
+    /// While a policy swap is warming up: copies of every event since its snapshot.
+    tap: Option<Events>,
+    tick: u64,
     dram_blocks: u64,
     ssd_blocks: u64,
 }
 
 impl State {
     fn emit(&mut self, e: Event) {
+        if let Some(t) = &mut self.tap {
+            t.push(e);
+        }
         self.events.push(e);
         if self.events.len() >= 4096 {
             self.flush_events();
@@ -130,6 +140,7 @@ impl State {
             let ev = std::mem::take(&mut self.events);
             self.eviction.on_events(&ev);
             self.admission.on_events(&ev);
+            self.placement.on_events(&ev);
             self.events = ev;
             self.events.clear();
         }
@@ -215,8 +226,8 @@ impl Store {
     pub fn open(
         cfg: StoreConfig,
         metrics: Arc<Metrics>,
-        eviction: Box<dyn EvictionPolicy + Send>,
-        admission: Box<dyn AdmissionPolicy + Send>,
+        eviction: EvictionSlot,
+        admission: AdmissionSlot,
     ) -> Result<Arc<Store>, StoreError> {
         let meta = Meta::open(&cfg.data_dir.join("meta"))?;
         let dram = DramTier::new(cfg.dram_bytes)?;
@@ -236,6 +247,9 @@ impl Store {
             events: Events::new(),
             eviction,
             admission,
+            placement: PlacementSlot::Default,
+            tap: None,
+            tick: 0,
             dram_blocks: 0,
             ssd_blocks: 0,
         };
@@ -287,6 +301,7 @@ impl Store {
                     dram: None,
                     ssd: Some(file),
                     moving: false,
+                    last_access: 0,
                 },
             );
             if r.in_dram {
@@ -407,9 +422,14 @@ impl Store {
             return plans;
         }
         let decisions = st.admission.admit(&batch);
+        let placed = self.place(&mut st, &batch);
         drop(st);
         for (n, (i, id)) in asked.into_iter().enumerate() {
-            plans[i] = match decisions.get(n).copied().unwrap_or(Admit::Into(Tier::Dram)) {
+            let decision = match decisions.get(n).copied().unwrap_or(Admit::Into(Tier::Dram)) {
+                Admit::Into(_) if placed.get(n).is_some() => Admit::Into(placed[n]),
+                d => d,
+            };
+            plans[i] = match decision {
                 Admit::Reject => {
                     self.metrics.rejected_puts.with_label_values(&["admission"]).inc();
                     PutPlan::Skip(ErrorCode::Rejected)
@@ -419,6 +439,34 @@ impl Store {
             };
         }
         plans
+    }
+
+    /// Tier per new block from a placement module (this node is the only node), if one is loaded.
+    fn place(&self, st: &mut State, batch: &AdmitBatch) -> Vec<Tier> {
+        if matches!(st.placement, PlacementSlot::Default) {
+            return Vec::new();
+        }
+        let mut pb = PlaceBatch::default();
+        for r in batch.iter() {
+            pb.id.push(r.id);
+            pb.size.push(r.size);
+            pb.tokens.push(r.tokens);
+            pb.parent.push(r.parent);
+            pb.parent_node.push(if r.parent == NO_PARENT { kvpool_policy_sdk::NO_NODE } else { 0 });
+            pb.tier.push(Tier::Dram as u8);
+        }
+        let mut nodes = NodeSet::default();
+        let ssd_free = self.ssd.as_ref().map_or(0, |s| s.capacity().saturating_sub(s.used()));
+        nodes.push(0, [0, self.dram.capacity().saturating_sub(self.dram.used()), ssd_free], 0);
+        let Some(p) = st.placement.place(&pb, &nodes) else { return Vec::new() };
+        p.tier
+            .iter()
+            .take(batch.len())
+            .map(|&t| match Tier::from_u8(t) {
+                Some(Tier::Ssd) if self.ssd.is_some() => Tier::Ssd,
+                _ => Tier::Dram,
+            })
+            .collect()
     }
 
     /// Reserve DRAM for `len` bytes, evicting and then waiting (bounded) for space.
@@ -542,7 +590,9 @@ impl Store {
             dram,
             ssd,
             moving: false,
+            last_access: st.tick + 1,
         };
+        st.tick += 1;
         if let Err(e) = self.meta.put(tenant, &block.key, &block.record()) {
             warn!(error = %e, "metadata write failed; put refused");
             return ErrorCode::Internal;
@@ -606,7 +656,8 @@ impl Store {
             let mut st = self.state.lock();
             st.flush_events();
             let exclude = st.excluded(now);
-            let chosen = st.eviction.victims(tier, bytes, &exclude);
+            let State { eviction, blocks, .. } = &mut *st;
+            let chosen = eviction.victims(&Oracle { blocks }, tier, bytes, &exclude);
             let mut freed = 0u64;
             let mut valid = Vec::new();
             for id in chosen {
@@ -823,8 +874,11 @@ impl Store {
                 out.push(GetPlan::Missing);
                 continue;
             };
+            st.tick += 1;
+            let tick = st.tick;
             let b = st.blocks.get_mut(&id).expect("index and blocks agree");
             b.lease_until = Some(lease);
+            b.last_access = tick;
             let (plan, ev) = if let Some(d) = &b.dram {
                 self.metrics.hits.with_label_values(&["dram"]).inc();
                 (GetPlan::Dram { block: d.clone(), checksum: b.checksum }, b.event(id, EventKind::Accessed, Tier::Dram))
@@ -1020,6 +1074,138 @@ impl Store {
     pub fn meta(&self) -> &Meta {
         &self.meta
     }
+
+    // ---- policy swap -----------------------------------------------------------------------
+
+    /// Snapshot of the block set for a new policy, and start recording later events for it.
+    pub fn begin_swap(&self) -> Events {
+        let mut st = self.state.lock();
+        st.flush_events();
+        st.tap = Some(Events::new());
+        snapshot(&st.blocks)
+    }
+
+    pub fn abort_swap(&self) {
+        self.state.lock().tap = None;
+    }
+
+    /// Feed the new policy what happened since its snapshot, then switch atomically: no
+    /// decision is ever taken by a policy that missed an event.
+    pub fn finish_swap(&self, slot: NewSlot) {
+        let mut st = self.state.lock();
+        st.flush_events();
+        let tap = st.tap.take().unwrap_or_default();
+        let old = match slot {
+            NewSlot::Eviction(mut e) => {
+                e.on_events(&tap);
+                NewSlot::Eviction(std::mem::replace(&mut st.eviction, e))
+            }
+            NewSlot::Admission(mut a) => {
+                a.on_events(&tap);
+                NewSlot::Admission(std::mem::replace(&mut st.admission, a))
+            }
+            NewSlot::Placement(mut p) => {
+                p.on_events(&tap);
+                NewSlot::Placement(std::mem::replace(&mut st.placement, p))
+            }
+        };
+        drop(st);
+        // The old module (and its wasmtime store) is dropped outside the lock.
+        drop(old);
+    }
+
+    /// Back to the native built-in for a kind, rebuilt from the current block set.
+    pub fn install_builtin(&self, kind: kvpool_proto::PolicyKind, store_threshold: u64) {
+        let snap = self.begin_swap();
+        let slot = match kind {
+            kvpool_proto::PolicyKind::Eviction => {
+                let mut p = kvpool_policies::LeafLru::new();
+                kvpool_policy_sdk::EvictionPolicy::on_events(&mut p, &snap);
+                NewSlot::Eviction(EvictionSlot::Native(Box::new(p)))
+            }
+            kvpool_proto::PolicyKind::Admission => NewSlot::Admission(AdmissionSlot::Native(Box::new(
+                kvpool_policies::ThresholdAdmission::new(store_threshold),
+            ))),
+            kvpool_proto::PolicyKind::Placement => NewSlot::Placement(PlacementSlot::Default),
+        };
+        self.finish_swap(slot);
+    }
+
+    pub fn policy_info(&self, kind: kvpool_proto::PolicyKind) -> Option<kvpool_policy_host::ModuleInfo> {
+        let st = self.state.lock();
+        match kind {
+            kvpool_proto::PolicyKind::Eviction => st.eviction.info(),
+            kvpool_proto::PolicyKind::Admission => st.admission.info(),
+            kvpool_proto::PolicyKind::Placement => st.placement.info(),
+        }
+    }
+}
+
+/// Host truth for validating a policy's answers.
+struct Oracle<'a> {
+    blocks: &'a HashMap<u64, Block>,
+}
+
+impl BlockOracle for Oracle<'_> {
+    fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
+        let b = self.blocks.get(&id)?;
+        let present = match tier {
+            Tier::Dram => b.dram.is_some(),
+            Tier::Ssd => b.ssd.is_some(),
+            Tier::Device => false,
+        };
+        present.then_some(b.size)
+    }
+
+    fn pin(&self, id: u64) -> Pin {
+        self.blocks.get(&id).map_or(Pin::None, |b| b.pin)
+    }
+
+    fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64 {
+        self.blocks
+            .iter()
+            .filter(|(id, b)| b.pin != Pin::Hard && exclude.binary_search(id).is_err())
+            .filter_map(|(id, _)| self.size_in_tier(*id, tier))
+            .sum()
+    }
+
+    fn snapshot(&self) -> Events {
+        snapshot(self.blocks)
+    }
+}
+
+/// The block set as `Inserted` events, least recently used first, every parent before its
+/// children (so a policy that tracks chains sees consistent links).
+fn snapshot(blocks: &HashMap<u64, Block>) -> Events {
+    let mut order: Vec<(u64, u64)> = blocks.iter().map(|(&id, b)| (b.last_access, id)).collect();
+    order.sort_unstable();
+    let mut done = std::collections::HashSet::with_capacity(blocks.len());
+    let mut ev = Events::new();
+    let mut stack = Vec::new();
+    for (_, id) in order {
+        let mut cur = id;
+        while !done.contains(&cur) && blocks.contains_key(&cur) {
+            stack.push(cur);
+            let p = blocks[&cur].parent;
+            if p == NO_PARENT || stack.len() > blocks.len() {
+                break;
+            }
+            cur = p;
+        }
+        while let Some(x) = stack.pop() {
+            if !done.insert(x) {
+                continue;
+            }
+            let b = &blocks[&x];
+            if b.ssd.is_some() {
+                ev.push(b.event(x, EventKind::Inserted, Tier::Ssd));
+            }
+            if b.dram.is_some() {
+                ev.push(b.event(x, EventKind::Inserted, Tier::Dram));
+            }
+        }
+    }
+    ev
 }
 
 fn depth(blocks: &HashMap<u64, Block>, mut id: u64) -> usize {

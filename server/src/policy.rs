@@ -1,0 +1,396 @@
+//! Policy slots of the store (native built-in or a guarded Wasm module) and the manager that
+//! loads modules, swaps them in without stopping requests, keeps a history for rollback, and
+//! persists the active modules in sled so that a restart restores them.
+
+use crate::store::Store;
+use kvpool_policy_host::{GuardedAdmission, GuardedEviction, GuardedPlacement, HostConfig, ModuleInfo, PolicyEngine};
+use kvpool_policy_sdk::{
+    AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, NodeSet, Params, PlaceBatch, PlacementPolicy,
+    Placements, Tier,
+};
+use kvpool_proto::{codec, PolicyInfo, PolicyKind};
+use serde::{Deserialize, Serialize};
+use std::sync::Arc;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use tracing::{info, warn};
+
+pub use kvpool_policy_host::BlockOracle;
+
+pub enum EvictionSlot {
+    Native(Box<dyn EvictionPolicy + Send>),
+    Wasm(Box<GuardedEviction>),
+}
+
+impl EvictionSlot {
+    pub fn on_events(&mut self, ev: &Events) {
+        match self {
+            EvictionSlot::Native(p) => p.on_events(ev),
+            EvictionSlot::Wasm(g) => g.on_events(ev),
+        }
+    }
+
+    pub fn victims(&mut self, oracle: &dyn BlockOracle, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
+        match self {
+            EvictionSlot::Native(p) => p.victims(tier, bytes, exclude),
+            EvictionSlot::Wasm(g) => g.victims(oracle, tier, bytes, exclude),
+        }
+    }
+
+    pub fn info(&self) -> Option<ModuleInfo> {
+        match self {
+            EvictionSlot::Native(_) => None,
+            EvictionSlot::Wasm(g) => Some(g.info()),
+        }
+    }
+}
+
+pub enum AdmissionSlot {
+    Native(Box<dyn AdmissionPolicy + Send>),
+    Wasm(Box<GuardedAdmission>),
+}
+
+impl AdmissionSlot {
+    pub fn on_events(&mut self, ev: &Events) {
+        match self {
+            AdmissionSlot::Native(p) => p.on_events(ev),
+            AdmissionSlot::Wasm(g) => g.on_events(ev),
+        }
+    }
+
+    pub fn admit(&mut self, batch: &AdmitBatch) -> Vec<Admit> {
+        match self {
+            AdmissionSlot::Native(p) => p.admit(batch),
+            AdmissionSlot::Wasm(g) => g.admit(batch),
+        }
+    }
+
+    pub fn info(&self) -> Option<ModuleInfo> {
+        match self {
+            AdmissionSlot::Native(_) => None,
+            AdmissionSlot::Wasm(g) => Some(g.info()),
+        }
+    }
+}
+
+/// Placement on a single node chooses the tier of new blocks; with no module the store's own
+/// choice (DRAM) stands.
+pub enum PlacementSlot {
+    Default,
+    Wasm(Box<GuardedPlacement>),
+}
+
+impl PlacementSlot {
+    pub fn on_events(&mut self, ev: &Events) {
+        if let PlacementSlot::Wasm(g) = self {
+            g.on_events(ev);
+        }
+    }
+
+    pub fn place(&mut self, blocks: &PlaceBatch, nodes: &NodeSet) -> Option<Placements> {
+        match self {
+            PlacementSlot::Default => None,
+            PlacementSlot::Wasm(g) => Some(g.place(blocks, nodes)),
+        }
+    }
+
+    pub fn info(&self) -> Option<ModuleInfo> {
+        match self {
+            PlacementSlot::Default => None,
+            PlacementSlot::Wasm(g) => Some(g.info()),
+        }
+    }
+}
+
+/// A slot being replaced: the new occupant, built off the request path.
+pub enum NewSlot {
+    Eviction(EvictionSlot),
+    Admission(AdmissionSlot),
+    Placement(PlacementSlot),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PolicyError {
+    #[error(transparent)]
+    Host(#[from] kvpool_policy_host::HostError),
+    #[error("metadata store: {0}")]
+    Meta(String),
+    #[error("module {0} is not in the module store")]
+    MissingModule(String),
+    #[error("{0}")]
+    Invalid(String),
+}
+
+/// One entry of a kind's history, persisted.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+struct ModuleSpec {
+    name: String,
+    sha256: String,
+    params: Vec<(String, String)>,
+    loaded_at_ms: u64,
+}
+
+fn host_kind(k: PolicyKind) -> kvpool_policy_host::PolicyKind {
+    match k {
+        PolicyKind::Eviction => kvpool_policy_host::PolicyKind::Eviction,
+        PolicyKind::Admission => kvpool_policy_host::PolicyKind::Admission,
+        PolicyKind::Placement => kvpool_policy_host::PolicyKind::Placement,
+    }
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
+}
+
+const KINDS: [PolicyKind; 3] = [PolicyKind::Eviction, PolicyKind::Admission, PolicyKind::Placement];
+
+pub struct PolicyManager {
+    engine: PolicyEngine,
+    store: Arc<Store>,
+    modules: sled::Tree,
+    stacks: sled::Tree,
+    /// One swap at a time (the store's event tap has one reader).
+    swap: tokio::sync::Mutex<()>,
+    last_swap_us: parking_lot::Mutex<[u64; 3]>,
+    store_threshold: u64,
+    /// Longest history kept per kind.
+    history: usize,
+}
+
+impl PolicyManager {
+    pub fn new(config: HostConfig, store: Arc<Store>, store_threshold: u64) -> Result<Arc<PolicyManager>, PolicyError> {
+        let engine = PolicyEngine::new(config)?;
+        let db = store.meta().db();
+        let modules = db.open_tree("policy-modules").map_err(|e| PolicyError::Meta(e.to_string()))?;
+        let stacks = db.open_tree("policy-stacks").map_err(|e| PolicyError::Meta(e.to_string()))?;
+        Ok(Arc::new(PolicyManager {
+            engine,
+            store,
+            modules,
+            stacks,
+            swap: tokio::sync::Mutex::new(()),
+            last_swap_us: parking_lot::Mutex::new([0; 3]),
+            store_threshold,
+            history: 16,
+        }))
+    }
+
+    fn stack(&self, kind: PolicyKind) -> Vec<ModuleSpec> {
+        self.stacks
+            .get(kind.name())
+            .ok()
+            .flatten()
+            .and_then(|v| codec::decode::<Vec<ModuleSpec>>(&v).ok())
+            .unwrap_or_default()
+    }
+
+    fn save_stack(&self, kind: PolicyKind, stack: &[ModuleSpec]) -> Result<(), PolicyError> {
+        let bytes = codec::encode(&stack.to_vec()).map_err(|e| PolicyError::Meta(e.to_string()))?;
+        self.stacks.insert(kind.name(), bytes).map_err(|e| PolicyError::Meta(e.to_string()))?;
+        self.stacks.flush().map_err(|e| PolicyError::Meta(e.to_string()))?;
+        Ok(())
+    }
+
+    /// Compile, instantiate, replay the block set and swap a module in. All the slow work runs
+    /// on a blocking thread; requests keep being answered by the current policy meanwhile.
+    pub async fn load(
+        self: &Arc<Self>,
+        kind: PolicyKind,
+        name: &str,
+        params: Vec<(String, String)>,
+        wasm: Vec<u8>,
+    ) -> Result<PolicyInfo, PolicyError> {
+        if name.is_empty() || name.len() > 128 {
+            return Err(PolicyError::Invalid("module name must be 1 to 128 bytes".into()));
+        }
+        let _one = self.swap.lock().await;
+        let sha = self.activate(kind, name, &params, wasm.clone()).await?;
+        self.modules.insert(sha.as_bytes(), wasm).map_err(|e| PolicyError::Meta(e.to_string()))?;
+        let mut stack = self.stack(kind);
+        stack.push(ModuleSpec { name: name.into(), sha256: sha, params, loaded_at_ms: now_ms() });
+        if stack.len() > self.history {
+            stack.remove(0);
+        }
+        self.save_stack(kind, &stack)?;
+        Ok(self.active_info(kind))
+    }
+
+    async fn activate(
+        self: &Arc<Self>,
+        kind: PolicyKind,
+        name: &str,
+        params: &[(String, String)],
+        wasm: Vec<u8>,
+    ) -> Result<String, PolicyError> {
+        let started = Instant::now();
+        let me = self.clone();
+        let (name, params) = (name.to_string(), Params::from_pairs(params.iter().cloned()));
+        let built = tokio::task::spawn_blocking(move || -> Result<(NewSlot, String), PolicyError> {
+            let module = me.engine.load(&name, host_kind(kind), &wasm, &params)?;
+            let sha = module.sha256().to_string();
+            // Snapshot and tap are taken together under the store lock: every event after the
+            // snapshot reaches the new module before it decides anything.
+            let snapshot = me.store.begin_swap();
+            let slot = match kind {
+                PolicyKind::Eviction => {
+                    GuardedEviction::new(&module, Box::new(kvpool_policies::LeafLru::new()), &snapshot)
+                        .map(|g| NewSlot::Eviction(EvictionSlot::Wasm(Box::new(g))))
+                }
+                PolicyKind::Admission => GuardedAdmission::new(
+                    &module,
+                    Box::new(kvpool_policies::ThresholdAdmission::new(me.store_threshold)),
+                    &snapshot,
+                )
+                .map(|g| NewSlot::Admission(AdmissionSlot::Wasm(Box::new(g)))),
+                PolicyKind::Placement => {
+                    GuardedPlacement::new(&module, Box::new(kvpool_policies::LeastLoaded::default()), &snapshot)
+                        .map(|g| NewSlot::Placement(PlacementSlot::Wasm(Box::new(g))))
+                }
+            };
+            match slot {
+                Ok(s) => Ok((s, sha)),
+                Err(e) => {
+                    me.store.abort_swap();
+                    Err(e.into())
+                }
+            }
+        })
+        .await
+        .map_err(|e| PolicyError::Invalid(format!("swap task failed: {e}")))??;
+        let (slot, sha) = built;
+        self.store.finish_swap(slot);
+        let us = started.elapsed().as_micros() as u64;
+        self.last_swap_us.lock()[kind as usize] = us;
+        info!(kind = kind.name(), sha256 = %sha, swap_ms = us as f64 / 1e3, "policy module active");
+        Ok(sha)
+    }
+
+    /// Go back to the module active before the current one (the built-in when there is none).
+    pub async fn rollback(self: &Arc<Self>, kind: PolicyKind) -> Result<PolicyInfo, PolicyError> {
+        let _one = self.swap.lock().await;
+        let mut stack = self.stack(kind);
+        if stack.is_empty() {
+            return Err(PolicyError::Invalid(format!("no {} module is loaded; the built-in is active", kind.name())));
+        }
+        stack.pop();
+        match stack.last().cloned() {
+            Some(prev) => {
+                let wasm = self.module_bytes(&prev.sha256)?;
+                self.activate(kind, &prev.name, &prev.params, wasm).await?;
+            }
+            None => self.store.install_builtin(kind, self.store_threshold),
+        }
+        self.save_stack(kind, &stack)?;
+        Ok(self.active_info(kind))
+    }
+
+    fn module_bytes(&self, sha: &str) -> Result<Vec<u8>, PolicyError> {
+        self.modules
+            .get(sha.as_bytes())
+            .map_err(|e| PolicyError::Meta(e.to_string()))?
+            .map(|v| v.to_vec())
+            .ok_or_else(|| PolicyError::MissingModule(sha.into()))
+    }
+
+    /// Bring back the modules that were active before a restart. A module that no longer loads
+    /// is reported and left out (the built-in answers).
+    pub async fn restore(self: &Arc<Self>) {
+        for kind in KINDS {
+            let Some(spec) = self.stack(kind).last().cloned() else { continue };
+            let _one = self.swap.lock().await;
+            let r = match self.module_bytes(&spec.sha256) {
+                Ok(wasm) => self.activate(kind, &spec.name, &spec.params, wasm).await.map(|_| ()),
+                Err(e) => Err(e),
+            };
+            match r {
+                Ok(()) => info!(kind = kind.name(), module = %spec.name, "policy module restored"),
+                Err(e) => warn!(kind = kind.name(), module = %spec.name, error = %e, "cannot restore policy module"),
+            }
+        }
+    }
+
+    fn builtin_info(&self, kind: PolicyKind, active: bool) -> PolicyInfo {
+        let (name, params) = match kind {
+            PolicyKind::Eviction => ("builtin:leaf-lru", vec![]),
+            PolicyKind::Admission => {
+                ("builtin:threshold", vec![("store_threshold".to_string(), self.store_threshold.to_string())])
+            }
+            PolicyKind::Placement => ("builtin:local", vec![]),
+        };
+        PolicyInfo {
+            kind,
+            name: name.into(),
+            sha256: String::new(),
+            params,
+            loaded_at_ms: 0,
+            builtin: true,
+            active,
+            faults_trap: 0,
+            faults_timeout: 0,
+            faults_invalid: 0,
+            quarantined: false,
+            answered: 0,
+            fallback_answers: 0,
+            swap_us: 0,
+        }
+    }
+
+    pub fn active_info(&self, kind: PolicyKind) -> PolicyInfo {
+        match self.store.policy_info(kind) {
+            None => self.builtin_info(kind, true),
+            Some(m) => PolicyInfo {
+                kind,
+                name: m.name,
+                sha256: m.sha256,
+                params: m.params.0.into_iter().collect(),
+                loaded_at_ms: m.loaded_at.duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0),
+                builtin: false,
+                active: true,
+                faults_trap: m.faults.trap,
+                faults_timeout: m.faults.timeout,
+                faults_invalid: m.faults.invalid,
+                quarantined: m.quarantined,
+                answered: m.answered,
+                fallback_answers: m.fallback_answers,
+                swap_us: self.last_swap_us.lock()[kind as usize],
+            },
+        }
+    }
+
+    /// Active module of every kind, then the earlier ones of its history (newest first).
+    pub fn list(&self) -> Vec<PolicyInfo> {
+        let mut out = Vec::new();
+        for kind in KINDS {
+            out.push(self.active_info(kind));
+            let stack = self.stack(kind);
+            for spec in stack.iter().rev().skip(1) {
+                out.push(PolicyInfo {
+                    kind,
+                    name: spec.name.clone(),
+                    sha256: spec.sha256.clone(),
+                    params: spec.params.clone(),
+                    loaded_at_ms: spec.loaded_at_ms,
+                    active: false,
+                    ..self.builtin_info(kind, false)
+                });
+            }
+            if !stack.is_empty() {
+                out.push(self.builtin_info(kind, false));
+            }
+        }
+        out
+    }
+
+    /// Fault counters for /metrics.
+    pub fn export_metrics(&self, m: &crate::metrics::Metrics) {
+        for kind in KINDS {
+            if let Some(info) = self.store.policy_info(kind) {
+                for (fault, n) in
+                    [("trap", info.faults.trap), ("timeout", info.faults.timeout), ("invalid", info.faults.invalid)]
+                {
+                    m.policy_faults.with_label_values(&[kind.name(), &info.name, fault]).set(n as i64);
+                }
+                m.policy_quarantined.with_label_values(&[kind.name(), &info.name]).set(i64::from(info.quarantined));
+            }
+        }
+    }
+}
