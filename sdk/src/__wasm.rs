@@ -12,6 +12,7 @@ pub use wit_bindgen;
 // The runtime path points through this crate so that policy crates need no wit-bindgen
 // dependency of their own. Each world's bindings embed a `component-type` section; the
 // component builder (kvpool-policy-build) replaces them with the one world the module exports.
+#[allow(clippy::too_many_arguments)] // generated ABI shims take one argument per column
 pub mod eviction {
     wit_bindgen::generate!({
         path: "../wit",
@@ -23,6 +24,7 @@ pub mod eviction {
     });
 }
 
+#[allow(clippy::too_many_arguments)]
 pub mod admission {
     wit_bindgen::generate!({
         path: "../wit",
@@ -34,6 +36,7 @@ pub mod admission {
     });
 }
 
+#[allow(clippy::too_many_arguments)]
 pub mod placement {
     wit_bindgen::generate!({
         path: "../wit",
