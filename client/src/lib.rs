@@ -12,6 +12,7 @@
 //! # Ok(()) }
 //! ```
 
+mod admin;
 mod config;
 mod error;
 pub mod tls;
@@ -472,6 +473,14 @@ impl Client {
         self.check_keys(entries.iter().map(|e| e.key))?;
         let limits = self.limits();
         for e in entries {
+            if let Some(p) = e.opts.parent.as_ref().filter(|p| p.len() as u64 > limits.max_key_len as u64) {
+                return Err(ClientError::LimitExceeded {
+                    code: ErrorCode::KeyTooLong,
+                    what: "parent key length",
+                    value: p.len() as u64,
+                    limit: limits.max_key_len as u64,
+                });
+            }
             if e.value.len() as u64 > limits.max_value_size {
                 return Err(ClientError::LimitExceeded {
                     code: ErrorCode::ValueTooLarge,

@@ -252,3 +252,21 @@ pub fn metric(text: &str, name_and_labels: &str) -> f64 {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum()
 }
+
+/// Build the standard policy components (and, with `malicious`, the misbehaving test modules)
+/// from source, once per test binary; returns name -> component path.
+pub fn components(malicious: bool) -> std::collections::HashMap<String, PathBuf> {
+    use kvpool_policy_build::{build, repo_root, BuildOptions};
+    let out = repo_root().join("target/policy-components");
+    let mut map = std::collections::HashMap::new();
+    let mut manifests = vec![kvpool_policy_build::standard_manifest()];
+    if malicious {
+        manifests.push(repo_root().join("policy-host/tests/malicious/Cargo.toml"));
+    }
+    for m in manifests {
+        for b in build(&BuildOptions::new(m, &out)).expect("policy components build") {
+            map.insert(b.name, b.path);
+        }
+    }
+    map
+}

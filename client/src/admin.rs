@@ -1,0 +1,51 @@
+//! Admin operations (admin API key only): policy modules.
+
+use crate::{read_response, unexpected, Client, Result};
+use kvpool_proto::{frame, PolicyInfo, PolicyKind, PolicyLoadRequest, PolicyRollbackRequest, Request, Response};
+
+impl Client {
+    /// Load a Wasm policy component for `kind` and make it active (the server compiles it,
+    /// rebuilds its state from the current block set, then swaps it in atomically).
+    pub async fn policy_load(
+        &self,
+        kind: PolicyKind,
+        name: &str,
+        params: &[(String, String)],
+        wasm: &[u8],
+    ) -> Result<PolicyInfo> {
+        let req = Request::PolicyLoad(PolicyLoadRequest {
+            kind,
+            name: name.to_string(),
+            params: params.to_vec(),
+            module_size: wasm.len() as u64,
+        });
+        let frame = frame::encode_frame(&req)?;
+        self.timed(async {
+            let (conn, mut tx, mut rx) = self.open().await?;
+            tx.write_all(&frame).await?;
+            tx.write_all(wasm).await?;
+            tx.finish()?;
+            match read_response(&conn, &mut rx).await? {
+                Response::Policy(info) => Ok(info),
+                other => Err(unexpected("Policy", &other)),
+            }
+        })
+        .await
+    }
+
+    /// Active module of each kind, then each kind's history (newest first).
+    pub async fn policy_list(&self) -> Result<Vec<PolicyInfo>> {
+        match self.call(Request::PolicyList).await? {
+            Response::PolicyList(l) => Ok(l.policies),
+            other => Err(unexpected("PolicyList", &other)),
+        }
+    }
+
+    /// Re-activate the module loaded before the current one (the built-in when none).
+    pub async fn policy_rollback(&self, kind: PolicyKind) -> Result<PolicyInfo> {
+        match self.call(Request::PolicyRollback(PolicyRollbackRequest { kind })).await? {
+            Response::Policy(info) => Ok(info),
+            other => Err(unexpected("Policy", &other)),
+        }
+    }
+}
