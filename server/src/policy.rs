@@ -242,7 +242,7 @@ impl PolicyManager {
                 )
                 .map(|g| NewSlot::Admission(AdmissionSlot::Wasm(Box::new(g)))),
                 PolicyKind::Placement => {
-                    GuardedPlacement::new(&module, Box::new(kvpool_policies::LeastLoaded::default()), &snapshot)
+                    GuardedPlacement::new(&module, Box::new(kvpool_policies::LeastLoaded), &snapshot)
                         .map(|g| NewSlot::Placement(PlacementSlot::Wasm(Box::new(g))))
                 }
             };

@@ -82,14 +82,14 @@ async fn reply(send: &mut SendStream, resp: &Response) {
     }
 }
 
-fn error(code: ErrorCode, message: impl Into<String>) -> Response {
-    Response::Error(ErrorBody { code, message: message.into() })
+fn error(code: ErrorCode, message: impl Into<String>) -> ErrorBody {
+    ErrorBody { code, message: message.into() }
 }
 
 /// Send a final error, let it reach the client, then close the connection.
 async fn refuse(conn: &quinn::Connection, mut send: SendStream, code: ErrorCode, message: &str, metrics: &Metrics) {
     metrics.auth_failures.inc();
-    reply(&mut send, &error(code, message)).await;
+    reply(&mut send, &Response::Error(error(code, message))).await;
     let _ = tokio::time::timeout(Duration::from_secs(1), send.stopped()).await;
     conn.close(close::UNAUTHORIZED.into(), code.name().as_bytes());
 }
@@ -181,7 +181,7 @@ async fn handle_stream(mut send: SendStream, mut recv: RecvStream, p: &Principal
         Ok(None) => return,
         Err((code, msg)) => {
             debug!(%code, %msg, "bad request frame");
-            reply(&mut send, &error(code, msg)).await;
+            reply(&mut send, &Response::Error(error(code, msg))).await;
             let _ = recv.stop(close::PROTOCOL.into());
             return;
         }
@@ -189,8 +189,8 @@ async fn handle_stream(mut send: SendStream, mut recv: RecvStream, p: &Principal
     let op = op_name(&req);
     let ok = match dispatch(req, &mut send, &mut recv, p, s).await {
         Ok(()) => true,
-        Err(resp) => {
-            reply(&mut send, &resp).await;
+        Err(body) => {
+            reply(&mut send, &Response::Error(body)).await;
             let _ = recv.stop(close::PROTOCOL.into());
             false
         }
@@ -201,7 +201,7 @@ async fn handle_stream(mut send: SendStream, mut recv: RecvStream, p: &Principal
     }
 }
 
-fn check_keys<'a>(keys: impl IntoIterator<Item = &'a Vec<u8>>, count: usize, l: &Limits) -> Result<(), Response> {
+fn check_keys<'a>(keys: impl IntoIterator<Item = &'a Vec<u8>>, count: usize, l: &Limits) -> Result<(), ErrorBody> {
     if count > l.max_batch as usize {
         return Err(error(ErrorCode::BatchTooLarge, format!("{count} items; the limit is {}", l.max_batch)));
     }
@@ -225,7 +225,7 @@ async fn dispatch(
     recv: &mut RecvStream,
     p: &Principal,
     s: &Shared,
-) -> Result<(), Response> {
+) -> Result<(), ErrorBody> {
     let store = &s.store;
     let t = p.tenant_id;
     let resp = match req {
@@ -289,7 +289,7 @@ async fn dispatch(
 }
 
 /// Read and drop `n` bytes of a value that will not be stored.
-async fn discard(recv: &mut RecvStream, mut n: u64) -> Result<(), Response> {
+async fn discard(recv: &mut RecvStream, mut n: u64) -> Result<(), ErrorBody> {
     let mut buf = vec![0u8; 64 * 1024];
     while n > 0 {
         let want = n.min(buf.len() as u64) as usize;
@@ -301,7 +301,7 @@ async fn discard(recv: &mut RecvStream, mut n: u64) -> Result<(), Response> {
     Ok(())
 }
 
-async fn put_items(put: PutRequest, recv: &mut RecvStream, p: &Principal, s: &Shared) -> Result<StatusList, Response> {
+async fn put_items(put: PutRequest, recv: &mut RecvStream, p: &Principal, s: &Shared) -> Result<StatusList, ErrorBody> {
     let l = &s.limits;
     check_keys(put.items.iter().map(|i| &i.key), put.items.len(), l)?;
     for it in &put.items {
@@ -349,7 +349,7 @@ async fn put_items(put: PutRequest, recv: &mut RecvStream, p: &Principal, s: &Sh
     Ok(StatusList { results })
 }
 
-async fn get_items(keys: &[Vec<u8>], send: &mut SendStream, tenant: u32, s: &Shared) -> Result<(), Response> {
+async fn get_items(keys: &[Vec<u8>], send: &mut SendStream, tenant: u32, s: &Shared) -> Result<(), ErrorBody> {
     let plans = s.store.plan_get(tenant, keys);
     let lease_ms = s.store.cfg.lease_ttl.as_millis().min(u32::MAX as u128) as u32;
     let mut items = Vec::with_capacity(plans.len());

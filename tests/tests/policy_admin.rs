@@ -87,7 +87,7 @@ async fn hot_swap_under_load_fails_no_request() {
             let mut i = 0u64;
             while !stop.load(Ordering::Relaxed) {
                 let k = format!("w{w}-{i}");
-                let parent = (i % 4 != 0).then(|| format!("w{w}-{}", i - 1).into_bytes());
+                let parent = (!i.is_multiple_of(4)).then(|| format!("w{w}-{}", i - 1).into_bytes());
                 let opts = PutOptions { parent, tokens: 16, seq_tokens: 16 * (i % 4 + 1), pin: PinSpec::None };
                 c.put_with(&k, &value_for(&k, 256 << 10), opts).await?;
                 if let Some(v) = c.get(&k).await? {
