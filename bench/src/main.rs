@@ -51,8 +51,9 @@ struct ThroughputArgs {
     /// Fewest requests per worker in a phase
     #[arg(long, default_value_t = 2)]
     min_ops: usize,
-    /// DRAM segment of the server the bench starts; must hold one phase of the largest configuration
-    #[arg(long, default_value = "3GiB")]
+    /// DRAM segment of the server the bench starts; "auto" sizes it to hold the largest phase
+    /// (every block of a configuration is resident before its gets start)
+    #[arg(long, default_value = "auto")]
     dram: String,
     /// Tiny smoke run (small sizes, small budget)
     #[arg(long)]
@@ -279,7 +280,7 @@ fn fmt_us(us: u64) -> String {
     }
 }
 
-fn print_table(rows: &[Row]) {
+fn print_header() {
     println!(
         "{:<8} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10} {:>10} {:>10} {:>12} {:>10} {:>10} {:>7}",
         "target",
@@ -296,24 +297,25 @@ fn print_table(rows: &[Row]) {
         "memcpy p99",
         "ratio"
     );
-    for r in rows {
-        println!(
-            "{:<8} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10.0} {:>10} {:>10} {:>12.0} {:>10} {:>10} {:>6.1}%",
-            r.target,
-            bytesize::ByteSize(r.block_size as u64).to_string_as(true).replace(' ', ""),
-            r.batch,
-            r.concurrency,
-            r.op,
-            r.result.ops,
-            r.result.mb_per_s,
-            fmt_us(r.result.p50_us),
-            fmt_us(r.result.p99_us),
-            r.memcpy.mb_per_s,
-            fmt_us(r.memcpy.p50_us),
-            fmt_us(r.memcpy.p99_us),
-            r.ratio * 100.0
-        );
-    }
+}
+
+fn print_row(r: &Row) {
+    println!(
+        "{:<8} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10.0} {:>10} {:>10} {:>12.0} {:>10} {:>10} {:>6.1}%",
+        r.target,
+        bytesize::ByteSize(r.block_size as u64).to_string_as(true).replace(' ', ""),
+        r.batch,
+        r.concurrency,
+        r.op,
+        r.result.ops,
+        r.result.mb_per_s,
+        fmt_us(r.result.p50_us),
+        fmt_us(r.result.p99_us),
+        r.memcpy.mb_per_s,
+        fmt_us(r.memcpy.p50_us),
+        fmt_us(r.memcpy.p99_us),
+        r.ratio * 100.0
+    );
 }
 
 async fn throughput(mut a: ThroughputArgs) -> Result<()> {
@@ -323,13 +325,33 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
         a.concurrency = vec![1, 4];
         a.budget = "16MiB".into();
         a.min_ops = 1;
-        a.dram = "512MiB".into();
     }
     let sizes: Vec<usize> = a.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?;
     let budget = parse_size(&a.budget)?;
     if sizes.contains(&0) || a.batches.contains(&0) || a.concurrency.contains(&0) {
         bail!("sizes, batches and concurrency must be positive");
     }
+
+    // Plan every configuration first so that the progress bar knows the total.
+    let mut plan = Vec::new();
+    for &size in &sizes {
+        for &batch in &a.batches {
+            for &conc in &a.concurrency {
+                let per_op = size * batch;
+                let ops = budget.div_ceil(per_op).max(conc * a.min_ops).div_ceil(conc);
+                plan.push((size, batch, conc, ops));
+            }
+        }
+    }
+    let max_phase = plan.iter().map(|(size, batch, conc, ops)| size * batch * conc * ops).max().unwrap_or(0);
+    let dram = if a.dram == "auto" {
+        // Stay below the server's eviction watermark (95%) with room for allocator slack.
+        let want = (max_phase as f64 / 0.8) as u64;
+        let step = 256u64 << 20;
+        format!("{}", want.div_ceil(step).max(2) * step)
+    } else {
+        a.dram.clone()
+    };
 
     // Start our own server unless pointed at one.
     let (_server, cfg) = match (&a.server, &a.data_dir) {
@@ -341,7 +363,7 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
             (None, cfg)
         }
         (None, None) => {
-            let s = LocalServer::start(&a.dram, &[])?;
+            let s = LocalServer::start(&dram, &[])?;
             let cfg = ClientConfig::from_data_dir(s.path())?;
             (Some(s), cfg)
         }
@@ -364,19 +386,10 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
     let mut pool = vec![0u8; max_size * max_batch];
     rand::rngs::StdRng::seed_from_u64(0x6b76706f6f6c).fill_bytes(&mut pool);
     let pool = Arc::new(pool);
-    let run = Arc::new(format!("{:x}", std::process::id() as u64 ^ Instant::now().elapsed().as_nanos() as u64));
+    // Unique per run, so that runs against a shared server never collide.
+    let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
+    let run = Arc::new(format!("{:x}-{nanos:x}", std::process::id()));
 
-    // Plan every configuration first so that the progress bar knows the total.
-    let mut plan = Vec::new();
-    for &size in &sizes {
-        for &batch in &a.batches {
-            for &conc in &a.concurrency {
-                let per_op = size * batch;
-                let ops = budget.div_ceil(per_op).max(conc * a.min_ops).div_ceil(conc);
-                plan.push((size, batch, conc, ops));
-            }
-        }
-    }
     let total: u64 = plan.iter().map(|(_, _, c, o)| (2 * c * o) as u64).sum();
     let pb = ProgressBar::new(total);
     pb.set_style(
@@ -385,6 +398,7 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
     );
 
     let mut rows = Vec::new();
+    print_header();
     for (size, batch, conc, ops) in plan {
         let label = format!("{} x{batch} c{conc}", bytesize::ByteSize(size as u64).to_string_as(true));
         pb.set_message(label.clone());
@@ -396,7 +410,7 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
         target.cleanup(&phase.all_keys(conc)).await.with_context(|| format!("cleanup of {label}"))?;
         for (op, r) in [("put", put), ("get", get)] {
             let ratio = if memcpy.mb_per_s > 0.0 { r.mb_per_s / memcpy.mb_per_s } else { 0.0 };
-            rows.push(Row {
+            let row = Row {
                 target: target.name(),
                 block_size: size,
                 batch,
@@ -405,11 +419,12 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                 result: r,
                 memcpy: memcpy.clone(),
                 ratio,
-            });
+            };
+            pb.suspend(|| print_row(&row));
+            rows.push(row);
         }
     }
     pb.finish_and_clear();
-    print_table(&rows);
     let quic = quic_summary(&client);
     println!("{quic}");
 

@@ -61,7 +61,8 @@ impl Target for KvpoolTarget {
             let mut total = 0;
             for (i, item) in r.iter().enumerate() {
                 if item.status != ErrorCode::Ok {
-                    bail!("get of item {i} failed: {}", item.status);
+                    // A miss here usually means eviction: the server's DRAM is smaller than a phase.
+                    bail!("get of item {i} failed: {} (blocks evicted? give the server more DRAM)", item.status);
                 }
                 total += item.size;
             }

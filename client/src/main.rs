@@ -281,6 +281,16 @@ fn read_stdin(max: u64, too_big: impl Fn(u64) -> Failure) -> Result<Vec<u8>, Fai
     Ok(buf)
 }
 
+/// Write to stdout without `println!`'s panic on a closed pipe (`kvpool exists ... | head -1`).
+fn out(args: std::fmt::Arguments<'_>) -> Outcome {
+    let mut o = std::io::stdout().lock();
+    match o.write_fmt(args).and_then(|_| o.flush()) {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(()),
+        Err(e) => Err(Failure::io(format!("stdout: {e}"))),
+    }
+}
+
 fn display_key(k: &[u8], hex: bool) -> String {
     if hex {
         hex::encode(k)
@@ -345,20 +355,25 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
                     std::fs::write(path, &value).map_err(|e| Failure::io(format!("{}: {e}", path.display())))?
                 }
                 _ => {
-                    let mut out = std::io::stdout().lock();
-                    out.write_all(&value).and_then(|_| out.flush()).map_err(|e| Failure::io(format!("stdout: {e}")))?
+                    let mut o = std::io::stdout().lock();
+                    match o.write_all(&value).and_then(|_| o.flush()) {
+                        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                            return Err(Failure::io(format!("stdout: {e}")))
+                        }
+                        _ => {}
+                    }
                 }
             }
         }
         Cmd::Lookup { keys } => {
             let chain = parse_keys(keys, hex)?;
-            println!("{}", client.lookup(&chain).await?);
+            out(format_args!("{}\n", client.lookup(&chain).await?))?;
         }
         Cmd::Exists { keys } => {
             let ks = parse_keys(keys, hex)?;
             let present = client.exists(&ks).await?;
             for (k, p) in ks.iter().zip(&present) {
-                println!("{}\t{}", display_key(k, hex), if *p { "yes" } else { "no" });
+                out(format_args!("{}\t{}\n", display_key(k, hex), if *p { "yes" } else { "no" }))?;
             }
             if present.iter().any(|p| !p) {
                 return Err(Failure {
@@ -375,7 +390,7 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
         Cmd::Rm { keys, all: true, force } => {
             debug_assert!(keys.is_empty());
             let r = client.remove_all(*force).await?;
-            println!("removed {} blocks, kept {} leased", r.removed, r.skipped);
+            out(format_args!("removed {} blocks, kept {} leased\n", r.removed, r.skipped))?;
         }
         Cmd::Rm { keys, all: false, force } => {
             let ks = parse_keys(keys, hex)?;
@@ -397,9 +412,9 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
         Cmd::Stats { json } => {
             let s = client.stats().await?;
             if *json {
-                println!("{}", serde_json::to_string_pretty(&s).map_err(|e| Failure::io(e.to_string()))?);
+                out(format_args!("{}\n", serde_json::to_string_pretty(&s).map_err(|e| Failure::io(e.to_string()))?))?;
             } else {
-                print!("{}", render_stats(&s, &client.tenant()));
+                out(format_args!("{}", render_stats(&s, &client.tenant())))?;
             }
         }
         Cmd::Ping { count } => {
@@ -409,14 +424,14 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
                     tokio::time::sleep(Duration::from_millis(200)).await;
                 }
                 let rtt = client.ping().await?;
-                println!("pong from {}: time={:.3} ms", client.config().server, rtt.as_secs_f64() * 1e3);
+                out(format_args!("pong from {}: time={:.3} ms\n", client.config().server, rtt.as_secs_f64() * 1e3))?;
                 times.push(rtt.as_secs_f64() * 1e3);
             }
             if times.len() > 1 {
                 let min = times.iter().cloned().fold(f64::INFINITY, f64::min);
                 let max = times.iter().cloned().fold(0.0, f64::max);
                 let avg = times.iter().sum::<f64>() / times.len() as f64;
-                println!("{} pings: min/avg/max = {min:.3}/{avg:.3}/{max:.3} ms", times.len());
+                out(format_args!("{} pings: min/avg/max = {min:.3}/{avg:.3}/{max:.3} ms\n", times.len()))?;
             }
         }
     }
