@@ -84,7 +84,6 @@ size = "{dram}"
 capacity = "{ssd}"
 
 [cache]
-put_wait_ms = 3000
 eviction_interval_ms = 5
 {cache}
 

@@ -181,3 +181,32 @@ async fn store_threshold_rejects_short_prefixes_and_hard_pins_survive() {
     let s = c.stats().await.unwrap();
     assert!(s.rejected_puts >= 1);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_pool_waits_then_fails_with_no_space_and_keeps_serving() {
+    let srv = TestServer::start(Opts { dram: "8MiB", cache: "put_wait_ms = 300".into(), ..Opts::default() });
+    let c = srv.client(ADMIN_KEY).await;
+    // hard pins fill the segment: nothing is evictable
+    let mut stored = Vec::new();
+    for i in 0..16 {
+        let k = format!("pin-{i}");
+        match c.put_with(&k, &value_for(&k, 1 << 20), PutOptions { pin: PinSpec::Hard, ..PutOptions::default() }).await
+        {
+            Ok(()) => stored.push(k),
+            Err(e) => {
+                assert_eq!(e.code(), ErrorCode::NoSpace);
+                break;
+            }
+        }
+    }
+    assert!(stored.len() >= 6, "{} pinned", stored.len());
+    let t = std::time::Instant::now();
+    let err = c.put("one-more", &value_for("one-more", 1 << 20)).await.unwrap_err();
+    assert_eq!(err.code(), ErrorCode::NoSpace);
+    assert!(t.elapsed() >= std::time::Duration::from_millis(250), "a put waits for space before failing");
+    // the pool still serves, and freeing space makes puts work again
+    assert!(c.get(&stored[0]).await.unwrap().unwrap() == value_for(&stored[0], 1 << 20));
+    c.remove(&stored[0], true).await.unwrap();
+    c.put("one-more", &value_for("one-more", 1 << 20)).await.unwrap();
+    assert!(srv.scrape().contains("kvpool_rejected_puts_total{reason=\"no_space\"}"));
+}
