@@ -2,6 +2,7 @@
 
 use bytesize::ByteSize;
 use clap::{Parser, Subcommand, ValueEnum};
+use kvpool_client::proto::{PolicyInfo, PolicyKind};
 use kvpool_client::{
     read_key_file, Client, ClientConfig, ClientError, EndpointInfo, ErrorCode, PinSpec, PutOptions, StatsReport, Trust,
 };
@@ -116,12 +117,69 @@ enum Cmd {
         #[arg(long)]
         json: bool,
     },
+    /// Policy modules (admin key only)
+    Policy {
+        #[command(subcommand)]
+        cmd: PolicyCmd,
+    },
     /// Measure round-trip time
     Ping {
         /// Number of pings
         #[arg(short = 'c', long, default_value_t = 1)]
         count: u32,
     },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+enum KindArg {
+    Eviction,
+    Admission,
+    Placement,
+}
+
+impl From<KindArg> for PolicyKind {
+    fn from(k: KindArg) -> Self {
+        match k {
+            KindArg::Eviction => PolicyKind::Eviction,
+            KindArg::Admission => PolicyKind::Admission,
+            KindArg::Placement => PolicyKind::Placement,
+        }
+    }
+}
+
+#[derive(Debug, Subcommand)]
+enum PolicyCmd {
+    /// Load a Wasm policy component and make it active for KIND
+    Load {
+        #[arg(value_enum)]
+        kind: KindArg,
+        /// The component (.wasm)
+        file: PathBuf,
+        /// Name shown by `policy list` [default: the file name without extension]
+        #[arg(long)]
+        name: Option<String>,
+        /// Module parameter, repeatable
+        #[arg(long = "param", value_name = "KEY=VALUE", value_parser = parse_param)]
+        params: Vec<(String, String)>,
+    },
+    /// Active and previous modules of every kind
+    List {
+        /// Print as JSON
+        #[arg(long)]
+        json: bool,
+    },
+    /// Re-activate the module that was active before the current one of KIND
+    Rollback {
+        #[arg(value_enum)]
+        kind: KindArg,
+    },
+}
+
+fn parse_param(s: &str) -> Result<(String, String), String> {
+    match s.split_once('=') {
+        Some((k, v)) if !k.is_empty() => Ok((k.to_string(), v.to_string())),
+        _ => Err(format!("expected KEY=VALUE, got {s:?}")),
+    }
 }
 
 /// A failure with the exit code it maps to: 1 other, 2 usage, 3 not found.
@@ -314,7 +372,7 @@ async fn run(cli: Cli) -> Outcome {
         Cmd::Lookup { keys } | Cmd::Exists { keys } | Cmd::Rm { keys, .. } => {
             parse_keys(keys, cli.hex)?;
         }
-        Cmd::Stats { .. } | Cmd::Ping { .. } => {}
+        Cmd::Stats { .. } | Cmd::Ping { .. } | Cmd::Policy { .. } => {}
     }
     let cfg = client_config(&cli)?;
     let client = Client::connect(cfg).await?;
@@ -417,6 +475,27 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
                 out(format_args!("{}", render_stats(&s, &client.tenant())))?;
             }
         }
+        Cmd::Policy { cmd: PolicyCmd::Load { kind, file, name, params } } => {
+            let wasm = std::fs::read(file).map_err(|e| Failure::io(format!("{}: {e}", file.display())))?;
+            let name = name.clone().unwrap_or_else(|| {
+                file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into())
+            });
+            let info = client.policy_load((*kind).into(), &name, params, &wasm).await?;
+            out(format_args!("{}", render_policies(std::slice::from_ref(&info))))?;
+        }
+        Cmd::Policy { cmd: PolicyCmd::List { json } } => {
+            let list = client.policy_list().await?;
+            if *json {
+                let text = serde_json::to_string_pretty(&list).map_err(|e| Failure::io(e.to_string()))?;
+                out(format_args!("{text}\n"))?;
+            } else {
+                out(format_args!("{}", render_policies(&list)))?;
+            }
+        }
+        Cmd::Policy { cmd: PolicyCmd::Rollback { kind } } => {
+            let info = client.policy_rollback((*kind).into()).await?;
+            out(format_args!("{}", render_policies(std::slice::from_ref(&info))))?;
+        }
         Cmd::Ping { count } => {
             let mut times = Vec::new();
             for i in 0..(*count).max(1) {
@@ -436,6 +515,41 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
         }
     }
     Ok(())
+}
+
+fn render_policies(list: &[PolicyInfo]) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "{:<10} {:<16} {:<11} {:<12} {:>10} {:>9} {:>7} {:>9}  params",
+        "kind", "name", "state", "sha256", "answered", "fallback", "faults", "swap"
+    );
+    for p in list {
+        let state = if p.quarantined {
+            "quarantined"
+        } else if p.active {
+            "active"
+        } else {
+            "-"
+        };
+        let sha = if p.builtin { "built-in".to_string() } else { p.sha256.chars().take(12).collect() };
+        let params: Vec<String> = p.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        let _ = writeln!(
+            o,
+            "{:<10} {:<16} {:<11} {:<12} {:>10} {:>9} {:>7} {:>9}  {}",
+            p.kind.name(),
+            p.name,
+            state,
+            sha,
+            p.answered,
+            p.fallback_answers,
+            p.faults_trap + p.faults_timeout + p.faults_invalid,
+            micros(p.swap_us as f64),
+            params.join(" ")
+        );
+    }
+    o
 }
 
 fn pct(n: u64, d: u64) -> String {
@@ -558,6 +672,15 @@ mod tests {
         assert!(parse(&["put", "k", "--pin", "medium"]).is_err());
         assert!(matches!(parse(&["ping", "-c", "3"]).unwrap().cmd, Cmd::Ping { count: 3 }));
         assert!(matches!(parse(&["get", "k", "-o", "f"]).unwrap().cmd, Cmd::Get { output: Some(_), .. }));
+        match parse(&["policy", "load", "eviction", "s3fifo.wasm", "--param", "k=v", "--param", "x="]).unwrap().cmd {
+            Cmd::Policy { cmd: PolicyCmd::Load { kind, params, .. } } => {
+                assert_eq!(kind, KindArg::Eviction);
+                assert_eq!(params, vec![("k".into(), "v".into()), ("x".into(), String::new())]);
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(parse(&["policy", "load", "eviction", "f.wasm", "--param", "novalue"]).is_err());
+        assert!(parse(&["policy", "rollback", "sideways"]).is_err());
     }
 
     #[test]
