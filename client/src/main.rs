@@ -522,7 +522,7 @@ fn render_policies(list: &[PolicyInfo]) -> String {
     let mut o = String::new();
     let _ = writeln!(
         o,
-        "{:<10} {:<16} {:<11} {:<12} {:>10} {:>9} {:>7} {:>9}  params",
+        "{:<10} {:<18} {:<11} {:<12} {:>10} {:>9} {:>7} {:>9}  params",
         "kind", "name", "state", "sha256", "answered", "fallback", "faults", "swap"
     );
     for p in list {
@@ -537,7 +537,7 @@ fn render_policies(list: &[PolicyInfo]) -> String {
         let params: Vec<String> = p.params.iter().map(|(k, v)| format!("{k}={v}")).collect();
         let _ = writeln!(
             o,
-            "{:<10} {:<16} {:<11} {:<12} {:>10} {:>9} {:>7} {:>9}  {}",
+            "{:<10} {:<18} {:<11} {:<12} {:>10} {:>9} {:>7} {:>9}  {}",
             p.kind.name(),
             p.name,
             state,
