@@ -1,8 +1,9 @@
 //! Admission policies besides the threshold: seen-twice (flash protection for SSD, as NVIDIA
 //! Dynamo's KVBM does) and a size range (foyer's filter).
 
+use crate::hash::IdMap;
 use kvpool_policy_sdk::{AdmissionPolicy, Admit, AdmitBatch, EventKind, Events, FromParams, ParamError, Params, Tier};
-use std::collections::{HashMap, VecDeque};
+use std::collections::VecDeque;
 
 fn tier_param(p: &Params, key: &str, default: Option<Tier>) -> Result<Option<Tier>, ParamError> {
     match p.get(key).map(str::trim) {
@@ -25,7 +26,7 @@ pub struct SeenTwice {
     tier: Tier,
     min_sightings: u32,
     max_tracked: usize,
-    sightings: HashMap<u64, u32>,
+    sightings: IdMap<u64, u32>,
     order: VecDeque<u64>,
 }
 
@@ -35,7 +36,7 @@ impl SeenTwice {
             tier,
             min_sightings: min_sightings.max(1),
             max_tracked: max_tracked.max(1),
-            sightings: HashMap::new(),
+            sightings: IdMap::default(),
             order: VecDeque::new(),
         }
     }

@@ -4,9 +4,10 @@
 //! Why leaf-first: a block is useless without its ancestors, so evicting a chain's root strands
 //! every descendant; evicting from the tail keeps the longest reusable prefixes.
 
+use crate::hash::{IdMap, IdSet};
 use kvpool_policy_sdk::{Event, EventKind, Events, EvictionPolicy, ParamError, Params, Pin, Tier, NO_PARENT};
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap, HashMap};
+use std::collections::{BTreeSet, BinaryHeap};
 
 #[derive(Debug, Clone)]
 struct Node {
@@ -30,7 +31,7 @@ fn class(pin: Pin, children: u32) -> u8 {
 
 #[derive(Debug, Default)]
 pub struct LeafLru {
-    nodes: HashMap<u64, Node>,
+    nodes: IdMap<u64, Node>,
     /// Per tier: (class, tick, id) of every evictable copy.
     order: [BTreeSet<(u8, u64, u64)>; 3],
     tick: u64,
@@ -138,8 +139,8 @@ impl EvictionPolicy for LeafLru {
         // Parents that became leaves because all their children in this tier were chosen:
         // they compete as leaves from then on (the cascade SGLang's radix tree does).
         let mut promoted: BinaryHeap<Reverse<(u8, u64, u64)>> = BinaryHeap::new();
-        let mut taken_children: HashMap<u64, u32> = HashMap::new();
-        let mut chosen: std::collections::HashSet<u64> = std::collections::HashSet::new();
+        let mut taken_children: IdMap<u64, u32> = IdMap::default();
+        let mut chosen: IdSet<u64> = IdSet::default();
         let mut iter = self.order[t].iter().peekable();
         while freed < bytes {
             let from_set = iter.peek().copied().copied();

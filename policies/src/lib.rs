@@ -6,6 +6,7 @@
 
 pub mod admission;
 pub mod arc;
+pub mod hash;
 pub mod leaf_lru;
 pub mod lru;
 pub mod placement;

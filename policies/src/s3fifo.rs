@@ -4,9 +4,9 @@
 //! ghost; a block whose id is in the ghost goes straight to main when it comes back. Main is a
 //! FIFO with reinsertion while a 2-bit use counter lasts.
 
+use crate::hash::IdMap;
 use crate::tiered::{Queue, Step, TierOrder, Tiered};
 use kvpool_policy_sdk::{Events, EvictionPolicy, FromParams, ParamError, Params, Tier};
-use std::collections::HashMap;
 
 #[derive(Debug, Clone, Copy)]
 struct Conf {
@@ -30,7 +30,7 @@ pub(crate) struct S3FifoOrder {
     small: Queue,
     main: Queue,
     ghost: Queue,
-    freq: HashMap<u64, u8>,
+    freq: IdMap<u64, u8>,
 }
 
 impl S3FifoOrder {

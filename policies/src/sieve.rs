@@ -2,14 +2,14 @@
 //! oldest block toward the newest, clearing visited bits and stopping at the first unvisited
 //! block, which goes. New blocks enter at the newest end; an access only sets the bit.
 
+use crate::hash::IdSet;
 use crate::tiered::{Queue, Step, TierOrder, Tiered};
 use kvpool_policy_sdk::{Events, EvictionPolicy, FromParams, ParamError, Params, Tier};
-use std::collections::HashSet;
 
 #[derive(Debug, Default)]
 pub(crate) struct SieveOrder {
     q: Queue,
-    visited: HashSet<u64>,
+    visited: IdSet<u64>,
     /// Sequence number the hand points at (the next block to examine is the first at or after it).
     hand: Option<u64>,
 }

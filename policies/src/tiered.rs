@@ -2,8 +2,9 @@
 //! algorithm state plus the rules every eviction policy must follow (hard pins never, soft pins
 //! only after every unpinned candidate, excluded ids never, stop once enough bytes are chosen).
 
+use crate::hash::{IdMap, IdSet};
 use kvpool_policy_sdk::{Event, EventKind, Events, Pin, Tier};
-use std::collections::{BTreeMap, HashMap, HashSet};
+use std::collections::BTreeMap;
 
 /// What the frame answers for a candidate offered by an algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,7 +31,7 @@ pub(crate) trait TierOrder: Default {
 #[derive(Debug, Default, Clone)]
 pub(crate) struct Queue {
     by_seq: BTreeMap<u64, u64>,
-    seq_of: HashMap<u64, u64>,
+    seq_of: IdMap<u64, u64>,
     next: u64,
 }
 
@@ -81,7 +82,7 @@ struct Meta {
 /// An [`EvictionPolicy`](kvpool_policy_sdk::EvictionPolicy) built from one `O` per tier.
 #[derive(Debug, Default)]
 pub(crate) struct Tiered<O> {
-    meta: HashMap<u64, Meta>,
+    meta: IdMap<u64, Meta>,
     pub tiers: [O; 3],
 }
 
@@ -136,7 +137,7 @@ impl<O: TierOrder> Tiered<O> {
             return out;
         }
         let mut freed = 0u64;
-        let mut seen: HashSet<u64> = HashSet::new();
+        let mut seen: IdSet<u64> = IdSet::default();
         let mut soft = Vec::new();
         let meta = &self.meta;
         self.tiers[t].candidates(&mut |id| {

@@ -10,7 +10,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 use wasmtime::component::{Component, HasSelf, Linker};
-use wasmtime::{Config, Engine, Store, StoreLimits, StoreLimitsBuilder};
+use wasmtime::{Config, Engine, ResourceLimiter, Store, StoreLimits, StoreLimitsBuilder};
 
 /// How a call is bounded in time.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,6 +39,9 @@ pub struct HostConfig {
     pub max_total_faults: u32,
     /// Events per `on-events` call when replaying a snapshot (each call has its own deadline).
     pub replay_chunk: usize,
+    /// Replay calls carry `replay_chunk` events at once: their deadline is this many times the
+    /// per-call one.
+    pub replay_deadline_factor: u64,
     /// Log lines a module may emit per call (more are dropped).
     pub log_lines_per_call: u32,
 }
@@ -46,13 +49,16 @@ pub struct HostConfig {
 impl Default for HostConfig {
     fn default() -> HostConfig {
         HostConfig {
-            deadline: Deadline::Epoch { tick: Duration::from_millis(1), ticks: 50 },
+            // A safety net against runaway modules, not a latency target: a policy with a million
+            // blocks may rehash a map within one call (tens of ms in Wasm).
+            deadline: Deadline::Epoch { tick: Duration::from_millis(1), ticks: 200 },
             memory_limit: 64 << 20,
             max_output: 1 << 20,
             cache_dir: None,
             max_consecutive_faults: 3,
             max_total_faults: 3,
             replay_chunk: 16 * 1024,
+            replay_deadline_factor: 10,
             log_lines_per_call: 32,
         }
     }
@@ -62,7 +68,7 @@ impl Default for HostConfig {
 pub struct HostState {
     pub(crate) module: Arc<str>,
     pub(crate) params: Vec<(String, String)>,
-    pub(crate) limits: StoreLimits,
+    pub(crate) limits: Limiter,
     pub(crate) log_budget: u32,
 }
 
@@ -254,7 +260,7 @@ impl PolicyEngine {
         let state = HostState {
             module: module.clone(),
             params: params.0.iter().map(|(k, v)| (k.clone(), v.clone())).collect(),
-            limits,
+            limits: Limiter { inner: limits, memory: 0 },
             log_budget: cfg.log_lines_per_call,
         };
         let mut store = Store::new(&self.inner.engine, state);
@@ -265,17 +271,51 @@ impl PolicyEngine {
         store
     }
 
-    /// Arm the per-call deadline (and log budget) before entering the guest.
-    pub(crate) fn arm(&self, store: &mut Store<HostState>) {
+    /// Arm the per-call deadline (times `factor`) and log budget before entering the guest.
+    pub(crate) fn arm(&self, store: &mut Store<HostState>, factor: u64) {
         let cfg = &self.inner.config;
         store.data_mut().log_budget = cfg.log_lines_per_call;
         match cfg.deadline {
-            Deadline::Epoch { ticks, .. } => store.set_epoch_deadline(ticks.max(1)),
+            Deadline::Epoch { ticks, .. } => store.set_epoch_deadline(ticks.max(1).saturating_mul(factor)),
             Deadline::Fuel(f) => {
                 // Only fails when fuel is not enabled, which the engine config guarantees.
-                let _ = store.set_fuel(f);
+                let _ = store.set_fuel(f.saturating_mul(factor));
             }
         }
+    }
+}
+
+/// `StoreLimits` plus the size the instance's memory has reached (for metrics and `list`).
+pub(crate) struct Limiter {
+    inner: StoreLimits,
+    pub(crate) memory: usize,
+}
+
+impl ResourceLimiter for Limiter {
+    fn memory_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        let ok = self.inner.memory_growing(current, desired, maximum)?;
+        if ok {
+            self.memory = self.memory.max(desired);
+        }
+        Ok(ok)
+    }
+    fn memory_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.inner.memory_grow_failed(error)
+    }
+    fn table_growing(&mut self, current: usize, desired: usize, maximum: Option<usize>) -> wasmtime::Result<bool> {
+        self.inner.table_growing(current, desired, maximum)
+    }
+    fn table_grow_failed(&mut self, error: wasmtime::Error) -> wasmtime::Result<()> {
+        self.inner.table_grow_failed(error)
+    }
+    fn instances(&self) -> usize {
+        self.inner.instances()
+    }
+    fn tables(&self) -> usize {
+        self.inner.tables()
+    }
+    fn memories(&self) -> usize {
+        self.inner.memories()
     }
 }
 

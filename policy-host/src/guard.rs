@@ -102,6 +102,8 @@ pub struct ModuleInfo {
     pub answered: u64,
     /// Decision calls answered by the native fallback.
     pub fallback_answers: u64,
+    /// Linear memory of the live instance, bytes (0 when there is none).
+    pub memory_bytes: usize,
 }
 
 /// Bookkeeping shared by the three guards.
@@ -185,6 +187,7 @@ impl GuardState {
             quarantined: self.quarantined,
             answered: self.answered,
             fallback_answers: self.fallback_answers,
+            memory_bytes: 0,
         }
     }
 }
@@ -193,7 +196,9 @@ macro_rules! guard_common {
     ($wasm:ty) => {
         /// Metadata and counters for an admin `list`.
         pub fn info(&self) -> ModuleInfo {
-            self.st.info()
+            let mut i = self.st.info();
+            i.memory_bytes = self.wasm.as_ref().map_or(0, |w| w.memory_bytes());
+            i
         }
         pub fn faults(&self) -> FaultCounts {
             self.st.faults

@@ -81,3 +81,58 @@ impl HostError {
         move |e| HostError::WrongKind { kind, message: format!("{e:#}") }
     }
 }
+
+impl PolicyEngine {
+    /// Swap step 1 for eviction, off the request path: compile or cache-load `wasm`, then
+    /// instantiate it and replay `snapshot` into it and into `fallback`. Step 2: feed the events
+    /// since the snapshot with `on_events`; step 3: switch (e.g. under the policy lock).
+    pub fn prepare_eviction(
+        &self,
+        name: &str,
+        wasm: &[u8],
+        params: &kvpool_policy_sdk::Params,
+        fallback: Box<dyn kvpool_policy_sdk::EvictionPolicy + Send>,
+        snapshot: &kvpool_policy_sdk::Events,
+    ) -> Result<GuardedEviction, HostError> {
+        let m = self.load(name, PolicyKind::Eviction, wasm, params)?;
+        GuardedEviction::new(&m, fallback, snapshot)
+    }
+
+    /// [`PolicyEngine::prepare_eviction`] for admission.
+    pub fn prepare_admission(
+        &self,
+        name: &str,
+        wasm: &[u8],
+        params: &kvpool_policy_sdk::Params,
+        fallback: Box<dyn kvpool_policy_sdk::AdmissionPolicy + Send>,
+        snapshot: &kvpool_policy_sdk::Events,
+    ) -> Result<GuardedAdmission, HostError> {
+        let m = self.load(name, PolicyKind::Admission, wasm, params)?;
+        GuardedAdmission::new(&m, fallback, snapshot)
+    }
+
+    /// [`PolicyEngine::prepare_eviction`] for placement.
+    pub fn prepare_placement(
+        &self,
+        name: &str,
+        wasm: &[u8],
+        params: &kvpool_policy_sdk::Params,
+        fallback: Box<dyn kvpool_policy_sdk::PlacementPolicy + Send>,
+        snapshot: &kvpool_policy_sdk::Events,
+    ) -> Result<GuardedPlacement, HostError> {
+        let m = self.load(name, PolicyKind::Placement, wasm, params)?;
+        GuardedPlacement::new(&m, fallback, snapshot)
+    }
+}
+
+// The server keeps guards behind locks shared by its workers and moves prepared ones across
+// threads: they must stay `Send` (and the engine `Send + Sync`).
+const _: fn() = || {
+    fn send<T: Send>() {}
+    fn sync<T: Send + Sync>() {}
+    send::<GuardedEviction>();
+    send::<GuardedAdmission>();
+    send::<GuardedPlacement>();
+    sync::<PolicyEngine>();
+    sync::<LoadedModule>();
+};

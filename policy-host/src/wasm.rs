@@ -65,16 +65,24 @@ impl Core {
     fn new(module: &LoadedModule) -> Core {
         let mut store = module.engine.new_store(&module.name, &module.params);
         // Instantiation runs guest code too (start functions): it needs a deadline as well.
-        module.engine.arm(&mut store);
+        module.engine.arm(&mut store, 1);
         Core { module: module.clone(), store, poisoned: false }
     }
 
     /// Run one guest call with a fresh deadline; a failure poisons the instance.
     fn call<R>(&mut self, f: impl FnOnce(&mut Store<HostState>) -> wasmtime::Result<R>) -> Result<R, CallError> {
+        self.call_scaled(1, f)
+    }
+
+    fn call_scaled<R>(
+        &mut self,
+        factor: u64,
+        f: impl FnOnce(&mut Store<HostState>) -> wasmtime::Result<R>,
+    ) -> Result<R, CallError> {
         if self.poisoned {
             return Err(CallError::Poisoned);
         }
-        self.module.engine.arm(&mut self.store);
+        self.module.engine.arm(&mut self.store, factor);
         f(&mut self.store).map_err(|e| {
             self.poisoned = true;
             classify(e)
@@ -99,11 +107,12 @@ impl Core {
         mut f: impl FnMut(&mut Store<HostState>, &wit::Events) -> wasmtime::Result<()>,
     ) -> Result<(), CallError> {
         let chunk = self.module.engine.config().replay_chunk.max(1);
+        let factor = self.module.engine.config().replay_deadline_factor.max(1);
         let mut at = 0;
         while at < snapshot.len() {
             let end = (at + chunk).min(snapshot.len());
             let part = slice_events(snapshot, at..end);
-            self.call(|s| f(s, &part))?;
+            self.call_scaled(factor, |s| f(s, &part))?;
             at = end;
         }
         Ok(())
@@ -118,6 +127,10 @@ macro_rules! common_methods {
         /// True after a trap: the instance cannot be entered again; make a new one.
         pub fn is_poisoned(&self) -> bool {
             self.core.poisoned
+        }
+        /// Size the instance's linear memory has grown to, bytes.
+        pub fn memory_bytes(&self) -> usize {
+            self.core.store.data().limits.memory
         }
         /// Apply a batch of events.
         pub fn try_on_events(&mut self, events: &Events) -> Result<(), CallError> {

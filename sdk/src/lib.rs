@@ -670,3 +670,45 @@ macro_rules! export_placement {
         };
     };
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn admit_codes_round_trip() {
+        for a in [Admit::Reject, Admit::Into(Tier::Device), Admit::Into(Tier::Dram), Admit::Into(Tier::Ssd)] {
+            assert_eq!(Admit::from_u8(a.to_u8()), Some(a));
+        }
+        assert_eq!(Admit::from_u8(7), None);
+    }
+
+    #[test]
+    fn placement_columns() {
+        let mut nodes = NodeSet::default();
+        nodes.push(9, [0, 50, 1000], 1);
+        nodes.push(8, [0, 500, 1000], 2);
+        assert!(nodes.is_well_formed());
+        assert_eq!(nodes.fit_tier(0, Tier::Dram, 100), Tier::Ssd);
+        assert_eq!(nodes.fit_tier(1, Tier::Dram, 100), Tier::Dram);
+        assert_eq!(nodes.fit_tier(0, Tier::Dram, 5000), Tier::Dram);
+        let mut b: PlaceBatch =
+            [PlaceRequest { id: 1, size: 1, tokens: 1, parent: NO_PARENT, parent_node: NO_NODE, tier: Tier::Dram }]
+                .into_iter()
+                .collect();
+        assert_eq!(b.effective_replicas(2), 1);
+        b.replicas = 3;
+        assert_eq!(b.effective_replicas(2), 2);
+        b.replicas = 0;
+        assert_eq!(b.effective_replicas(2), 1);
+        assert_eq!(b.effective_replicas(0), 0);
+    }
+
+    #[test]
+    fn malformed_columns_yield_no_rows() {
+        let mut e: Events = [Event::inserted(1, 1, Tier::Dram, NO_PARENT)].into_iter().collect();
+        assert_eq!(e.iter().count(), 1);
+        e.pin.push(0);
+        assert_eq!(e.iter().count(), 0);
+    }
+}
