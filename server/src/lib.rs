@@ -131,8 +131,29 @@ fn quic_server_config(tls: &tls::TlsMaterial, cfg: &Config) -> Result<quinn::Ser
     t.stream_receive_window((32u32 << 20).into());
     t.receive_window((256u32 << 20).into());
     t.send_window(256 << 20);
+    let mut mtu = quinn::MtuDiscoveryConfig::default();
+    mtu.upper_bound(65527);
+    t.mtu_discovery_config(Some(mtu));
     sc.transport_config(Arc::new(t));
     Ok(sc)
+}
+
+/// UDP socket buffers: Linux defaults (~200 KiB) overflow under bulk puts and every drop costs
+/// a congestion event.
+const UDP_BUFFER: usize = 16 << 20;
+
+fn quic_endpoint(sc: quinn::ServerConfig, addr: SocketAddr) -> std::io::Result<quinn::Endpoint> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let sock = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+    if let Err(e) = sock.set_recv_buffer_size(UDP_BUFFER).and_then(|_| sock.set_send_buffer_size(UDP_BUFFER)) {
+        warn!(error = %e, "cannot enlarge the UDP socket buffers");
+    }
+    sock.bind(&addr.into())?;
+    let runtime = quinn::default_runtime().ok_or_else(|| std::io::Error::other("no async runtime for QUIC"))?;
+    let mut ec = quinn::EndpointConfig::default();
+    // Let path MTU discovery grow past 1472 bytes where the path allows (loopback, jumbo frames).
+    ec.max_udp_payload_size(65527).map_err(|e| std::io::Error::other(e.to_string()))?;
+    quinn::Endpoint::new(ec, Some(sc), sock.into(), runtime)
 }
 
 /// Start every part of the server and return once it accepts connections.
@@ -219,7 +240,7 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     info!(fingerprint = %tls.fingerprint, "server certificate SHA-256");
 
     let addr: SocketAddr = cfg.server.listen.parse().map_err(|_| ServerError::Addr(cfg.server.listen.clone()))?;
-    let endpoint = quinn::Endpoint::server(quic_server_config(&tls, &cfg)?, addr)
+    let endpoint = quic_endpoint(quic_server_config(&tls, &cfg)?, addr)
         .map_err(|source| ServerError::Listen { addr: cfg.server.listen.clone(), source })?;
     let quic_addr =
         endpoint.local_addr().map_err(|source| ServerError::Listen { addr: cfg.server.listen.clone(), source })?;
