@@ -265,12 +265,11 @@ impl GuardedEviction {
     /// after the snapshot go through [`GuardedEviction::on_events`] before the switch.
     pub fn new(
         module: &LoadedModule,
-        mut fallback: Box<dyn EvictionPolicy + Send>,
+        fallback: Box<dyn EvictionPolicy + Send>,
         snapshot: &Events,
     ) -> Result<GuardedEviction, HostError> {
-        let mut w = WasmEviction::new(module)?;
-        w.replay(snapshot).map_err(|e| HostError::Replay { module: module.name.to_string(), source: e })?;
-        fallback.on_events(snapshot);
+        let (w, fallback) =
+            build_both(module, snapshot, fallback, WasmEviction::new, WasmEviction::replay, |f, s| f.on_events(s))?;
         Ok(GuardedEviction { st: GuardState::new(module), wasm: Some(w), fallback })
     }
 
@@ -317,6 +316,31 @@ impl GuardedEviction {
         self.st.fallback_answers += 1;
         self.fallback.victims(tier, bytes, exclude)
     }
+}
+
+/// Instantiate and replay into the module while the native fallback replays on another thread
+/// (a swap of a million-block pool spends seconds here).
+fn build_both<W, F: ?Sized + Send>(
+    module: &LoadedModule,
+    snapshot: &Events,
+    mut fallback: Box<F>,
+    new: fn(&LoadedModule) -> Result<W, HostError>,
+    replay: fn(&mut W, &Events) -> Result<(), CallError>,
+    feed: fn(&mut F, &Events),
+) -> Result<(W, Box<F>), HostError> {
+    let (w, fallback) = std::thread::scope(|scope| {
+        let native = scope.spawn(move || {
+            feed(&mut fallback, snapshot);
+            fallback
+        });
+        let w = new(module).and_then(|mut w| {
+            replay(&mut w, snapshot).map_err(|e| HostError::Replay { module: module.name.to_string(), source: e })?;
+            Ok(w)
+        });
+        let fallback = native.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
+        (w, fallback)
+    });
+    Ok((w?, fallback))
 }
 
 /// Check a victim list: known copies in the tier, not excluded, not hard-pinned, no duplicates,
@@ -367,12 +391,11 @@ impl GuardedAdmission {
     /// See [`GuardedEviction::new`].
     pub fn new(
         module: &LoadedModule,
-        mut fallback: Box<dyn AdmissionPolicy + Send>,
+        fallback: Box<dyn AdmissionPolicy + Send>,
         snapshot: &Events,
     ) -> Result<GuardedAdmission, HostError> {
-        let mut w = WasmAdmission::new(module)?;
-        w.replay(snapshot).map_err(|e| HostError::Replay { module: module.name.to_string(), source: e })?;
-        fallback.on_events(snapshot);
+        let (w, fallback) =
+            build_both(module, snapshot, fallback, WasmAdmission::new, WasmAdmission::replay, |f, s| f.on_events(s))?;
         Ok(GuardedAdmission { st: GuardState::new(module), wasm: Some(w), fallback })
     }
 
@@ -434,12 +457,11 @@ impl GuardedPlacement {
     /// See [`GuardedEviction::new`].
     pub fn new(
         module: &LoadedModule,
-        mut fallback: Box<dyn PlacementPolicy + Send>,
+        fallback: Box<dyn PlacementPolicy + Send>,
         snapshot: &Events,
     ) -> Result<GuardedPlacement, HostError> {
-        let mut w = WasmPlacement::new(module)?;
-        w.replay(snapshot).map_err(|e| HostError::Replay { module: module.name.to_string(), source: e })?;
-        fallback.on_events(snapshot);
+        let (w, fallback) =
+            build_both(module, snapshot, fallback, WasmPlacement::new, WasmPlacement::replay, |f, s| f.on_events(s))?;
         Ok(GuardedPlacement { st: GuardState::new(module), wasm: Some(w), fallback })
     }
 
