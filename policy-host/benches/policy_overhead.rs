@@ -73,6 +73,11 @@ fn percentile(v: &mut [Duration], p: f64) -> Duration {
 }
 
 fn main() {
+    // `cargo test --all-targets` runs bench binaries without `--bench`: skip the minutes-long run.
+    if !std::env::args().any(|a| a == "--bench") {
+        println!("policy_overhead: run with `cargo bench -p kvpool-policy-host --bench policy_overhead`");
+        return;
+    }
     let out = kvpool_policy_build::default_target_dir().join("components/bench");
     let comps: HashMap<String, Vec<u8>> = build(&BuildOptions::new(kvpool_policy_build::standard_manifest(), &out))
         .expect("build standard components")
