@@ -112,6 +112,8 @@ struct State {
     next_id: u64,
     /// Ids with a lease that may still be running (expired ones are pruned lazily).
     leased: BTreeSet<u64>,
+    /// Ids with a demotion in flight (kept apart so eviction need not scan every block).
+    moving: BTreeSet<u64>,
     soft_pins: BTreeSet<(u64, u64)>,
     events: Events,
     eviction: EvictionSlot,
@@ -146,11 +148,16 @@ impl State {
         }
     }
 
-    fn excluded(&mut self, now: Instant) -> Vec<u64> {
+    /// Blocks an eviction of `tier` must not touch. A lease promises that the block stays
+    /// readable, not where: when an SSD tier exists, a leased DRAM copy may still leave DRAM
+    /// (demoted, or dropped when it already has an SSD copy); the in-flight bytes themselves are
+    /// protected by reference counting.
+    fn excluded(&mut self, now: Instant, tier: Tier, has_ssd: bool) -> Vec<u64> {
         let blocks = &self.blocks;
         self.leased.retain(|id| blocks.get(id).is_some_and(|b| b.leased(now)));
-        let mut ex: Vec<u64> = self.leased.iter().copied().collect();
-        ex.extend(self.blocks.iter().filter(|(_, b)| b.moving).map(|(&id, _)| id));
+        let mut ex: Vec<u64> =
+            if tier == Tier::Dram && has_ssd { Vec::new() } else { self.leased.iter().copied().collect() };
+        ex.extend(self.moving.iter().copied());
         ex.sort_unstable();
         ex.dedup();
         ex
@@ -243,6 +250,7 @@ impl Store {
             blocks: HashMap::new(),
             next_id: 1,
             leased: BTreeSet::new(),
+            moving: BTreeSet::new(),
             soft_pins: BTreeSet::new(),
             events: Events::new(),
             eviction,
@@ -622,6 +630,7 @@ impl Store {
         let b = st.blocks.remove(&id)?;
         st.by_key.remove(&(b.tenant, b.key.clone()));
         st.leased.remove(&id);
+        st.moving.remove(&id);
         if b.pin == Pin::Soft {
             st.soft_pins.remove(&(b.pin_until_ms, id));
         }
@@ -655,7 +664,7 @@ impl Store {
         {
             let mut st = self.state.lock();
             st.flush_events();
-            let exclude = st.excluded(now);
+            let exclude = st.excluded(now, tier, self.ssd.is_some());
             let State { eviction, blocks, .. } = &mut *st;
             let chosen = eviction.victims(&Oracle { blocks }, tier, bytes, &exclude);
             let mut freed = 0u64;
@@ -703,19 +712,25 @@ impl Store {
                 vec![false; valid.len()]
             };
             for (id, demote) in valid.into_iter().zip(to_ssd) {
-                self.metrics.evictions.with_label_values(&[tier.name()]).inc();
                 if demote {
+                    self.metrics.evictions.with_label_values(&[tier.name()]).inc();
                     let b = st.blocks.get_mut(&id).expect("validated above");
                     b.moving = true;
                     demotions.push(Demotion { id, block: b.dram.clone().expect("validated above") });
+                    st.moving.insert(id);
                     continue;
                 }
-                gone += 1;
                 let b = st.blocks.get_mut(&id).expect("validated above");
                 let other_copy = match tier {
                     Tier::Dram => b.ssd.is_some(),
                     _ => b.dram.is_some(),
                 };
+                if !other_copy && b.leased(now) {
+                    // Would drop a leased block from the pool: keep it.
+                    continue;
+                }
+                gone += 1;
+                self.metrics.evictions.with_label_values(&[tier.name()]).inc();
                 if !other_copy {
                     if let Some(f) = self.drop_block(&mut st, id) {
                         files.push(f.0);
@@ -793,6 +808,7 @@ impl Store {
         };
         drop(d.block);
         let mut st = self.state.lock();
+        st.moving.remove(&d.id);
         let Some(b) = st.blocks.get_mut(&d.id).filter(|b| b.moving) else {
             // Removed or replaced while moving.
             if ok {
