@@ -95,9 +95,10 @@ pub struct PolicySection {
 impl Default for PolicySection {
     fn default() -> Self {
         PolicySection {
-            call_deadline_ms: 50,
+            call_deadline_ms: 200,
             fuel_per_call: 0,
-            memory_limit: Size(64 << 20),
+            // ~300-450 bytes of module state per resident block: room for ~600K blocks.
+            memory_limit: Size(256 << 20),
             max_faults: 3,
             max_output: 1 << 20,
             cache_dir: None,

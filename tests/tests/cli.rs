@@ -121,3 +121,61 @@ fn embedded_default_quick_start() {
     assert!(r2.status.success(), "{}", String::from_utf8_lossy(&r2.stderr));
     assert!(status.success(), "graceful shutdown on SIGTERM");
 }
+
+/// docs/POLICY-SDK.md as written: its `file:` blocks make a crate, `kvpool-policy-build` turns
+/// it into a component, and the `# walkthrough:` commands load it and roll it back on a server.
+#[test]
+fn policy_sdk_walkthrough_as_written() {
+    let repo = kvpool_policy_build::repo_root();
+    let doc = std::fs::read_to_string(repo.join("docs/POLICY-SDK.md")).unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let mut commands = Vec::new();
+    let mut lines = doc.lines();
+    while let Some(l) = lines.next() {
+        if !l.starts_with("```") || l.trim() == "```" {
+            continue;
+        }
+        let body: Vec<&str> = lines.by_ref().take_while(|l| !l.starts_with("```")).collect();
+        let Some(first) = body.first() else { continue };
+        if let Some(rel) = first.strip_prefix("# file: ").or_else(|| first.strip_prefix("// file: ")) {
+            let text = body[1..].join("\n") + "\n";
+            // The doc assumes a kvpool checkout beside the crate; point at this one.
+            let text = text
+                .replace("path = \"../kvpool/sdk\"", &format!("path = {:?}", repo.join("sdk").display().to_string()));
+            let p = dir.path().join("work").join(rel.trim());
+            std::fs::create_dir_all(p.parent().unwrap()).unwrap();
+            std::fs::write(p, text).unwrap();
+        } else if first.starts_with("# walkthrough:") {
+            commands.extend(body[1..].iter().map(|c| c.to_string()));
+        }
+    }
+    assert!(commands.len() >= 3, "{commands:?}");
+    // section 5, with the doc's relative layout (kvpool beside my-policy, out beside both)
+    let mut opts = kvpool_policy_build::BuildOptions::new(
+        dir.path().join("work/my-policy/Cargo.toml"),
+        dir.path().join("work/out"),
+    );
+    opts.target_dir = kvpool_policy_build::default_target_dir().join("sdk-doc-cli");
+    let built = kvpool_policy_build::build(&opts).unwrap_or_else(|e| panic!("{e}"));
+    assert_eq!(built[0].name, "my-policy");
+    let srv = TestServer::start(Opts::default());
+    let cwd = dir.path().join("work/kvpool");
+    std::fs::create_dir_all(&cwd).unwrap();
+    for c in &commands {
+        let words: Vec<&str> = c.split_whitespace().collect();
+        assert_eq!(words[0], "kvpool", "{c}");
+        let o = Command::new(bin("kvpool"))
+            .env_clear()
+            .env("KVPOOL_SERVER", srv.addr())
+            .env("KVPOOL_API_KEY", ADMIN_KEY)
+            .env("KVPOOL_CA", srv.endpoint["cert_path"].as_str().unwrap())
+            .current_dir(&cwd)
+            .args(&words[1..])
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{c}: {}", String::from_utf8_lossy(&o.stderr));
+        if c.contains("policy list") {
+            assert!(String::from_utf8_lossy(&o.stdout).contains("my-policy"));
+        }
+    }
+}
