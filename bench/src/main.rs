@@ -3,6 +3,14 @@
 
 mod target;
 
+// Trace replay, pooled vs isolated caches, TTFT model.
+mod hitplot;
+mod pooled;
+mod replay;
+mod sim;
+mod trace;
+mod ttft;
+
 use anyhow::{bail, Context, Result};
 use clap::{Args, Parser, Subcommand};
 use hdrhistogram::Histogram;
@@ -26,6 +34,12 @@ struct Cli {
 enum Cmd {
     /// Put then get blocks of several sizes, batch sizes and concurrencies
     Throughput(ThroughputArgs),
+    /// Replay a Mooncake-format trace through every policy (native, Wasm, libCacheSim, Belady)
+    Replay(replay::ReplayArgs),
+    /// Hit rate of N node-local caches vs one pool of the same total size
+    Pooled(pooled::PooledArgs),
+    /// Time-to-first-token model without a cache, with node-local caches, with the pool
+    Ttft(ttft::TtftArgs),
 }
 
 #[derive(Debug, Args)]
@@ -460,6 +474,9 @@ fn main() -> Result<()> {
     let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
     match cli.cmd {
         Cmd::Throughput(a) => rt.block_on(throughput(a)),
+        Cmd::Replay(a) => replay::replay(a),
+        Cmd::Pooled(a) => pooled::pooled(a),
+        Cmd::Ttft(a) => ttft::ttft(a),
     }
 }
 
