@@ -38,8 +38,10 @@ impl TierOrder for ArcOrder {
         }
     }
     fn access(&mut self, id: u64) {
-        if self.t1.remove(id) || self.t2.contains(id) {
+        if self.t1.remove(id) {
             self.t2.push_back(id);
+        } else {
+            self.t2.touch(id);
         }
     }
     fn remove(&mut self, id: u64) {
@@ -56,25 +58,29 @@ impl TierOrder for ArcOrder {
             self.b2.pop_front();
         }
     }
+    fn reserve(&mut self, n: usize) {
+        self.t1.reserve(n);
+    }
     fn candidates(&mut self, f: &mut dyn FnMut(u64) -> Step) {
-        let (mut c1, mut c2) = (None, None);
+        self.t1.rewind();
+        self.t2.rewind();
         // T1 blocks not yet offered in this call.
         let mut t1_left = self.t1.len();
         loop {
-            let n1 = self.t1.next_after(c1);
-            let n2 = self.t2.next_after(c2);
+            let n1 = self.t1.at_cursor();
+            let n2 = self.t2.at_cursor();
             let from_t1 = match (n1, n2) {
                 (None, None) => return,
                 (Some(_), None) => true,
                 (None, Some(_)) => false,
                 (Some(_), Some(_)) => t1_left > self.p,
             };
-            let (s, id) = if from_t1 { n1 } else { n2 }.expect("checked");
+            let id = if from_t1 { n1 } else { n2 }.expect("checked");
             if from_t1 {
-                c1 = Some(s);
+                self.t1.advance();
                 t1_left -= 1;
             } else {
-                c2 = Some(s);
+                self.t2.advance();
             }
             if f(id) == Step::TakeLast {
                 return;

@@ -7,7 +7,7 @@
 use crate::hash::{IdMap, IdSet};
 use kvpool_policy_sdk::{Event, EventKind, Events, EvictionPolicy, ParamError, Params, Pin, Tier, NO_PARENT};
 use std::cmp::Reverse;
-use std::collections::{BTreeSet, BinaryHeap};
+use std::collections::{BTreeMap, BinaryHeap};
 
 #[derive(Debug, Clone)]
 struct Node {
@@ -29,11 +29,46 @@ fn class(pin: Pin, children: u32) -> u8 {
     }
 }
 
+/// Bits of an ordering key below the class.
+const CLASS_SHIFT: u32 = 56;
+
+/// The ordering key of a copy: (class, tick) packed in one integer, class in the top byte.
+/// Every event takes a new tick and sets at most one copy's tick in its tier, so ticks are
+/// unique within a tier and (class, tick) orders exactly as (class, tick, id) would.
+fn pack(class: u8, tick: u64) -> u64 {
+    (u64::from(class) << CLASS_SHIFT) | (tick & ((1 << CLASS_SHIFT) - 1))
+}
+
+fn key(n: &Node, t: usize) -> Option<u64> {
+    let (tick, _) = n.copies[t]?;
+    let c = class(n.pin, n.children[t]);
+    (c != u8::MAX).then(|| pack(c, tick))
+}
+
+fn keys(n: &Node) -> [Option<u64>; 3] {
+    [key(n, 0), key(n, 1), key(n, 2)]
+}
+
+/// Bring the tier orderings in step with node `id`, whose keys were `before`.
+fn resort(order: &mut [BTreeMap<u64, u64>; 3], id: u64, before: [Option<u64>; 3], n: &Node) {
+    for (t, old) in before.into_iter().enumerate() {
+        let new = key(n, t);
+        if old != new {
+            if let Some(k) = old {
+                order[t].remove(&k);
+            }
+            if let Some(k) = new {
+                order[t].insert(k, id);
+            }
+        }
+    }
+}
+
 #[derive(Debug, Default)]
 pub struct LeafLru {
     nodes: IdMap<u64, Node>,
-    /// Per tier: (class, tick, id) of every evictable copy.
-    order: [BTreeSet<(u8, u64, u64)>; 3],
+    /// Per tier: packed (class, tick) -> id of every evictable copy.
+    order: [BTreeMap<u64, u64>; 3],
     tick: u64,
 }
 
@@ -51,29 +86,12 @@ impl LeafLru {
         self.nodes.values().filter(|n| n.copies[tier as usize].is_some()).count()
     }
 
-    fn key_of(&self, id: u64, t: usize) -> Option<(u8, u64, u64)> {
-        let n = self.nodes.get(&id)?;
-        let (tick, _) = n.copies[t]?;
-        let c = class(n.pin, n.children[t]);
-        (c != u8::MAX).then_some((c, tick, id))
-    }
-
-    /// Run `f` on node `id`, keeping the tier orderings in step with its changes.
+    /// Run `f` on node `id` (if known), keeping the tier orderings in step with its changes.
     fn update(&mut self, id: u64, f: impl FnOnce(&mut Node)) {
-        let before: [Option<(u8, u64, u64)>; 3] = std::array::from_fn(|t| self.key_of(id, t));
         if let Some(n) = self.nodes.get_mut(&id) {
+            let before = keys(n);
             f(n);
-        }
-        for (t, old) in before.iter().enumerate() {
-            let new = self.key_of(id, t);
-            if *old != new {
-                if let Some(k) = old {
-                    self.order[t].remove(k);
-                }
-                if let Some(k) = new {
-                    self.order[t].insert(k);
-                }
-            }
+            resort(&mut self.order, id, before, n);
         }
     }
 
@@ -83,40 +101,51 @@ impl LeafLru {
         let tick = self.tick;
         match e.kind {
             EventKind::Inserted => {
-                let had_copy = self.nodes.get(&e.id).is_some_and(|n| n.copies[t].is_some());
-                self.nodes.entry(e.id).or_insert(Node {
+                let n = self.nodes.entry(e.id).or_insert(Node {
                     parent: e.parent,
                     pin: e.pin,
                     copies: [None; 3],
                     children: [0; 3],
                 });
-                self.update(e.id, |n| {
-                    n.copies[t] = Some((tick, e.size));
-                    n.pin = e.pin;
-                });
-                let parent = self.nodes[&e.id].parent;
-                if !had_copy && parent != NO_PARENT && self.nodes.contains_key(&parent) {
+                let had_copy = n.copies[t].is_some();
+                let before = keys(n);
+                n.copies[t] = Some((tick, e.size));
+                n.pin = e.pin;
+                resort(&mut self.order, e.id, before, n);
+                let parent = n.parent;
+                if !had_copy && parent != NO_PARENT {
                     self.update(parent, |p| p.children[t] += 1);
                 }
             }
             EventKind::Accessed => {
-                self.update(e.id, |n| {
-                    if let Some((ref mut at, _)) = n.copies[t] {
-                        *at = tick;
+                if let Some(n) = self.nodes.get_mut(&e.id) {
+                    if let Some((_, size)) = n.copies[t] {
+                        let old = key(n, t);
+                        n.copies[t] = Some((tick, size));
+                        let new = key(n, t);
+                        if let Some(k) = old {
+                            self.order[t].remove(&k);
+                        }
+                        if let Some(k) = new {
+                            self.order[t].insert(k, e.id);
+                        }
                     }
-                });
+                }
             }
             EventKind::Removed => {
-                let Some(n) = self.nodes.get(&e.id) else { return };
+                let Some(n) = self.nodes.get_mut(&e.id) else { return };
                 if n.copies[t].is_none() {
                     return;
                 }
                 let parent = n.parent;
-                self.update(e.id, |n| n.copies[t] = None);
-                if parent != NO_PARENT && self.nodes.contains_key(&parent) {
+                let before = keys(n);
+                n.copies[t] = None;
+                resort(&mut self.order, e.id, before, n);
+                let gone = n.copies.iter().all(Option::is_none);
+                if parent != NO_PARENT {
                     self.update(parent, |p| p.children[t] = p.children[t].saturating_sub(1));
                 }
-                if self.nodes[&e.id].copies.iter().all(Option::is_none) {
+                if gone {
                     self.nodes.remove(&e.id);
                 }
             }
@@ -127,6 +156,10 @@ impl LeafLru {
 
 impl EvictionPolicy for LeafLru {
     fn on_events(&mut self, events: &Events) {
+        // Bulk loads (a replayed snapshot) grow the map once instead of rehashing as they go.
+        if events.len() >= 4096 {
+            self.nodes.reserve(events.len());
+        }
         for e in events.iter() {
             self.apply(e);
         }
@@ -138,12 +171,12 @@ impl EvictionPolicy for LeafLru {
         let mut freed = 0u64;
         // Parents that became leaves because all their children in this tier were chosen:
         // they compete as leaves from then on (the cascade SGLang's radix tree does).
-        let mut promoted: BinaryHeap<Reverse<(u8, u64, u64)>> = BinaryHeap::new();
+        let mut promoted: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
         let mut taken_children: IdMap<u64, u32> = IdMap::default();
         let mut chosen: IdSet<u64> = IdSet::default();
-        let mut iter = self.order[t].iter().peekable();
+        let mut iter = self.order[t].iter().map(|(&k, &id)| (k, id)).peekable();
         while freed < bytes {
-            let from_set = iter.peek().copied().copied();
+            let from_set = iter.peek().copied();
             let from_heap = promoted.peek().map(|r| r.0);
             let next = match (from_set, from_heap) {
                 (None, None) => break,
@@ -165,7 +198,7 @@ impl EvictionPolicy for LeafLru {
                     }
                 }
             };
-            let (_, _, id) = next;
+            let (k, id) = next;
             if chosen.contains(&id) || exclude.binary_search(&id).is_ok() {
                 continue;
             }
@@ -174,7 +207,7 @@ impl EvictionPolicy for LeafLru {
             if remaining_children > 0 {
                 // Still an inner node: it is reached again through `promoted` once its last
                 // child goes, or taken as an inner node when only inner nodes are left.
-                if next.0 % 2 == 0 {
+                if k & (1 << CLASS_SHIFT) == 0 {
                     continue;
                 }
             }
@@ -186,9 +219,9 @@ impl EvictionPolicy for LeafLru {
                 let taken = taken_children.entry(parent).or_insert(0);
                 *taken += 1;
                 if *taken >= p.children[t] {
-                    if let Some((c, tick, pid)) = self.key_of(parent, t) {
+                    if let Some(pk) = key(p, t) {
                         // Re-rank as a leaf of the same pin class.
-                        promoted.push(Reverse((c & !1, tick, pid)));
+                        promoted.push(Reverse((pk & !(1 << CLASS_SHIFT), parent)));
                     }
                 }
             }

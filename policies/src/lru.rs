@@ -14,17 +14,18 @@ impl TierOrder for LruOrder {
         self.q.push_back(id);
     }
     fn access(&mut self, id: u64) {
-        if self.q.contains(id) {
-            self.q.push_back(id);
-        }
+        self.q.touch(id);
     }
     fn remove(&mut self, id: u64) {
         self.q.remove(id);
     }
+    fn reserve(&mut self, n: usize) {
+        self.q.reserve(n);
+    }
     fn candidates(&mut self, f: &mut dyn FnMut(u64) -> Step) {
-        let mut cur = None;
-        while let Some((s, id)) = self.q.next_after(cur) {
-            cur = Some(s);
+        self.q.rewind();
+        while let Some(id) = self.q.at_cursor() {
+            self.q.advance();
             if f(id) == Step::TakeLast {
                 return;
             }

@@ -71,16 +71,20 @@ impl TierOrder for S3FifoOrder {
             self.main.remove(id);
         }
     }
+    fn reserve(&mut self, n: usize) {
+        self.small.reserve(n);
+        self.freq.reserve(n);
+    }
     fn candidates(&mut self, f: &mut dyn FnMut(u64) -> Step) {
-        let mut s_cur: Option<u64> = None;
-        let mut m_cur: Option<u64> = None;
+        self.small.rewind();
+        self.main.rewind();
         // Blocks of the small FIFO still there after this call's offers and moves.
         let mut small_left = self.small.len();
         let target = self.small_target();
         // Each main block is revisited at most 4 times (counter 3..0): bounded work.
         loop {
-            let s_next = self.small.next_after(s_cur);
-            let m_next = self.main.next_after(m_cur);
+            let s_next = self.small.at_cursor();
+            let m_next = self.main.at_cursor();
             let from_small = match (s_next, m_next) {
                 (None, None) => return,
                 (Some(_), None) => true,
@@ -88,8 +92,8 @@ impl TierOrder for S3FifoOrder {
                 (Some(_), Some(_)) => small_left > target,
             };
             if from_small {
-                let (s, id) = s_next.expect("checked");
-                s_cur = Some(s);
+                let id = s_next.expect("checked");
+                self.small.advance();
                 small_left -= 1;
                 let uses = self.freq.get(&id).copied().unwrap_or(0);
                 if uses >= self.conf.move_threshold {
@@ -102,8 +106,8 @@ impl TierOrder for S3FifoOrder {
                     return;
                 }
             } else {
-                let (s, id) = m_next.expect("checked");
-                m_cur = Some(s);
+                let id = m_next.expect("checked");
+                self.main.advance();
                 let uses = self.freq.get(&id).copied().unwrap_or(0);
                 if uses > 0 {
                     self.freq.insert(id, uses - 1);

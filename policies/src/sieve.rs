@@ -10,8 +10,6 @@ use kvpool_policy_sdk::{Events, EvictionPolicy, FromParams, ParamError, Params, 
 pub(crate) struct SieveOrder {
     q: Queue,
     visited: IdSet<u64>,
-    /// Sequence number the hand points at (the next block to examine is the first at or after it).
-    hand: Option<u64>,
 }
 
 impl TierOrder for SieveOrder {
@@ -28,20 +26,27 @@ impl TierOrder for SieveOrder {
         self.q.remove(id);
         self.visited.remove(&id);
     }
+    fn reserve(&mut self, n: usize) {
+        self.q.reserve(n);
+    }
     fn candidates(&mut self, f: &mut dyn FnMut(u64) -> Step) {
         // Two full turns: the first may only clear bits; a third could offer nothing new.
         let mut budget = 2 * self.q.len() + 1;
-        let mut cur = self.hand.map(|h| h.saturating_sub(1));
+        // The hand is the queue's cursor: the next block to examine, kept in place by the queue
+        // as blocks come and go (the front until the first call).
         while budget > 0 && self.q.len() > 0 {
             budget -= 1;
-            let (s, id) = match self.q.next_after(cur) {
-                Some(x) => x,
-                None => match self.q.next_after(None) {
-                    Some(x) => x,
-                    None => break,
-                },
+            let id = match self.q.at_cursor() {
+                Some(id) => id,
+                None => {
+                    self.q.rewind();
+                    match self.q.at_cursor() {
+                        Some(id) => id,
+                        None => break,
+                    }
+                }
             };
-            cur = Some(s);
+            self.q.advance();
             if self.visited.remove(&id) {
                 continue;
             }
@@ -49,13 +54,9 @@ impl TierOrder for SieveOrder {
                 Step::Skip => {}
                 // The chosen block leaves at its `Removed` event; the hand moves past it.
                 Step::Take => {}
-                Step::TakeLast => {
-                    self.hand = Some(s + 1);
-                    return;
-                }
+                Step::TakeLast => return,
             }
         }
-        self.hand = cur.map(|s| s + 1);
     }
 }
 

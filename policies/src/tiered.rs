@@ -4,7 +4,6 @@
 
 use crate::hash::{IdMap, IdSet};
 use kvpool_policy_sdk::{Event, EventKind, Events, Pin, Tier};
-use std::collections::BTreeMap;
 
 /// What the frame answers for a candidate offered by an algorithm.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -24,51 +23,154 @@ pub(crate) trait TierOrder: Default {
     fn remove(&mut self, id: u64);
     /// Offer candidates in eviction order until `f` returns `TakeLast` or none is left.
     fn candidates(&mut self, f: &mut dyn FnMut(u64) -> Step);
+    /// Room for `n` more inserted blocks (a bulk load is coming).
+    fn reserve(&mut self, _n: usize) {}
 }
 
-/// Insertion-ordered set with O(log n) removal and move-to-back: the building block of the
-/// queues and lists of the algorithms. The front is the oldest.
-#[derive(Debug, Default, Clone)]
+/// No slot: list ends and the cursor's "past the back" state.
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone, Copy)]
+struct Slot {
+    id: u64,
+    prev: u32,
+    next: u32,
+}
+
+/// Insertion-ordered set with O(1) push-back, removal and move-to-back: a doubly linked list
+/// over a slab of slots with dense indices, plus an id index. The front is the oldest.
+///
+/// It carries one cursor, kept valid across every change: it names the first element behind a
+/// position in the order (the next one to visit), or "past the back" (`NIL`), in which case the
+/// next element pushed becomes the cursor. That is exactly "the first element pushed after the
+/// last visited one", whatever is removed or moved in between.
+#[derive(Debug, Clone)]
 pub(crate) struct Queue {
-    by_seq: BTreeMap<u64, u64>,
-    seq_of: IdMap<u64, u64>,
-    next: u64,
+    slots: Vec<Slot>,
+    free: Vec<u32>,
+    index: IdMap<u64, u32>,
+    head: u32,
+    tail: u32,
+    cursor: u32,
+}
+
+impl Default for Queue {
+    fn default() -> Queue {
+        Queue { slots: Vec::new(), free: Vec::new(), index: IdMap::default(), head: NIL, tail: NIL, cursor: NIL }
+    }
 }
 
 impl Queue {
     pub fn len(&self) -> usize {
-        self.seq_of.len()
+        self.index.len()
     }
     pub fn contains(&self, id: u64) -> bool {
-        self.seq_of.contains_key(&id)
+        self.index.contains_key(&id)
     }
+    fn link_back(&mut self, s: u32) {
+        let sl = &mut self.slots[s as usize];
+        sl.prev = self.tail;
+        sl.next = NIL;
+        if self.tail == NIL {
+            self.head = s;
+        } else {
+            self.slots[self.tail as usize].next = s;
+        }
+        self.tail = s;
+        if self.cursor == NIL {
+            self.cursor = s;
+        }
+    }
+    fn unlink(&mut self, s: u32) {
+        let Slot { prev, next, .. } = self.slots[s as usize];
+        if prev == NIL {
+            self.head = next;
+        } else {
+            self.slots[prev as usize].next = next;
+        }
+        if next == NIL {
+            self.tail = prev;
+        } else {
+            self.slots[next as usize].prev = prev;
+        }
+        if self.cursor == s {
+            self.cursor = next;
+        }
+    }
+    /// Append `id`, or move it to the back if present.
     pub fn push_back(&mut self, id: u64) {
-        self.remove(id);
-        self.next += 1;
-        self.by_seq.insert(self.next, id);
-        self.seq_of.insert(id, self.next);
+        if let Some(&s) = self.index.get(&id) {
+            if self.tail == s && self.cursor != NIL {
+                return;
+            }
+            self.unlink(s);
+            self.link_back(s);
+            return;
+        }
+        let s = match self.free.pop() {
+            Some(s) => {
+                self.slots[s as usize].id = id;
+                s
+            }
+            None => {
+                self.slots.push(Slot { id, prev: NIL, next: NIL });
+                (self.slots.len() - 1) as u32
+            }
+        };
+        self.index.insert(id, s);
+        self.link_back(s);
+    }
+    /// Move `id` to the back if present; whether it was.
+    pub fn touch(&mut self, id: u64) -> bool {
+        match self.index.get(&id) {
+            Some(_) => {
+                self.push_back(id);
+                true
+            }
+            None => false,
+        }
+    }
+    fn release(&mut self, s: u32) {
+        self.unlink(s);
+        self.free.push(s);
     }
     pub fn remove(&mut self, id: u64) -> bool {
-        match self.seq_of.remove(&id) {
+        match self.index.remove(&id) {
             Some(s) => {
-                self.by_seq.remove(&s);
+                self.release(s);
                 true
             }
             None => false,
         }
     }
     pub fn pop_front(&mut self) -> Option<u64> {
-        let (_, id) = self.by_seq.pop_first()?;
-        self.seq_of.remove(&id);
+        if self.head == NIL {
+            return None;
+        }
+        let s = self.head;
+        let id = self.slots[s as usize].id;
+        self.index.remove(&id);
+        self.release(s);
         Some(id)
     }
-    /// First (seq, id) strictly after `after` (from the front when `None`).
-    pub fn next_after(&self, after: Option<u64>) -> Option<(u64, u64)> {
-        match after {
-            None => self.by_seq.iter().next(),
-            Some(s) => self.by_seq.range(s + 1..).next(),
+    /// Reserve room for `n` more elements.
+    pub fn reserve(&mut self, n: usize) {
+        self.index.reserve(n);
+        self.slots.reserve(n.saturating_sub(self.free.len()));
+    }
+    /// Point the cursor at the front (past the back when empty).
+    pub fn rewind(&mut self) {
+        self.cursor = self.head;
+    }
+    /// The element at the cursor.
+    pub fn at_cursor(&self) -> Option<u64> {
+        (self.cursor != NIL).then(|| self.slots[self.cursor as usize].id)
+    }
+    /// Move the cursor past its element.
+    pub fn advance(&mut self) {
+        if self.cursor != NIL {
+            self.cursor = self.slots[self.cursor as usize].next;
         }
-        .map(|(&s, &id)| (s, id))
     }
 }
 
@@ -88,6 +190,21 @@ pub(crate) struct Tiered<O> {
 
 impl<O: TierOrder> Tiered<O> {
     pub fn on_events(&mut self, events: &Events) {
+        // Bulk loads (a replayed snapshot) grow the maps once instead of rehashing as they go.
+        if events.len() >= 4096 {
+            let mut inserts = [0usize; 3];
+            for e in events.iter() {
+                if e.kind == EventKind::Inserted {
+                    inserts[e.tier as usize] += 1;
+                }
+            }
+            self.meta.reserve(inserts.iter().sum());
+            for (o, n) in self.tiers.iter_mut().zip(inserts) {
+                if n > 0 {
+                    o.reserve(n);
+                }
+            }
+        }
         for e in events.iter() {
             self.apply(e);
         }
