@@ -1,6 +1,8 @@
 //! `kvpool-bench`: throughput and latency of block puts and gets, beside an in-process memcpy
 //! of the same bytes measured in the same run.
 
+mod peers;
+mod plot;
 mod target;
 
 // Trace replay, pooled vs isolated caches, TTFT model.
@@ -16,6 +18,7 @@ use clap::{Args, Parser, Subcommand};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvpool_client::ClientConfig;
+use peers::{MooncakeCluster, MooncakeInstall, RedisServer, RedisTarget};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -75,7 +78,26 @@ struct ThroughputArgs {
     /// Also write the results as JSON to this file
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Systems to measure, in order (kvpool, redis, mooncake); default: all whose peer is installed.
+    /// A listed peer that is not installed is reported as skipped.
+    #[arg(long, value_delimiter = ',', value_parser = TARGETS)]
+    targets: Vec<String>,
+    /// Systems that must run: a missing peer among them is an error instead of a skip
+    #[arg(long, value_delimiter = ',', value_parser = TARGETS)]
+    require: Vec<String>,
+    /// Also draw MB/s per system per block size into this PNG file
+    #[arg(long)]
+    plot: Option<PathBuf>,
+    /// Python interpreter that has Mooncake's client (`mooncake.store`) installed
+    #[arg(long, env = "KVPOOL_BENCH_PYTHON", default_value = "python3")]
+    python: PathBuf,
+    /// The Mooncake driver script
+    #[arg(long, env = "KVPOOL_MOONCAKE_DRIVER", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/peers/mooncake_driver.py"))]
+    mooncake_driver: PathBuf,
 }
+
+/// Every system `throughput` knows how to drive.
+const TARGETS: [&str; 3] = ["kvpool", "redis", "mooncake"];
 
 fn parse_size(s: &str) -> Result<usize> {
     let b: bytesize::ByteSize = s.parse().map_err(|e| anyhow::anyhow!("bad size {s:?}: {e}"))?;
@@ -106,9 +128,20 @@ struct Row {
 }
 
 #[derive(Debug, Serialize)]
+struct Skipped {
+    target: String,
+    reason: String,
+}
+
+#[derive(Debug, Serialize)]
 struct Report {
     command: String,
+    /// The systems measured, comma-separated, in run order.
     target: String,
+    /// Systems asked for whose peer is not installed here.
+    skipped: Vec<Skipped>,
+    /// Version strings of the peers that ran.
+    peers: Vec<String>,
     server: String,
     cpus: usize,
     mem_total: String,
@@ -367,36 +400,14 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
         a.dram.clone()
     };
 
-    // Start our own server unless pointed at one.
-    let (_server, cfg) = match (&a.server, &a.data_dir) {
-        (_, Some(dir)) => {
-            let mut cfg = ClientConfig::from_data_dir(dir)?;
-            if let Some(s) = &a.server {
-                cfg.server = s.clone();
-            }
-            (None, cfg)
-        }
-        (None, None) => {
-            let s = LocalServer::start(&dram, &[])?;
-            let cfg = ClientConfig::from_data_dir(s.path())?;
-            (Some(s), cfg)
-        }
-        (Some(_), None) => unreachable!("clap requires --data-dir with --server"),
-    };
-    let mut cfg = cfg;
-    cfg.client_name = "kvpool-bench".into();
-    cfg.request_timeout = Duration::from_secs(300);
-    let kv = KvpoolTarget::connect(cfg).await?;
-    let server = kv.client().hello().server;
-    let limits = kv.client().limits();
-    let client = kv.client().clone();
-    let target: Arc<dyn Target> = Arc::new(kv);
+    let (targets, skipped) = select_targets(&a)?;
+    for s in &skipped {
+        tracing::warn!(target = %s.target, "skipped: {}", s.reason);
+    }
 
     let max_size = *sizes.iter().max().expect("at least one size");
     let max_batch = *a.batches.iter().max().expect("at least one batch");
-    if max_batch as u64 > limits.max_batch as u64 || max_size as u64 > limits.max_value_size {
-        bail!("the server limits (batch {}, value {}) are below this run's", limits.max_batch, limits.max_value_size);
-    }
+    let max_conc = *a.concurrency.iter().max().expect("at least one concurrency");
     let mut pool = vec![0u8; max_size * max_batch];
     rand::rngs::StdRng::seed_from_u64(0x6b76706f6f6c).fill_bytes(&mut pool);
     let pool = Arc::new(pool);
@@ -404,48 +415,132 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
     let nanos = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_nanos()).unwrap_or(0);
     let run = Arc::new(format!("{:x}-{nanos:x}", std::process::id()));
 
-    let total: u64 = plan.iter().map(|(_, _, c, o)| (2 * c * o) as u64).sum();
-    let pb = ProgressBar::new(total);
+    let per_target: u64 = plan.iter().map(|(_, _, c, o)| (2 * c * o) as u64).sum();
+    let pb = ProgressBar::new(per_target * targets.len() as u64);
     pb.set_style(
         ProgressStyle::with_template("{spinner} [{elapsed_precise}] {bar:40} {pos}/{len} requests  {msg}")
             .expect("static template"),
     );
 
     let mut rows = Vec::new();
+    let mut notes = Vec::new();
+    let mut peers_seen = Vec::new();
+    let mut server = String::new();
     print_header();
-    for (size, batch, conc, ops) in plan {
-        let label = format!("{} x{batch} c{conc}", bytesize::ByteSize(size as u64).to_string_as(true));
-        pb.set_message(label.clone());
-        let mut bufs: Vec<WorkerBufs> = (0..conc).map(|_| (0..batch).map(|_| vec![1u8; size]).collect()).collect();
-        let memcpy = run_memcpy(&pool, size, batch, &mut bufs, ops);
-        let phase = Phase { target: &target, pool: &pool, run: &run, size, batch, ops_per_worker: ops, progress: &pb };
-        let put = phase.put(conc).await.with_context(|| format!("put phase of {label}"))?;
-        let (get, _bufs) = phase.get(bufs).await.with_context(|| format!("get phase of {label}"))?;
-        target.cleanup(&phase.all_keys(conc)).await.with_context(|| format!("cleanup of {label}"))?;
-        for (op, r) in [("put", put), ("get", get)] {
-            let ratio = if memcpy.mb_per_s > 0.0 { r.mb_per_s / memcpy.mb_per_s } else { 0.0 };
-            let row = Row {
-                target: target.name(),
-                block_size: size,
-                batch,
-                concurrency: conc,
-                op,
-                result: r,
-                memcpy: memcpy.clone(),
-                ratio,
-            };
-            pb.suspend(|| print_row(&row));
-            rows.push(row);
+    for name in &targets {
+        match name.as_str() {
+            "kvpool" => {
+                // Start our own server unless pointed at one.
+                let (_server, mut cfg) = match (&a.server, &a.data_dir) {
+                    (_, Some(dir)) => {
+                        let mut cfg = ClientConfig::from_data_dir(dir)?;
+                        if let Some(s) = &a.server {
+                            cfg.server = s.clone();
+                        }
+                        (None, cfg)
+                    }
+                    (None, None) => {
+                        let s = LocalServer::start(&dram, &[])?;
+                        let cfg = ClientConfig::from_data_dir(s.path())?;
+                        (Some(s), cfg)
+                    }
+                    (Some(_), None) => unreachable!("clap requires --data-dir with --server"),
+                };
+                cfg.client_name = "kvpool-bench".into();
+                cfg.request_timeout = Duration::from_secs(300);
+                let kv = KvpoolTarget::connect(cfg).await?;
+                server = kv.client().hello().server;
+                let limits = kv.client().limits();
+                if max_batch as u64 > limits.max_batch as u64 || max_size as u64 > limits.max_value_size {
+                    bail!(
+                        "the server limits (batch {}, value {}) are below this run's",
+                        limits.max_batch,
+                        limits.max_value_size
+                    );
+                }
+                let client = kv.client().clone();
+                let target: Arc<dyn Target> = Arc::new(kv);
+                run_in_process(&target, &plan, &pool, &run, &pb, &mut rows).await?;
+                notes.push(quic_summary(&client));
+            }
+            "redis" => {
+                let srv = RedisServer::start().await?;
+                peers_seen.push(srv.version());
+                let target: Arc<dyn Target> = Arc::new(RedisTarget::connect(srv.port).await?);
+                run_in_process(&target, &plan, &pool, &run, &pb, &mut rows).await?;
+            }
+            "mooncake" => {
+                let install = MooncakeInstall::find(&a.python, &a.mooncake_driver).map_err(anyhow::Error::msg)?;
+                // Same room as kvpool's DRAM tier; the client buffer holds every batch in flight.
+                let segment = parse_size(&dram)? as u64;
+                let local_buffer = ((max_size * max_batch * max_conc) as u64).max(64 << 20) + (64 << 20);
+                let mut mc = tokio::task::block_in_place(|| {
+                    MooncakeCluster::start(&install, segment, local_buffer, (max_size * max_batch) as u64)
+                })?;
+                peers_seen.push(format!("mooncake-transfer-engine-non-cuda {} (python client, tcp)", mc.version));
+                for &(size, batch, conc, ops) in &plan {
+                    let label = config_label(size, batch, conc);
+                    pb.set_message(format!("mooncake {label}"));
+                    let mut bufs: Vec<WorkerBufs> =
+                        (0..conc).map(|_| (0..batch).map(|_| vec![1u8; size]).collect()).collect();
+                    let memcpy = run_memcpy(&pool, size, batch, &mut bufs, ops);
+                    drop(bufs);
+                    let (put, get) = tokio::task::block_in_place(|| mc.run(size, batch, conc, ops, &run))
+                        .with_context(|| format!("mooncake {label}"))?;
+                    pb.inc((2 * conc * ops) as u64);
+                    let bytes = (conc * ops * batch * size) as u64;
+                    for (op, ph) in [("put", put), ("get", get)] {
+                        let mut h = hist();
+                        for l in &ph.lat_us {
+                            let _ = h.record((*l).max(1));
+                        }
+                        let row =
+                            make_row("mooncake", size, batch, conc, op, summarize(&h, bytes, ph.seconds), &memcpy);
+                        pb.suspend(|| print_row(&row));
+                        rows.push(row);
+                    }
+                }
+            }
+            other => bail!("unknown target {other}"),
         }
     }
     pb.finish_and_clear();
-    let quic = quic_summary(&client);
-    println!("{quic}");
+    for s in &skipped {
+        println!("skipped {}: {}", s.target, s.reason);
+    }
+    for n in &notes {
+        println!("{n}");
+    }
+
+    if let Some(path) = &a.plot {
+        let mut points: Vec<plot::Point> = rows
+            .iter()
+            .map(|r| plot::Point {
+                system: r.target.clone(),
+                op: r.op,
+                block_size: r.block_size,
+                mb_per_s: r.result.mb_per_s,
+            })
+            .collect();
+        points.extend(rows.iter().map(|r| plot::Point {
+            system: "memcpy".into(),
+            op: r.op,
+            block_size: r.block_size,
+            mb_per_s: r.memcpy.mb_per_s,
+        }));
+        match plot::write_png(path, &points, "kvpool-bench throughput (loopback)") {
+            Ok(()) => println!("plot: {}", path.display()),
+            // A missing font must not throw away a long run's numbers.
+            Err(e) => tracing::warn!("no plot written: {e:#}"),
+        }
+    }
 
     if let Some(path) = &a.json {
         let report = Report {
             command: std::env::args().collect::<Vec<_>>().join(" "),
-            target: target.name(),
+            target: targets.join(","),
+            skipped,
+            peers: peers_seen,
             server,
             cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
             mem_total: mem_total(),
@@ -453,11 +548,104 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                 .duration_since(std::time::UNIX_EPOCH)
                 .map(|d| d.as_secs())
                 .unwrap_or(0),
-            quic,
+            quic: notes.join("\n"),
             rows,
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// Which targets run and which are skipped (peer not installed); a required one that is
+/// missing is an error.
+fn select_targets(a: &ThroughputArgs) -> Result<(Vec<String>, Vec<Skipped>)> {
+    let asked: Vec<String> = if a.targets.is_empty() {
+        // Default: everything, plus whatever --require names (already in TARGETS).
+        TARGETS.iter().map(|s| s.to_string()).collect()
+    } else {
+        let mut t = a.targets.clone();
+        for r in &a.require {
+            if !t.contains(r) {
+                t.push(r.clone());
+            }
+        }
+        t
+    };
+    let mut run = Vec::new();
+    let mut skipped = Vec::new();
+    for t in asked {
+        if run.contains(&t) {
+            continue;
+        }
+        let missing = match t.as_str() {
+            "redis" => RedisServer::available().is_none().then(|| "redis-server not found on PATH".to_string()),
+            "mooncake" => MooncakeInstall::find(&a.python, &a.mooncake_driver).err(),
+            _ => None,
+        };
+        match missing {
+            None => run.push(t),
+            Some(reason) if a.require.contains(&t) => {
+                bail!("required target {t} is not available: {reason} (install it with bench/peers/setup.sh)")
+            }
+            Some(reason) => skipped.push(Skipped { target: t, reason }),
+        }
+    }
+    Ok((run, skipped))
+}
+
+fn config_label(size: usize, batch: usize, conc: usize) -> String {
+    format!("{} x{batch} c{conc}", bytesize::ByteSize(size as u64).to_string_as(true))
+}
+
+fn make_row(
+    target: &str,
+    size: usize,
+    batch: usize,
+    conc: usize,
+    op: &'static str,
+    r: OpResult,
+    memcpy: &OpResult,
+) -> Row {
+    let ratio = if memcpy.mb_per_s > 0.0 { r.mb_per_s / memcpy.mb_per_s } else { 0.0 };
+    Row {
+        target: target.into(),
+        block_size: size,
+        batch,
+        concurrency: conc,
+        op,
+        result: r,
+        memcpy: memcpy.clone(),
+        ratio,
+    }
+}
+
+/// Every configuration of the plan against a target driven from this process: memcpy of the
+/// same bytes first (so the ratio compares like with like, at that moment), then put, get,
+/// cleanup.
+async fn run_in_process(
+    target: &Arc<dyn Target>,
+    plan: &[(usize, usize, usize, usize)],
+    pool: &Arc<Vec<u8>>,
+    run: &Arc<String>,
+    pb: &ProgressBar,
+    rows: &mut Vec<Row>,
+) -> Result<()> {
+    let name = target.name();
+    for &(size, batch, conc, ops) in plan {
+        let label = config_label(size, batch, conc);
+        pb.set_message(format!("{name} {label}"));
+        let mut bufs: Vec<WorkerBufs> = (0..conc).map(|_| (0..batch).map(|_| vec![1u8; size]).collect()).collect();
+        let memcpy = run_memcpy(pool, size, batch, &mut bufs, ops);
+        let phase = Phase { target, pool, run, size, batch, ops_per_worker: ops, progress: pb };
+        let put = phase.put(conc).await.with_context(|| format!("{name}: put phase of {label}"))?;
+        let (get, _bufs) = phase.get(bufs).await.with_context(|| format!("{name}: get phase of {label}"))?;
+        target.cleanup(&phase.all_keys(conc)).await.with_context(|| format!("{name}: cleanup of {label}"))?;
+        for (op, r) in [("put", put), ("get", get)] {
+            let row = make_row(&name, size, batch, conc, op, r, &memcpy);
+            pb.suspend(|| print_row(&row));
+            rows.push(row);
+        }
     }
     Ok(())
 }

@@ -1,0 +1,139 @@
+//! PNG plot of `throughput` results: MB/s per system (and memcpy) vs block size, one line per
+//! system and operation (bitmap backend; text through ab_glyph with a TrueType font found on the
+//! machine, an error when there is none).
+
+use plotters::prelude::*;
+use std::path::Path;
+use std::sync::OnceLock;
+
+/// One measured configuration.
+#[derive(Debug, Clone)]
+pub struct Point {
+    pub system: String,
+    pub op: &'static str,
+    pub block_size: usize,
+    pub mb_per_s: f64,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum PlotError {
+    #[error("no TrueType font found under /usr/share/fonts")]
+    NoFont,
+    #[error("nothing to plot")]
+    Empty,
+    #[error("drawing: {0}")]
+    Draw(String),
+}
+
+fn draw_err<E: std::fmt::Display>(e: E) -> PlotError {
+    PlotError::Draw(e.to_string())
+}
+
+/// Register a sans-serif font once; false when none is found.
+pub fn font() -> bool {
+    static OK: OnceLock<bool> = OnceLock::new();
+    *OK.get_or_init(|| {
+        let mut candidates: Vec<std::path::PathBuf> = [
+            "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
+            "/usr/share/fonts/TTF/DejaVuSans.ttf",
+            "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
+        ]
+        .iter()
+        .map(Into::into)
+        .collect();
+        if let Ok(d) = std::fs::read_dir("/usr/share/fonts/truetype") {
+            for sub in d.flatten() {
+                if let Ok(files) = std::fs::read_dir(sub.path()) {
+                    candidates.extend(
+                        files.flatten().map(|f| f.path()).filter(|p| p.extension().is_some_and(|e| e == "ttf")),
+                    );
+                }
+            }
+        }
+        for c in candidates {
+            if let Ok(bytes) = std::fs::read(&c) {
+                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
+                if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
+                    return true;
+                }
+            }
+        }
+        false
+    })
+}
+
+const COLORS: [RGBColor; 8] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+];
+
+/// MB/s (log scale) vs block size (log scale), one line per (system, op), the best MB/s of each
+/// block size (over batch and concurrency).
+pub fn write_png(path: &Path, points: &[Point], title: &str) -> Result<(), PlotError> {
+    if !font() {
+        return Err(PlotError::NoFont);
+    }
+    let mut series: Vec<(String, Vec<(f64, f64)>)> = Vec::new();
+    for p in points {
+        let label = format!("{} {}", p.system, p.op);
+        let i = match series.iter().position(|s| s.0 == label) {
+            Some(i) => i,
+            None => {
+                series.push((label, Vec::new()));
+                series.len() - 1
+            }
+        };
+        let x = p.block_size as f64;
+        match series[i].1.iter_mut().find(|q| q.0 == x) {
+            Some(q) => q.1 = q.1.max(p.mb_per_s),
+            None => series[i].1.push((x, p.mb_per_s)),
+        }
+    }
+    for s in &mut series {
+        s.1.sort_by(|a, b| a.0.total_cmp(&b.0));
+    }
+    let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.1.iter().copied()).filter(|p| p.1 > 0.0).collect();
+    if all.is_empty() {
+        return Err(PlotError::Empty);
+    }
+    let (xmin, xmax) = all.iter().fold((f64::MAX, 0.0f64), |(a, b), p| (a.min(p.0), b.max(p.0)));
+    let (ymin, ymax) = all.iter().fold((f64::MAX, 0.0f64), |(a, b), p| (a.min(p.1), b.max(p.1)));
+    let root = BitMapBackend::new(path, (1200, 800)).into_drawing_area();
+    root.fill(&WHITE).map_err(draw_err)?;
+    let mut chart = ChartBuilder::on(&root)
+        .margin(20)
+        .caption(title, ("sans-serif", 24))
+        .x_label_area_size(40)
+        .y_label_area_size(70)
+        .build_cartesian_2d((xmin / 1.5..xmax * 1.5).log_scale(), (ymin / 2.0..ymax * 2.0).log_scale())
+        .map_err(draw_err)?;
+    chart
+        .configure_mesh()
+        .x_desc("block size (bytes)")
+        .y_desc("MB/s (best over batch and concurrency)")
+        .draw()
+        .map_err(draw_err)?;
+    for (i, (label, pts)) in series.into_iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(LineSeries::new(pts.into_iter().filter(|p| p.1 > 0.0), color.stroke_width(2)))
+            .map_err(draw_err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(draw_err)?;
+    root.present().map_err(draw_err)?;
+    Ok(())
+}
