@@ -7,7 +7,7 @@
 use crate::hash::{IdMap, IdSet};
 use kvpool_policy_sdk::{Event, EventKind, Events, EvictionPolicy, ParamError, Params, Pin, Tier, NO_PARENT};
 use std::cmp::Reverse;
-use std::collections::{BTreeMap, BinaryHeap};
+use std::collections::{BTreeMap, BinaryHeap, VecDeque};
 
 #[derive(Debug, Clone)]
 struct Node {
@@ -49,26 +49,85 @@ fn keys(n: &Node) -> [Option<u64>; 3] {
     [key(n, 0), key(n, 1), key(n, 2)]
 }
 
-/// Bring the tier orderings in step with node `id`, whose keys were `before`.
-fn resort(order: &mut [BTreeMap<u64, u64>; 3], id: u64, before: [Option<u64>; 3], n: &Node) {
+/// Classes that have an ordering (hard pins have none).
+const CLASSES: usize = 4;
+
+/// One tier's ordering of evictable copies by (class, tick), kept lazily: an entry is live while
+/// its node still has that copy with that tick and that class; stale entries stay until they are
+/// met at the front or the tier is compacted. Copies that take a new tick (insert, access) get
+/// the newest tick of all, so they are appended to their class's `fifo`, which therefore stays
+/// sorted; only class changes (a first child, a last child gone, a pin change) enter a copy with
+/// an older tick, into `late`. The hot path is an append, with no search and no removal.
+#[derive(Debug, Default)]
+struct Order {
+    fifo: [VecDeque<(u64, u64)>; CLASSES],
+    late: [BTreeMap<u64, u64>; CLASSES],
+    /// Entries in `fifo` and `late`, live or stale.
+    entries: usize,
+    /// Live entries: copies in this tier with an ordering.
+    live: usize,
+}
+
+impl Order {
+    fn add(&mut self, k: u64, id: u64, newest: bool) {
+        let c = (k >> CLASS_SHIFT) as usize;
+        let tick = k & ((1 << CLASS_SHIFT) - 1);
+        if newest {
+            self.fifo[c].push_back((tick, id));
+        } else {
+            self.late[c].insert(tick, id);
+        }
+        self.entries += 1;
+    }
+}
+
+/// Whether the entry (`k`, `id`) of tier `t` is live.
+fn live(nodes: &IdMap<u64, Node>, t: usize, k: u64, id: u64) -> bool {
+    nodes.get(&id).is_some_and(|n| key(n, t) == Some(k))
+}
+
+/// Bring the tier orderings in step with node `id`, whose keys were `before`; `tick` is the
+/// newest tick.
+fn resort(order: &mut [Order; 3], id: u64, before: [Option<u64>; 3], n: &Node, tick: u64) {
     for (t, old) in before.into_iter().enumerate() {
         let new = key(n, t);
         if old != new {
-            if let Some(k) = old {
-                order[t].remove(&k);
+            let o = &mut order[t];
+            if old.is_some() {
+                o.live -= 1;
             }
             if let Some(k) = new {
-                order[t].insert(k, id);
+                o.live += 1;
+                o.add(k, id, n.copies[t].is_some_and(|(at, _)| at == tick));
             }
         }
     }
 }
 
+/// Entries of one tier in (class, tick) order, as (packed key, id), stale ones included.
+fn entries(o: &Order) -> impl Iterator<Item = (u64, u64)> + '_ {
+    (0..CLASSES).flat_map(move |c| {
+        let base = (c as u64) << CLASS_SHIFT;
+        let mut a = o.fifo[c].iter().peekable();
+        let mut b = o.late[c].iter().peekable();
+        std::iter::from_fn(move || {
+            let take_a = match (a.peek(), b.peek()) {
+                (None, None) => return None,
+                (Some(_), None) => true,
+                (None, Some(_)) => false,
+                (Some(&&x), Some(&(&bt, &bid))) => x <= (bt, bid),
+            };
+            let (tick, id) = if take_a { *a.next()? } else { b.next().map(|(&t, &i)| (t, i))? };
+            Some((base | tick, id))
+        })
+    })
+}
+
 #[derive(Debug, Default)]
 pub struct LeafLru {
     nodes: IdMap<u64, Node>,
-    /// Per tier: packed (class, tick) -> id of every evictable copy.
-    order: [BTreeMap<u64, u64>; 3],
+    /// Per tier: every evictable copy by (class, tick).
+    order: [Order; 3],
     tick: u64,
 }
 
@@ -91,8 +150,28 @@ impl LeafLru {
         if let Some(n) = self.nodes.get_mut(&id) {
             let before = keys(n);
             f(n);
-            resort(&mut self.order, id, before, n);
+            resort(&mut self.order, id, before, n, self.tick);
         }
+    }
+
+    /// Drop the stale entries of tier `t` once they outnumber the live ones (amortized O(1)).
+    fn maybe_compact(&mut self, t: usize) {
+        let o = &mut self.order[t];
+        if o.entries <= 2 * o.live + 1024 {
+            return;
+        }
+        let nodes = &self.nodes;
+        let mut fresh: [VecDeque<(u64, u64)>; CLASSES] = Default::default();
+        let mut last = None;
+        for (k, id) in entries(o) {
+            if last != Some((k, id)) && live(nodes, t, k, id) {
+                fresh[(k >> CLASS_SHIFT) as usize].push_back((k & ((1 << CLASS_SHIFT) - 1), id));
+                last = Some((k, id));
+            }
+        }
+        o.entries = fresh.iter().map(VecDeque::len).sum();
+        o.fifo = fresh;
+        o.late = Default::default();
     }
 
     fn apply(&mut self, e: Event) {
@@ -111,7 +190,7 @@ impl LeafLru {
                 let before = keys(n);
                 n.copies[t] = Some((tick, e.size));
                 n.pin = e.pin;
-                resort(&mut self.order, e.id, before, n);
+                resort(&mut self.order, e.id, before, n, tick);
                 let parent = n.parent;
                 if !had_copy && parent != NO_PARENT {
                     self.update(parent, |p| p.children[t] += 1);
@@ -122,13 +201,10 @@ impl LeafLru {
                     if let Some((_, size)) = n.copies[t] {
                         let old = key(n, t);
                         n.copies[t] = Some((tick, size));
-                        let new = key(n, t);
-                        if let Some(k) = old {
-                            self.order[t].remove(&k);
+                        if let Some(k) = key(n, t) {
+                            self.order[t].add(k, e.id, true);
                         }
-                        if let Some(k) = new {
-                            self.order[t].insert(k, e.id);
-                        }
+                        debug_assert_eq!(old.is_some(), key(n, t).is_some());
                     }
                 }
             }
@@ -140,7 +216,7 @@ impl LeafLru {
                 let parent = n.parent;
                 let before = keys(n);
                 n.copies[t] = None;
-                resort(&mut self.order, e.id, before, n);
+                resort(&mut self.order, e.id, before, n, tick);
                 let gone = n.copies.iter().all(Option::is_none);
                 if parent != NO_PARENT {
                     self.update(parent, |p| p.children[t] = p.children[t].saturating_sub(1));
@@ -149,8 +225,15 @@ impl LeafLru {
                     self.nodes.remove(&e.id);
                 }
             }
-            EventKind::PinChanged => self.update(e.id, |n| n.pin = e.pin),
+            EventKind::PinChanged => {
+                self.update(e.id, |n| n.pin = e.pin);
+                for t in 0..3 {
+                    self.maybe_compact(t);
+                }
+                return;
+            }
         }
+        self.maybe_compact(t);
     }
 }
 
@@ -167,6 +250,20 @@ impl EvictionPolicy for LeafLru {
 
     fn victims(&mut self, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
         let t = tier as usize;
+        // Stale entries at the fronts are dropped for good.
+        {
+            let (nodes, o) = (&self.nodes, &mut self.order[t]);
+            for c in 0..CLASSES {
+                while let Some(&(tick, id)) = o.fifo[c].front() {
+                    if live(nodes, t, ((c as u64) << CLASS_SHIFT) | tick, id) {
+                        break;
+                    }
+                    o.fifo[c].pop_front();
+                    o.entries -= 1;
+                }
+            }
+        }
+        let nodes = &self.nodes;
         let mut out = Vec::new();
         let mut freed = 0u64;
         // Parents that became leaves because all their children in this tier were chosen:
@@ -174,7 +271,7 @@ impl EvictionPolicy for LeafLru {
         let mut promoted: BinaryHeap<Reverse<(u64, u64)>> = BinaryHeap::new();
         let mut taken_children: IdMap<u64, u32> = IdMap::default();
         let mut chosen: IdSet<u64> = IdSet::default();
-        let mut iter = self.order[t].iter().map(|(&k, &id)| (k, id)).peekable();
+        let mut iter = entries(&self.order[t]).filter(|&(k, id)| live(nodes, t, k, id)).peekable();
         while freed < bytes {
             let from_set = iter.peek().copied();
             let from_heap = promoted.peek().map(|r| r.0);
@@ -202,7 +299,7 @@ impl EvictionPolicy for LeafLru {
             if chosen.contains(&id) || exclude.binary_search(&id).is_ok() {
                 continue;
             }
-            let Some(node) = self.nodes.get(&id) else { continue };
+            let Some(node) = nodes.get(&id) else { continue };
             let remaining_children = node.children[t] - taken_children.get(&id).copied().unwrap_or(0);
             if remaining_children > 0 {
                 // Still an inner node: it is reached again through `promoted` once its last
@@ -215,7 +312,7 @@ impl EvictionPolicy for LeafLru {
             out.push(id);
             freed += node.copies[t].map_or(0, |(_, s)| s);
             let parent = node.parent;
-            if let Some(p) = self.nodes.get(&parent) {
+            if let Some(p) = nodes.get(&parent) {
                 let taken = taken_children.entry(parent).or_insert(0);
                 *taken += 1;
                 if *taken >= p.children[t] {
