@@ -72,7 +72,9 @@ impl Order {
     fn add(&mut self, k: u64, id: u64, newest: bool) {
         let c = (k >> CLASS_SHIFT) as usize;
         let tick = k & ((1 << CLASS_SHIFT) - 1);
-        if newest {
+        // An older tick that is still behind every entry of the class keeps `fifo` sorted too
+        // (a chain loaded root first makes each parent inner in tick order).
+        if newest || self.fifo[c].back().is_none_or(|&(last, _)| last < tick) {
             self.fifo[c].push_back((tick, id));
         } else {
             self.late[c].insert(tick, id);
