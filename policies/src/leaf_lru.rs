@@ -19,56 +19,6 @@ struct Node {
     children: [u32; 3],
 }
 
-/// The nodes, by id: a dense slab of nodes behind a small id -> slot index, so the hash table
-/// holds 16-byte entries instead of whole nodes (less memory to grow and touch on bulk loads).
-#[derive(Debug, Default)]
-struct Nodes {
-    index: IdMap<u64, u32>,
-    slab: Vec<Node>,
-    free: Vec<u32>,
-}
-
-impl Nodes {
-    fn get(&self, id: &u64) -> Option<&Node> {
-        self.index.get(id).map(|&s| &self.slab[s as usize])
-    }
-    fn get_mut(&mut self, id: &u64) -> Option<&mut Node> {
-        self.index.get(id).map(|&s| &mut self.slab[s as usize])
-    }
-    fn get_or_insert(&mut self, id: u64, n: Node) -> &mut Node {
-        let s = match self.index.get(&id) {
-            Some(&s) => s,
-            None => {
-                let s = match self.free.pop() {
-                    Some(s) => {
-                        self.slab[s as usize] = n;
-                        s
-                    }
-                    None => {
-                        self.slab.push(n);
-                        (self.slab.len() - 1) as u32
-                    }
-                };
-                self.index.insert(id, s);
-                s
-            }
-        };
-        &mut self.slab[s as usize]
-    }
-    fn remove(&mut self, id: &u64) {
-        if let Some(s) = self.index.remove(id) {
-            self.free.push(s);
-        }
-    }
-    fn values(&self) -> impl Iterator<Item = &Node> + '_ {
-        self.index.values().map(|&s| &self.slab[s as usize])
-    }
-    fn reserve(&mut self, n: usize) {
-        self.index.reserve(n);
-        self.slab.reserve(n.saturating_sub(self.free.len()));
-    }
-}
-
 /// Ordering class inside a tier: lower goes first.
 fn class(pin: Pin, children: u32) -> u8 {
     let inner = u8::from(children > 0);
@@ -134,7 +84,7 @@ impl Order {
 }
 
 /// Whether the entry (`k`, `id`) of tier `t` is live.
-fn live(nodes: &Nodes, t: usize, k: u64, id: u64) -> bool {
+fn live(nodes: &IdMap<u64, Node>, t: usize, k: u64, id: u64) -> bool {
     nodes.get(&id).is_some_and(|n| key(n, t) == Some(k))
 }
 
@@ -177,7 +127,7 @@ fn entries(o: &Order) -> impl Iterator<Item = (u64, u64)> + '_ {
 
 #[derive(Debug, Default)]
 pub struct LeafLru {
-    nodes: Nodes,
+    nodes: IdMap<u64, Node>,
     /// Per tier: every evictable copy by (class, tick).
     order: [Order; 3],
     tick: u64,
@@ -232,9 +182,12 @@ impl LeafLru {
         let tick = self.tick;
         match e.kind {
             EventKind::Inserted => {
-                let n = self
-                    .nodes
-                    .get_or_insert(e.id, Node { parent: e.parent, pin: e.pin, copies: [None; 3], children: [0; 3] });
+                let n = self.nodes.entry(e.id).or_insert(Node {
+                    parent: e.parent,
+                    pin: e.pin,
+                    copies: [None; 3],
+                    children: [0; 3],
+                });
                 let had_copy = n.copies[t].is_some();
                 let before = keys(n);
                 n.copies[t] = Some((tick, e.size));
