@@ -61,7 +61,7 @@ for peer in "${peers[@]}"; do
             "mooncake-transfer-engine-non-cuda==${MOONCAKE_VERSION}"
         ;;
     libcachesim)
-        pip_install "import libcachesim" libcachesim
+        pip_install "import libcachesim" "libcachesim==0.3.5"
         ;;
     fonts)
         # The PNG plots need one TrueType font (DejaVu Sans); most images have it already.
