@@ -302,7 +302,7 @@ impl EvictionPolicy for LeafLru {
                 continue;
             }
             let Some(node) = nodes.get(&id) else { continue };
-            let remaining_children = node.children[t] - taken_children.get(&id).copied().unwrap_or(0);
+            let remaining_children = node.children[t].saturating_sub(taken_children.get(&id).copied().unwrap_or(0));
             if remaining_children > 0 {
                 // Still an inner node: it is reached again through `promoted` once its last
                 // child goes, or taken as an inner node when only inner nodes are left.
