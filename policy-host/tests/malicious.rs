@@ -146,11 +146,18 @@ fn excluded_pinned_unknown_and_too_few_victims_are_invalid() {
 #[test]
 fn flood_of_output_is_refused() {
     let o = oracle();
+    // A generous deadline: this test is about sizes, and a loaded CI machine (debug host code
+    // lowering millions of ids) must not turn the expected fault into a timeout.
+    let cfg = HostConfig {
+        deadline: kvpool_policy_host::Deadline::Epoch { tick: Duration::from_millis(10), ticks: 1000 },
+        memory_limit: 64 << 20,
+        ..HostConfig::default()
+    };
     // 10M ids do not fit the 64 MiB memory limit: a trap.
-    let mut g = guard("flood", &[], &o);
+    let mut g = guard_with(cfg.clone(), "flood", &[], &o);
     one_fault(&mut g, &o, FaultKind::Trap, &[]);
     // 2M ids fit, but exceed `max_output`.
-    let mut g = guard("flood", &[("n", "2000000")], &o);
+    let mut g = guard_with(cfg, "flood", &[("n", "2000000")], &o);
     one_fault(&mut g, &o, FaultKind::Invalid, &[]);
     assert!(g.last_fault().unwrap().1.contains("more than the limit"), "{:?}", g.last_fault());
 }
