@@ -222,7 +222,8 @@ struct TtftReport {
 }
 
 pub fn ttft(a: TtftArgs) -> Result<()> {
-    if a.nodes == 0 || a.link_gbps.is_nan() || a.link_gbps <= 0.0 || a.prefill_us_per_token < 0.0 || a.transfer_us < 0.0 {
+    if a.nodes == 0 || a.link_gbps.is_nan() || a.link_gbps <= 0.0 || a.prefill_us_per_token < 0.0 || a.transfer_us < 0.0
+    {
         bail!("--nodes and --link-gbps must be positive, costs non-negative");
     }
     let block_latency = match &a.throughput_json {
