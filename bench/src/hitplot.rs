@@ -4,51 +4,9 @@
 use crate::replay::ReplayReport;
 use plotters::prelude::*;
 use std::path::Path;
-use std::sync::OnceLock;
 
-#[derive(Debug, thiserror::Error)]
-pub enum PlotError {
-    #[error("drawing: {0}")]
-    Draw(String),
-}
-
-fn draw_err<E: std::fmt::Display>(e: E) -> PlotError {
-    PlotError::Draw(e.to_string())
-}
-
-/// Register a sans-serif font once; false when none is found.
-fn font() -> bool {
-    static OK: OnceLock<bool> = OnceLock::new();
-    *OK.get_or_init(|| {
-        let mut candidates: Vec<std::path::PathBuf> = [
-            "/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf",
-            "/usr/share/fonts/TTF/DejaVuSans.ttf",
-            "/usr/share/fonts/truetype/liberation/LiberationSans-Regular.ttf",
-        ]
-        .iter()
-        .map(Into::into)
-        .collect();
-        if let Ok(d) = std::fs::read_dir("/usr/share/fonts/truetype") {
-            for sub in d.flatten() {
-                if let Ok(files) = std::fs::read_dir(sub.path()) {
-                    candidates.extend(
-                        files.flatten().map(|f| f.path()).filter(|p| p.extension().is_some_and(|e| e == "ttf")),
-                    );
-                }
-            }
-        }
-        for c in candidates {
-            if let Ok(bytes) = std::fs::read(&c) {
-                let bytes: &'static [u8] = Box::leak(bytes.into_boxed_slice());
-                if plotters::style::register_font("sans-serif", FontStyle::Normal, bytes).is_ok() {
-                    return true;
-                }
-            }
-        }
-        tracing::warn!("no TrueType font found: plots have no text");
-        false
-    })
-}
+// The error type, error mapping and font lookup are shared with the throughput plot.
+use crate::plot::{draw_err, font, PlotError};
 
 const COLORS: [RGBColor; 12] = [
     RGBColor(31, 119, 180),

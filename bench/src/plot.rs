@@ -25,7 +25,7 @@ pub enum PlotError {
     Draw(String),
 }
 
-fn draw_err<E: std::fmt::Display>(e: E) -> PlotError {
+pub fn draw_err<E: std::fmt::Display>(e: E) -> PlotError {
     PlotError::Draw(e.to_string())
 }
 
