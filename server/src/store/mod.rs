@@ -340,13 +340,10 @@ impl Store {
                 b.parent = pid;
             }
         }
-        let mut ids: Vec<u64> = state.blocks.keys().copied().collect();
-        ids.sort_unstable_by_key(|id| (depth(&state.blocks, *id), *id));
-        for id in ids {
-            let e = state.blocks[&id].event(id, EventKind::Inserted, Tier::Ssd);
-            state.emit(e);
-        }
-        state.flush_events();
+        // The same parents-first ordering a policy swap replays.
+        let recovered = snapshot(&state.blocks);
+        state.eviction.on_events(&recovered);
+        state.admission.on_events(&recovered);
         if kept + dropped > 0 {
             tracing::info!(kept, dropped, "recovered block index from sled (SSD copies kept, DRAM copies dropped)");
         }
@@ -1222,16 +1219,4 @@ fn snapshot(blocks: &HashMap<u64, Block>) -> Events {
         }
     }
     ev
-}
-
-fn depth(blocks: &HashMap<u64, Block>, mut id: u64) -> usize {
-    let mut d = 0;
-    while let Some(b) = blocks.get(&id) {
-        if b.parent == NO_PARENT || d > blocks.len() {
-            break;
-        }
-        id = b.parent;
-        d += 1;
-    }
-    d
 }
