@@ -198,7 +198,10 @@ pub fn build(opts: &BuildOptions) -> Result<Vec<Built>, BuildError> {
             let (kind, component) = componentize(&core)?;
             let path = opts.out_dir.join(format!("{name}.wasm"));
             // Write then rename: concurrent test binaries may build the same set.
-            let tmp = opts.out_dir.join(format!(".{name}.{}.tmp", std::process::id()));
+            // Unique per process and per call: test threads of one process build the same set too.
+            static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+            let seq = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            let tmp = opts.out_dir.join(format!(".{name}.{}.{seq}.tmp", std::process::id()));
             std::fs::write(&tmp, &component).map_err(io(&tmp))?;
             std::fs::rename(&tmp, &path).map_err(io(&path))?;
             tracing::info!(name, kind = kind.world(), bytes = component.len(), "built policy component");
