@@ -68,7 +68,7 @@ impl ClientError {
 impl From<ProtoError> for ClientError {
     fn from(e: ProtoError) -> Self {
         match e {
-            ProtoError::Io(m) => ClientError::Io(m),
+            ProtoError::Io(m) | ProtoError::Cancelled(m) => ClientError::Io(m),
             other => ClientError::Protocol(other.to_string()),
         }
     }

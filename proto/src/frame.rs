@@ -11,7 +11,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_len: u32) -> Result
     let mut len_buf = [0u8; 4];
     let mut got = 0;
     while got < 4 {
-        let n = r.read(&mut len_buf[got..]).await.map_err(|e| ProtoError::Io(e.to_string()))?;
+        let n = r.read(&mut len_buf[got..]).await?;
         if n == 0 {
             return if got == 0 { Ok(None) } else { Err(ProtoError::Truncated) };
         }
@@ -22,10 +22,7 @@ pub async fn read_frame<R: AsyncRead + Unpin>(r: &mut R, max_len: u32) -> Result
         return Err(ProtoError::FrameTooLarge { len: len as u64, max: max_len as u64 });
     }
     let mut body = vec![0u8; len as usize];
-    r.read_exact(&mut body).await.map_err(|e| match e.kind() {
-        std::io::ErrorKind::UnexpectedEof => ProtoError::Truncated,
-        _ => ProtoError::Io(e.to_string()),
-    })?;
+    r.read_exact(&mut body).await?;
     Ok(Some(body))
 }
 
@@ -48,5 +45,5 @@ pub fn encode_frame<T: Serialize>(msg: &T) -> Result<Vec<u8>, ProtoError> {
 
 pub async fn write_message<W: AsyncWrite + Unpin, T: Serialize>(w: &mut W, msg: &T) -> Result<(), ProtoError> {
     let frame = encode_frame(msg)?;
-    w.write_all(&frame).await.map_err(|e| ProtoError::Io(e.to_string()))
+    w.write_all(&frame).await.map_err(ProtoError::from)
 }

@@ -7,6 +7,21 @@ mod messages;
 
 pub use messages::*;
 
+/// Serde glue for a list of keys: each key as a byte string (one length, then the bytes, as any
+/// `Vec<u8>`), so decoding copies it in one piece instead of visiting it byte by byte.
+mod key_list {
+    use serde::{Deserialize, Deserializer, Serializer};
+    use serde_bytes::{ByteBuf, Bytes};
+
+    pub(crate) fn serialize<S: Serializer>(keys: &[Vec<u8>], s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(keys.iter().map(|k| Bytes::new(k)))
+    }
+
+    pub(crate) fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<Vec<u8>>, D::Error> {
+        Ok(Vec::<ByteBuf>::deserialize(d)?.into_iter().map(ByteBuf::into_vec).collect())
+    }
+}
+
 /// QUIC ALPN of this protocol.
 pub const ALPN: &[u8] = b"kvpool/1";
 /// Protocol version carried in `Hello`.
@@ -24,6 +39,9 @@ pub mod close {
     pub const PROTOCOL: u32 = 2;
     /// The server is shutting down.
     pub const SHUTDOWN: u32 = 3;
+    /// The server gave up waiting for the rest of a request (STOP_SENDING after a `timeout`
+    /// answer), or for the client to read a response (RESET_STREAM).
+    pub const TIMEOUT: u32 = 4;
 }
 
 /// Errors of framing and decoding, on either side.
@@ -37,8 +55,24 @@ pub enum ProtoError {
     Malformed(String),
     #[error("cannot encode message: {0}")]
     Encode(String),
+    /// The peer reset the stream, or the connection went away, mid-message.
+    #[error("cancelled by the peer: {0}")]
+    Cancelled(String),
     #[error("i/o: {0}")]
     Io(String),
+}
+
+impl From<std::io::Error> for ProtoError {
+    /// Stream errors as quinn reports them through `AsyncRead`: a reset stream is
+    /// `ConnectionReset`, a lost connection `NotConnected`.
+    fn from(e: std::io::Error) -> ProtoError {
+        use std::io::ErrorKind::*;
+        match e.kind() {
+            UnexpectedEof => ProtoError::Truncated,
+            ConnectionReset | NotConnected | ConnectionAborted | BrokenPipe => ProtoError::Cancelled(e.to_string()),
+            _ => ProtoError::Io(e.to_string()),
+        }
+    }
 }
 
 impl ProtoError {
@@ -48,7 +82,7 @@ impl ProtoError {
             ProtoError::FrameTooLarge { .. } => ErrorCode::FrameTooLarge,
             ProtoError::Truncated => ErrorCode::Malformed,
             ProtoError::Malformed(_) => ErrorCode::Malformed,
-            ProtoError::Encode(_) | ProtoError::Io(_) => ErrorCode::Internal,
+            ProtoError::Encode(_) | ProtoError::Io(_) | ProtoError::Cancelled(_) => ErrorCode::Internal,
         }
     }
 }

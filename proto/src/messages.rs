@@ -130,10 +130,12 @@ pub enum PinSpec {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PutItem {
+    #[serde(with = "serde_bytes")]
     pub key: Vec<u8>,
     /// Exact number of raw bytes that follow for this item.
     pub size: u64,
     /// Key of the previous block of the prefix chain, if any.
+    #[serde(with = "serde_bytes")]
     pub parent: Option<Vec<u8>>,
     /// Tokens held by this block.
     pub tokens: u32,
@@ -150,17 +152,20 @@ pub struct PutRequest {
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct KeysRequest {
+    #[serde(with = "crate::key_list")]
     pub keys: Vec<Vec<u8>>,
 }
 
 /// A prefix chain, root first.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LookupRequest {
+    #[serde(with = "crate::key_list")]
     pub chain: Vec<Vec<u8>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct RemoveRequest {
+    #[serde(with = "crate::key_list")]
     pub keys: Vec<Vec<u8>>,
     /// Remove even when leased (in-flight readers still finish with the old bytes).
     pub force: bool,

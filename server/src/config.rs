@@ -154,11 +154,25 @@ pub struct LimitsSection {
     pub max_batch: u32,
     /// Largest request header frame (bulk bytes are not framed).
     pub max_frame: Size,
+    /// Time a client has, from opening a request stream, to deliver the whole request frame and
+    /// (for requests without value bytes) its end of stream; also the grace of the value deadline.
+    pub request_timeout_ms: u64,
+    /// Slowest transfer the server waits for, in bytes per second: value bytes must arrive (and
+    /// response bytes be read) within `request_timeout_ms` plus their size at this rate. A
+    /// stalled client can therefore hold DRAM only that long.
+    pub min_transfer_rate: Size,
 }
 
 impl Default for LimitsSection {
     fn default() -> Self {
-        LimitsSection { max_key_len: 1024, max_value_size: Size(64 << 20), max_batch: 1024, max_frame: Size(4 << 20) }
+        LimitsSection {
+            max_key_len: 1024,
+            max_value_size: Size(64 << 20),
+            max_batch: 1024,
+            max_frame: Size(4 << 20),
+            request_timeout_ms: 10_000,
+            min_transfer_rate: Size(8 << 20),
+        }
     }
 }
 
@@ -332,6 +346,12 @@ impl Config {
         }
         if self.limits.max_key_len == 0 || self.limits.max_batch == 0 || self.limits.max_value_size.0 == 0 {
             return Err(ConfigError::Invalid { field: "limits", message: "limits must be positive".into() });
+        }
+        if self.limits.request_timeout_ms == 0 || self.limits.min_transfer_rate.0 < 1024 {
+            return Err(ConfigError::Invalid {
+                field: "limits.request_timeout_ms / limits.min_transfer_rate",
+                message: "the timeout must be positive and the rate at least 1KiB (per second)".into(),
+            });
         }
         for k in &self.auth.keys {
             if k.sha256.len() != 64 || hex::decode(&k.sha256).is_err() {

@@ -156,26 +156,37 @@ fn quic_endpoint(sc: quinn::ServerConfig, addr: SocketAddr) -> std::io::Result<q
     quinn::Endpoint::new(ec, Some(sc), sock.into(), runtime)
 }
 
-/// Start every part of the server and return once it accepts connections.
-pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
-    cfg.validate()?;
+/// A node's request-serving state with no network attached: the store, the policy engine,
+/// authentication and limits. [`start`] puts it behind QUIC; the fuzz driver and in-process
+/// tests drive [`service::handle_stream`] on it directly.
+pub struct Node {
+    pub shared: Arc<service::Shared>,
+    pub data_dir: PathBuf,
+    /// Set when the embedded default generated (or reused) `<data_dir>/api-key`.
+    pub api_key_file: Option<PathBuf>,
+}
+
+/// Check the transport choice this build can serve.
+fn check_transport(cfg: &Config) -> Result<(), ServerError> {
     match cfg.transport.protocol.as_str() {
-        "quic" => {}
-        "ascend" => {
-            return Err(ServerError::Transport {
-                protocol: "ascend".into(),
-                why: "the HIXL backend needs CANN's libcann_hixl.so and kvpool's HIXL shim, neither of which is part \
-                      of this build; use protocol = \"quic\""
-                    .into(),
-            })
-        }
-        other => {
-            return Err(ServerError::Transport {
-                protocol: other.into(),
-                why: "not implemented in this build; use quic".into(),
-            })
-        }
+        "quic" => Ok(()),
+        "ascend" => Err(ServerError::Transport {
+            protocol: "ascend".into(),
+            why: "the HIXL backend needs CANN's libcann_hixl.so and kvpool's HIXL shim, neither of which is part \
+                  of this build; use protocol = \"quic\""
+                .into(),
+        }),
+        other => Err(ServerError::Transport {
+            protocol: other.into(),
+            why: "not implemented in this build; use quic".into(),
+        }),
     }
+}
+
+/// Open the data directory, the store and the policy engine (restoring active modules).
+pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
+    cfg.validate()?;
+    check_transport(cfg)?;
     let data_dir = cfg.server.data_dir.clone();
     std::fs::create_dir_all(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
     let metrics = Arc::new(Metrics::new());
@@ -227,6 +238,34 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
         api_key_file = Some(path);
     }
     let auth = auth::Auth::new(&keys, |name| tenant_id(store.meta(), name));
+    let limits = Limits {
+        max_frame: cfg.limits.max_frame.0 as u32,
+        max_key_len: cfg.limits.max_key_len,
+        max_value_size: cfg.limits.max_value_size.0,
+        max_batch: cfg.limits.max_batch,
+    };
+    let shared = Arc::new(service::Shared {
+        store,
+        auth,
+        metrics,
+        limits,
+        timeouts: service::Timeouts {
+            request: Duration::from_millis(cfg.limits.request_timeout_ms),
+            min_rate: cfg.limits.min_transfer_rate.0,
+        },
+        server_name: format!("kvpool {}", env!("CARGO_PKG_VERSION")),
+        started: Instant::now(),
+        max_connections: cfg.server.max_connections,
+        policies,
+        max_module_size: cfg.policy.max_module_size.0,
+    });
+    Ok(Node { shared, data_dir, api_key_file })
+}
+
+/// Start every part of the server and return once it accepts connections.
+pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
+    let Node { shared, data_dir, api_key_file } = open_node(&cfg).await?;
+    let (store, metrics, policies) = (shared.store.clone(), shared.metrics.clone(), shared.policies.clone());
 
     let tls = tls::load_or_generate(
         cfg.server.cert.as_deref(),
@@ -244,24 +283,6 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
         .map_err(|source| ServerError::Listen { addr: cfg.server.listen.clone(), source })?;
     let quic_addr =
         endpoint.local_addr().map_err(|source| ServerError::Listen { addr: cfg.server.listen.clone(), source })?;
-
-    let limits = Limits {
-        max_frame: cfg.limits.max_frame.0 as u32,
-        max_key_len: cfg.limits.max_key_len,
-        max_value_size: cfg.limits.max_value_size.0,
-        max_batch: cfg.limits.max_batch,
-    };
-    let shared = Arc::new(service::Shared {
-        store: store.clone(),
-        auth,
-        metrics: metrics.clone(),
-        limits,
-        server_name: format!("kvpool {}", env!("CARGO_PKG_VERSION")),
-        started: Instant::now(),
-        max_connections: cfg.server.max_connections,
-        policies: policies.clone(),
-        max_module_size: cfg.policy.max_module_size.0,
-    });
     let mut tasks = vec![tokio::spawn(service::serve(endpoint.clone(), shared))];
 
     let metrics_addr = match cfg.server.metrics_listen.trim() {

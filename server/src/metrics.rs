@@ -34,6 +34,14 @@ pub struct Metrics {
     pub corrupt: IntCounter,
     pub op_seconds: HistogramVec,
     pub op_errors: IntCounterVec,
+    /// Request-level errors answered, by error code name.
+    pub errors: IntCounterVec,
+    /// Requests abandoned by the client (stream reset, connection lost): not errors.
+    pub cancelled: IntCounterVec,
+    /// Per-tenant request latency for tenant-scoped `stats`; not exported (tenant labels would
+    /// multiply every series), hence not registered.
+    pub tenant_op_seconds: HistogramVec,
+    pub tenant_op_errors: IntCounterVec,
     pub connections: IntGauge,
     pub auth_failures: IntCounter,
     pub lookup_blocks: IntCounterVec,
@@ -72,6 +80,17 @@ impl Metrics {
         )
         .expect("static metric definition");
         reg.register(Box::new(op_seconds.clone())).expect("unique metric name");
+        let tenant_op_seconds = HistogramVec::new(
+            HistogramOpts::new("tenant_op_duration_seconds", "Request latency by tenant and operation")
+                .buckets(exponential_buckets(10e-6, 1.5, 36).expect("valid buckets")),
+            &["tenant", "op"],
+        )
+        .expect("static metric definition");
+        let tenant_op_errors = IntCounterVec::new(
+            Opts::new("tenant_op_errors_total", "Requests answered with an error"),
+            &["tenant", "op"],
+        )
+        .expect("static metric definition");
         let connections = IntGauge::new("connections", "Open client connections").expect("static metric");
         reg.register(Box::new(connections.clone())).expect("unique metric name");
         let m = Metrics {
@@ -91,6 +110,15 @@ impl Metrics {
             rejected_puts: counter_vec(&reg, "rejected_puts_total", "Put items not stored, by reason", &["reason"]),
             corrupt: counter(&reg, "corrupt_blocks_total", "Blocks dropped because their checksum failed"),
             op_errors: counter_vec(&reg, "op_errors_total", "Requests answered with an error, by operation", &["op"]),
+            errors: counter_vec(&reg, "errors_total", "Request-level errors answered, by error code", &["code"]),
+            cancelled: counter_vec(
+                &reg,
+                "requests_cancelled_total",
+                "Requests the client abandoned (stream reset or connection lost), by operation",
+                &["op"],
+            ),
+            tenant_op_seconds,
+            tenant_op_errors,
             auth_failures: counter(&reg, "auth_failures_total", "Hellos refused"),
             lookup_blocks: counter_vec(
                 &reg,
@@ -135,35 +163,43 @@ impl Metrics {
     /// (count, p50 s, p99 s, mean s) of an op's latency, estimated from the histogram buckets
     /// by linear interpolation inside the bucket that holds the quantile.
     pub fn op_summary(&self, op: &str) -> (u64, f64, f64, f64) {
-        let h = self.op_seconds.with_label_values(&[op]);
-        let count = h.get_sample_count();
-        if count == 0 {
-            return (0, 0.0, 0.0, 0.0);
-        }
-        let mf = prometheus::core::Collector::collect(&h);
-        let Some(proto) = mf.first().and_then(|f| f.get_metric().first()) else {
-            return (count, 0.0, 0.0, 0.0);
-        };
-        let hist = proto.get_histogram();
-        let buckets: Vec<(f64, u64)> =
-            hist.get_bucket().iter().map(|b| (b.get_upper_bound(), b.get_cumulative_count())).collect();
-        let q = |quantile: f64| {
-            let rank = quantile * count as f64;
-            let mut prev_bound = 0.0;
-            let mut prev_count = 0u64;
-            for &(bound, cum) in &buckets {
-                if cum as f64 >= rank {
-                    let in_bucket = (cum - prev_count) as f64;
-                    let frac = if in_bucket > 0.0 { (rank - prev_count as f64) / in_bucket } else { 1.0 };
-                    return prev_bound + (bound - prev_bound) * frac.clamp(0.0, 1.0);
-                }
-                prev_bound = bound;
-                prev_count = cum;
-            }
-            prev_bound
-        };
-        (count, q(0.5), q(0.99), h.get_sample_sum() / count as f64)
+        summary(&self.op_seconds.with_label_values(&[op]))
     }
+
+    /// As [`Metrics::op_summary`], for one tenant's requests only.
+    pub fn tenant_op_summary(&self, tenant: &str, op: &str) -> (u64, f64, f64, f64) {
+        summary(&self.tenant_op_seconds.with_label_values(&[tenant, op]))
+    }
+}
+
+fn summary(h: &prometheus::Histogram) -> (u64, f64, f64, f64) {
+    let count = h.get_sample_count();
+    if count == 0 {
+        return (0, 0.0, 0.0, 0.0);
+    }
+    let mf = prometheus::core::Collector::collect(h);
+    let Some(proto) = mf.first().and_then(|f| f.get_metric().first()) else {
+        return (count, 0.0, 0.0, 0.0);
+    };
+    let hist = proto.get_histogram();
+    let buckets: Vec<(f64, u64)> =
+        hist.get_bucket().iter().map(|b| (b.get_upper_bound(), b.get_cumulative_count())).collect();
+    let q = |quantile: f64| {
+        let rank = quantile * count as f64;
+        let mut prev_bound = 0.0;
+        let mut prev_count = 0u64;
+        for &(bound, cum) in &buckets {
+            if cum as f64 >= rank {
+                let in_bucket = (cum - prev_count) as f64;
+                let frac = if in_bucket > 0.0 { (rank - prev_count as f64) / in_bucket } else { 1.0 };
+                return prev_bound + (bound - prev_bound) * frac.clamp(0.0, 1.0);
+            }
+            prev_bound = bound;
+            prev_count = cum;
+        }
+        prev_bound
+    };
+    (count, q(0.5), q(0.99), h.get_sample_sum() / count as f64)
 }
 
 impl Default for Metrics {

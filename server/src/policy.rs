@@ -118,6 +118,8 @@ pub enum PolicyError {
     MissingModule(String),
     #[error("{0}")]
     Invalid(String),
+    #[error("no {0} module is loaded (the built-in is active): nothing to roll back")]
+    NothingToRollBack(&'static str),
 }
 
 /// One entry of a kind's history, persisted.
@@ -269,7 +271,7 @@ impl PolicyManager {
         let _one = self.swap.lock().await;
         let mut stack = self.stack(kind);
         if stack.is_empty() {
-            return Err(PolicyError::Invalid(format!("no {} module is loaded; the built-in is active", kind.name())));
+            return Err(PolicyError::NothingToRollBack(kind.name()));
         }
         stack.pop();
         match stack.last().cloned() {

@@ -10,9 +10,11 @@ pub mod dram;
 pub mod meta;
 pub mod ssd;
 
+pub use dram::DramBlock;
+
 use crate::metrics::Metrics;
 use crate::policy::{AdmissionSlot, BlockOracle, EvictionSlot, NewSlot, PlacementSlot};
-use dram::{DramBlock, DramTier};
+use dram::DramTier;
 use kvpool_policy_sdk::{
     Admit, AdmitBatch, AdmitRequest, Event, EventKind, Events, NodeSet, Pin, PlaceBatch, Tier, NO_PARENT,
 };
@@ -124,9 +126,66 @@ struct State {
     tick: u64,
     dram_blocks: u64,
     ssd_blocks: u64,
+    /// Per-tenant residency and counters, for tenant-scoped `stats`.
+    tenants: HashMap<u32, TenantCounters>,
+}
+
+/// What one tenant holds and what happened to its blocks: the `stats` a non-admin key sees.
+/// Tier arrays are indexed `[dram, ssd]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TenantCounters {
+    /// Blocks in the index (a block may have a copy in both tiers).
+    pub resident: u64,
+    pub blocks: [u64; 2],
+    /// Bytes held, at each tier's allocation granularity.
+    pub bytes: [u64; 2],
+    pub hits: [u64; 2],
+    pub misses: [u64; 2],
+    pub evictions: [u64; 2],
+    pub demotions: u64,
+    pub promotions: u64,
+    pub rejected: u64,
+    pub corrupt: u64,
+}
+
+fn tier_slot(tier: Tier) -> usize {
+    usize::from(tier == Tier::Ssd)
+}
+
+fn footprint(tier: Tier, size: u64) -> u64 {
+    match tier {
+        Tier::Ssd => ssd::SsdTier::footprint(size),
+        _ => DramTier::footprint(size),
+    }
 }
 
 impl State {
+    fn tenant_mut(&mut self, tenant: u32) -> &mut TenantCounters {
+        self.tenants.entry(tenant).or_default()
+    }
+
+    /// A copy of a block entered `tier`.
+    fn copy_added(&mut self, tenant: u32, tier: Tier, size: u64) {
+        match tier {
+            Tier::Ssd => self.ssd_blocks += 1,
+            _ => self.dram_blocks += 1,
+        }
+        let t = self.tenant_mut(tenant);
+        t.blocks[tier_slot(tier)] += 1;
+        t.bytes[tier_slot(tier)] += footprint(tier, size);
+    }
+
+    /// A copy of a block left `tier`.
+    fn copy_removed(&mut self, tenant: u32, tier: Tier, size: u64) {
+        match tier {
+            Tier::Ssd => self.ssd_blocks -= 1,
+            _ => self.dram_blocks -= 1,
+        }
+        let t = self.tenant_mut(tenant);
+        t.blocks[tier_slot(tier)] -= 1;
+        t.bytes[tier_slot(tier)] -= footprint(tier, size);
+    }
+
     fn emit(&mut self, e: Event) {
         if let Some(t) = &mut self.tap {
             t.push(e);
@@ -260,6 +319,7 @@ impl Store {
             tick: 0,
             dram_blocks: 0,
             ssd_blocks: 0,
+            tenants: HashMap::new(),
         };
         // Recovery: only SSD copies survive a restart, and only when their file is complete.
         let files: HashMap<u64, u64> = files.into_iter().collect();
@@ -317,7 +377,8 @@ impl Store {
                 let b = &state.blocks[&id];
                 meta.put(tenant, &b.key, &b.record())?;
             }
-            state.ssd_blocks += 1;
+            state.copy_added(tenant, Tier::Ssd, r.size);
+            state.tenant_mut(tenant).resident += 1;
             kept += 1;
         }
         if let Some(s) = &ssd {
@@ -360,6 +421,11 @@ impl Store {
         Ok(store)
     }
 
+    /// DRAM bytes allocated, reservations of puts in flight included.
+    pub fn dram_used(&self) -> u64 {
+        self.dram.used()
+    }
+
     pub fn dram_capacity(&self) -> u64 {
         self.dram.capacity()
     }
@@ -375,6 +441,11 @@ impl Store {
         let st = self.state.lock();
         m.blocks.with_label_values(&["dram"]).set(st.dram_blocks as i64);
         m.blocks.with_label_values(&["ssd"]).set(st.ssd_blocks as i64);
+    }
+
+    /// One tenant's residency and counters (zero for a tenant that never stored anything).
+    pub fn tenant_counters(&self, tenant: u32) -> TenantCounters {
+        self.state.lock().tenants.get(&tenant).cloned().unwrap_or_default()
     }
 
     /// (blocks, dram blocks, ssd blocks)
@@ -437,6 +508,7 @@ impl Store {
             plans[i] = match decision {
                 Admit::Reject => {
                     self.metrics.rejected_puts.with_label_values(&["admission"]).inc();
+                    self.state.lock().tenant_mut(tenant).rejected += 1;
                     PutPlan::Skip(ErrorCode::Rejected)
                 }
                 Admit::Into(Tier::Ssd) if self.ssd.is_some() => PutPlan::Ssd(id),
@@ -474,9 +546,8 @@ impl Store {
             .collect()
     }
 
-    /// Reserve DRAM for `len` bytes, evicting and then waiting (bounded) for space.
-    pub async fn reserve(&self, len: u64) -> Result<DramBlock, ErrorCode> {
-        let deadline = tokio::time::Instant::now() + self.cfg.put_wait;
+    /// Reserve DRAM for `len` bytes, evicting and then waiting for space until `deadline`.
+    pub async fn reserve(&self, tenant: u32, len: u64, deadline: tokio::time::Instant) -> Result<DramBlock, ErrorCode> {
         loop {
             let notified = self.dram.freed.notified();
             tokio::pin!(notified);
@@ -494,6 +565,7 @@ impl Store {
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 self.metrics.rejected_puts.with_label_values(&["no_space"]).inc();
+                self.state.lock().tenant_mut(tenant).rejected += 1;
                 return Err(ErrorCode::NoSpace);
             }
         }
@@ -524,6 +596,7 @@ impl Store {
         let Some(ssd) = self.ssd.clone() else { return ErrorCode::NoSpace };
         if !self.reserve_ssd(item.size).await {
             self.metrics.rejected_puts.with_label_values(&["no_space"]).inc();
+            self.state.lock().tenant_mut(tenant).rejected += 1;
             return ErrorCode::NoSpace;
         }
         let file = ssd.new_file_id();
@@ -604,11 +677,8 @@ impl Store {
         }
         let tier = if block.dram.is_some() { Tier::Dram } else { Tier::Ssd };
         let ev = block.event(id, EventKind::Inserted, tier);
-        if block.dram.is_some() {
-            st.dram_blocks += 1;
-        } else {
-            st.ssd_blocks += 1;
-        }
+        st.copy_added(tenant, tier, item.size);
+        st.tenant_mut(tenant).resident += 1;
         if pin == Pin::Soft {
             st.soft_pins.insert((pin_until_ms, id));
         }
@@ -626,6 +696,7 @@ impl Store {
     fn drop_block(&self, st: &mut State, id: u64) -> Option<(u64, u64)> {
         let b = st.blocks.remove(&id)?;
         st.by_key.remove(&(b.tenant, b.key.clone()));
+        st.tenant_mut(b.tenant).resident -= 1;
         st.leased.remove(&id);
         st.moving.remove(&id);
         if b.pin == Pin::Soft {
@@ -635,11 +706,11 @@ impl Store {
             warn!(error = %e, "metadata remove failed");
         }
         if b.dram.is_some() {
-            st.dram_blocks -= 1;
+            st.copy_removed(b.tenant, Tier::Dram, b.size);
             st.emit(b.event(id, EventKind::Removed, Tier::Dram));
         }
         if let Some(f) = b.ssd {
-            st.ssd_blocks -= 1;
+            st.copy_removed(b.tenant, Tier::Ssd, b.size);
             st.emit(b.event(id, EventKind::Removed, Tier::Ssd));
             if let Some(s) = &self.ssd {
                 s.release(b.size);
@@ -713,11 +784,14 @@ impl Store {
                     self.metrics.evictions.with_label_values(&[tier.name()]).inc();
                     let b = st.blocks.get_mut(&id).expect("validated above");
                     b.moving = true;
+                    let tenant = b.tenant;
                     demotions.push(Demotion { id, block: b.dram.clone().expect("validated above") });
                     st.moving.insert(id);
+                    st.tenant_mut(tenant).evictions[tier_slot(tier)] += 1;
                     continue;
                 }
                 let b = st.blocks.get_mut(&id).expect("validated above");
+                let (tenant, size) = (b.tenant, b.size);
                 let other_copy = match tier {
                     Tier::Dram => b.ssd.is_some(),
                     _ => b.dram.is_some(),
@@ -729,6 +803,7 @@ impl Store {
                 gone += 1;
                 self.metrics.evictions.with_label_values(&[tier.name()]).inc();
                 if !other_copy {
+                    st.tenant_mut(tenant).evictions[tier_slot(tier)] += 1;
                     if let Some(f) = self.drop_block(&mut st, id) {
                         files.push(f.0);
                     }
@@ -749,10 +824,8 @@ impl Store {
                 };
                 let (tenant, key, rec) = (b.tenant, b.key.clone(), b.record());
                 let _ = self.meta.put(tenant, &key, &rec);
-                match tier {
-                    Tier::Dram => st.dram_blocks -= 1,
-                    _ => st.ssd_blocks -= 1,
-                }
+                st.copy_removed(tenant, tier, size);
+                st.tenant_mut(tenant).evictions[tier_slot(tier)] += 1;
                 st.emit(ev);
             }
         }
@@ -828,8 +901,9 @@ impl Store {
         if let Err(e) = self.meta.put(tenant, &key, &rec) {
             warn!(error = %e, "metadata write failed during demotion");
         }
-        st.dram_blocks -= 1;
-        st.ssd_blocks += 1;
+        st.copy_removed(tenant, Tier::Dram, size);
+        st.copy_added(tenant, Tier::Ssd, size);
+        st.tenant_mut(tenant).demotions += 1;
         st.emit(removed);
         st.emit(inserted);
         self.metrics.demotions.inc();
@@ -881,8 +955,12 @@ impl Store {
         for k in keys {
             let Some(&id) = st.by_key.get(&(tenant, k.clone().into_boxed_slice())) else {
                 self.metrics.misses.with_label_values(&["dram"]).inc();
-                if self.ssd.is_some() {
+                let has_ssd = self.ssd.is_some();
+                let t = st.tenant_mut(tenant);
+                t.misses[0] += 1;
+                if has_ssd {
                     self.metrics.misses.with_label_values(&["ssd"]).inc();
+                    t.misses[1] += 1;
                 }
                 out.push(GetPlan::Missing);
                 continue;
@@ -904,6 +982,13 @@ impl Store {
                     b.event(id, EventKind::Accessed, Tier::Ssd),
                 )
             };
+            let t = st.tenant_mut(tenant);
+            if matches!(plan, GetPlan::Dram { .. }) {
+                t.hits[0] += 1;
+            } else {
+                t.misses[0] += 1;
+                t.hits[1] += 1;
+            }
             st.leased.insert(id);
             st.emit(ev);
             out.push(plan);
@@ -976,9 +1061,10 @@ impl Store {
         if let Some(b) = st.blocks.get_mut(&id).filter(|b| b.dram.is_none() && b.ssd == Some(file)) {
             b.dram = Some(blk.clone());
             let ev = b.event(id, EventKind::Inserted, Tier::Dram);
-            let (tenant, key, rec) = (b.tenant, b.key.clone(), b.record());
+            let (tenant, key, rec, size) = (b.tenant, b.key.clone(), b.record(), b.size);
             let _ = self.meta.put(tenant, &key, &rec);
-            st.dram_blocks += 1;
+            st.copy_added(tenant, Tier::Dram, size);
+            st.tenant_mut(tenant).promotions += 1;
             st.emit(ev);
             self.metrics.promotions.inc();
         }
@@ -986,9 +1072,13 @@ impl Store {
         Ok(Served::Dram(blk, sum, Tier::Ssd))
     }
 
+    /// Drop an SSD copy whose bytes cannot be trusted (read error or checksum mismatch).
     fn drop_ssd_copy(&self, id: u64, file: u64) {
         let mut st = self.state.lock();
         let Some(b) = st.blocks.get_mut(&id).filter(|b| b.ssd == Some(file)) else { return };
+        let tenant = b.tenant;
+        st.tenant_mut(tenant).corrupt += 1;
+        let Some(b) = st.blocks.get_mut(&id) else { return };
         if b.dram.is_none() {
             if let Some((f, _)) = self.drop_block(&mut st, id) {
                 drop(st);
@@ -1002,7 +1092,7 @@ impl Store {
         let ev = b.event(id, EventKind::Removed, Tier::Ssd);
         let (tenant, key, rec, size) = (b.tenant, b.key.clone(), b.record(), b.size);
         let _ = self.meta.put(tenant, &key, &rec);
-        st.ssd_blocks -= 1;
+        st.copy_removed(tenant, Tier::Ssd, size);
         st.emit(ev);
         drop(st);
         if let Some(s) = &self.ssd {
