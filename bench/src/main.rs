@@ -88,6 +88,9 @@ struct ThroughputArgs {
     /// Also draw MB/s per system per block size into this PNG file
     #[arg(long)]
     plot: Option<PathBuf>,
+    /// How QUIC hands packets to the kernel, on both sides (auto, offload, large-datagrams)
+    #[arg(long, default_value = "auto")]
+    quic_segmentation: kvpool_client::Segmentation,
     /// Python interpreter that has Mooncake's client (`mooncake.store`) installed
     #[arg(long, env = "KVPOOL_BENCH_PYTHON", default_value = "python3")]
     python: PathBuf,
@@ -302,12 +305,7 @@ impl Phase<'_> {
 
 /// What the client's side of the connection saw: path MTU reached, losses, congestion events.
 fn quic_summary(client: &kvpool_client::Client) -> String {
-    let st = client.connection().stats();
-    let p = st.path;
-    format!(
-        "quic (client side): path MTU {} B, rtt {:?}, sent {} packets, lost {} ({} bytes), {} congestion events, received {} UDP datagrams",
-        p.current_mtu, p.rtt, p.sent_packets, p.lost_packets, p.lost_bytes, p.congestion_events, st.udp_rx.datagrams
-    )
+    format!("quic (client side): {}", client.path_report())
 }
 
 fn mem_total() -> String {
@@ -440,13 +438,15 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                         (None, cfg)
                     }
                     (None, None) => {
-                        let s = LocalServer::start(&dram, &[])?;
+                        let seg = a.quic_segmentation.to_string();
+                        let s = LocalServer::start(&dram, &["--quic-segmentation".into(), seg])?;
                         let cfg = ClientConfig::from_data_dir(s.path())?;
                         (Some(s), cfg)
                     }
                     (Some(_), None) => unreachable!("clap requires --data-dir with --server"),
                 };
                 cfg.client_name = "kvpool-bench".into();
+                cfg.quic.segmentation = a.quic_segmentation;
                 cfg.request_timeout = Duration::from_secs(300);
                 let kv = KvpoolTarget::connect(cfg).await?;
                 server = kv.client().hello().server;

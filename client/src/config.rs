@@ -28,6 +28,8 @@ pub struct ClientConfig {
     pub client_name: String,
     /// Bound on one whole request (open stream, send, receive everything).
     pub request_timeout: Duration,
+    /// UDP and QUIC settings (the defaults are the measured choice).
+    pub quic: kvpool_net::QuicTuning,
 }
 
 impl ClientConfig {
@@ -39,6 +41,7 @@ impl ClientConfig {
             trust,
             client_name: concat!("kvpool-client/", env!("CARGO_PKG_VERSION")).into(),
             request_timeout: Duration::from_secs(30),
+            quic: kvpool_net::QuicTuning::default(),
         }
     }
 

@@ -19,6 +19,7 @@ pub mod tls;
 
 pub use config::{parse_fingerprint, read_key_file, ClientConfig, EndpointInfo, Trust};
 pub use error::{ClientError, Result};
+pub use kvpool_net::{PathReport, QuicTuning, Segmentation};
 pub use kvpool_proto as proto;
 pub use kvpool_proto::{
     ErrorCode, HelloOk, Limits, OpStats, PinSpec, PutMode, RemoveAllResponse, StatsReport, TierStats,
@@ -135,48 +136,25 @@ async fn resolve(server: &str) -> Result<SocketAddr> {
     addrs.next().ok_or_else(|| ClientError::Connect { addr: server.to_string(), message: "no address".into() })
 }
 
-fn quic_config(trust: &Trust) -> Result<quinn::ClientConfig> {
-    let tls = tls::rustls_config(trust)?;
+fn quic_config(cfg: &ClientConfig, addr: &SocketAddr, bufs: &kvpool_net::SocketBuffers) -> Result<quinn::ClientConfig> {
+    let tls = tls::rustls_config(&cfg.trust)?;
     let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| ClientError::Tls(e.to_string()))?;
-    let mut cfg = quinn::ClientConfig::new(Arc::new(crypto));
-    let mut t = quinn::TransportConfig::default();
-    // Large windows: a get of a 64 x 4 MiB batch should not stall on flow control over loopback.
-    t.stream_receive_window(quinn::VarInt::from_u32(64 << 20));
-    t.receive_window(quinn::VarInt::from_u32(256 << 20));
-    t.send_window(256 << 20);
-    // Let path MTU discovery go past quinn's 1452-byte default: on loopback and jumbo-frame
-    // networks, per-packet costs (syscalls, crypto setup) dominate bulk transfers; probes that
-    // do not fit a path are simply lost, and the search settles below them.
-    let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(MAX_UDP_PAYLOAD);
-    t.mtu_discovery_config(Some(mtu));
+    let mut qc = quinn::ClientConfig::new(Arc::new(crypto));
+    let mut t = kvpool_net::transport_config(kvpool_net::path_kind(addr.ip()), bufs, &cfg.quic);
     t.max_concurrent_bidi_streams(0u8.into());
     t.max_concurrent_uni_streams(0u8.into());
     t.keep_alive_interval(Some(Duration::from_secs(5)));
     t.max_idle_timeout(Some(quinn::IdleTimeout::try_from(Duration::from_secs(60)).expect("60 s fits")));
-    cfg.transport_config(Arc::new(t));
-    Ok(cfg)
+    qc.transport_config(Arc::new(t));
+    Ok(qc)
 }
 
-/// UDP socket buffer the client asks for. Linux defaults (~200 KiB) overflow under bulk gets and
-/// every dropped datagram shrinks QUIC's congestion window; the kernel caps the request at
-/// `net.core.rmem_max`.
-const UDP_BUFFER: usize = 16 << 20;
-
-/// Largest UDP payload MTU discovery may try (IPv4 maximum less headers, as quinn's own cap).
-const MAX_UDP_PAYLOAD: u16 = 65_527;
-
-fn client_endpoint(addr: &SocketAddr) -> Result<quinn::Endpoint> {
-    use socket2::{Domain, Protocol, Socket, Type};
+fn client_endpoint(
+    addr: &SocketAddr,
+    tuning: &kvpool_net::QuicTuning,
+) -> Result<(quinn::Endpoint, kvpool_net::SocketBuffers)> {
     let bind: SocketAddr = if addr.is_ipv6() { "[::]:0".parse() } else { "0.0.0.0:0".parse() }.expect("literal");
-    let io = |e: std::io::Error| ClientError::Io(format!("cannot set up a UDP socket: {e}"));
-    let sock = Socket::new(Domain::for_address(bind), Type::DGRAM, Some(Protocol::UDP)).map_err(io)?;
-    if let Err(e) = sock.set_recv_buffer_size(UDP_BUFFER).and_then(|_| sock.set_send_buffer_size(UDP_BUFFER)) {
-        tracing::debug!(error = %e, "cannot enlarge the UDP socket buffers");
-    }
-    sock.bind(&bind.into()).map_err(io)?;
-    let runtime = quinn::default_runtime().ok_or_else(|| ClientError::Io("no async runtime for QUIC".into()))?;
-    quinn::Endpoint::new(quinn::EndpointConfig::default(), None, sock.into(), runtime).map_err(io)
+    kvpool_net::endpoint(bind, None, tuning).map_err(|e| ClientError::Io(e.to_string()))
 }
 
 async fn handshake(
@@ -300,8 +278,8 @@ impl Client {
     /// Connect, verify the server certificate, and say hello with the API key.
     pub async fn connect(cfg: ClientConfig) -> Result<Client> {
         let addr = resolve(&cfg.server).await?;
-        let quic = quic_config(&cfg.trust)?;
-        let endpoint = client_endpoint(&addr)?;
+        let (endpoint, bufs) = client_endpoint(&addr, &cfg.quic)?;
+        let quic = quic_config(&cfg, &addr, &bufs)?;
         let session = establish(&endpoint, &quic, addr, &cfg).await?;
         Ok(Client {
             inner: Arc::new(Inner {
@@ -346,6 +324,12 @@ impl Client {
     /// The underlying QUIC connection (for tests and diagnostics).
     pub fn connection(&self) -> quinn::Connection {
         self.current().conn
+    }
+
+    /// What the QUIC path of the current connection looks like: MTU reached, losses,
+    /// congestion events, black holes.
+    pub fn path_report(&self) -> PathReport {
+        PathReport::of(&self.current().conn)
     }
 
     /// Close the connection politely and wait briefly for the close to reach the server.
@@ -790,8 +774,8 @@ pub struct RawConnection {
 impl RawConnection {
     pub async fn connect(cfg: &ClientConfig) -> Result<RawConnection> {
         let addr = resolve(&cfg.server).await?;
-        let quic = quic_config(&cfg.trust)?;
-        let endpoint = client_endpoint(&addr)?;
+        let (endpoint, bufs) = client_endpoint(&addr, &cfg.quic)?;
+        let quic = quic_config(cfg, &addr, &bufs)?;
         let conn = handshake(&endpoint, &quic, addr, cfg).await?;
         Ok(RawConnection { endpoint, conn, timeout: cfg.request_timeout })
     }

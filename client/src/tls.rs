@@ -10,7 +10,7 @@ use sha2::{Digest, Sha256};
 use std::sync::Arc;
 
 pub(crate) fn provider() -> Arc<CryptoProvider> {
-    Arc::new(rustls::crypto::ring::default_provider())
+    kvpool_net::crypto_provider()
 }
 
 /// A rustls client config for `trust`, TLS 1.3 only, ALPN `kvpool/1`.

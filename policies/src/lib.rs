@@ -10,6 +10,7 @@ pub mod hash;
 pub mod leaf_lru;
 pub mod lru;
 pub mod placement;
+pub mod registry;
 pub mod s3fifo;
 pub mod sieve;
 pub mod threshold;

@@ -70,6 +70,34 @@ pub struct Config {
     pub auth: AuthSection,
     pub transport: TransportSection,
     pub policy: PolicySection,
+    pub quic: QuicSection,
+}
+
+/// UDP and QUIC settings of the client API (the defaults are the measured choice; see
+/// `kvpool_net`).
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct QuicSection {
+    /// `auto` (large datagrams with offload off for same-host peers, segmentation offload with
+    /// the MTU capped at 6,500 bytes across a network), `offload`, or `large-datagrams`.
+    pub segmentation: kvpool_net::Segmentation,
+    /// UDP socket buffer to ask the kernel for (capped by `net.core.rmem_max` / `wmem_max`).
+    pub udp_buffer: Size,
+}
+
+impl Default for QuicSection {
+    fn default() -> Self {
+        QuicSection {
+            segmentation: kvpool_net::Segmentation::Auto,
+            udp_buffer: Size(kvpool_net::DEFAULT_UDP_BUFFER as u64),
+        }
+    }
+}
+
+impl QuicSection {
+    pub fn tuning(&self) -> kvpool_net::QuicTuning {
+        kvpool_net::QuicTuning { segmentation: self.segmentation, udp_buffer: self.udp_buffer.0 as usize }
+    }
 }
 
 /// The Wasm policy sandbox.

@@ -107,53 +107,56 @@ fn default_key(data_dir: &Path) -> Result<(ApiKeyEntry, PathBuf), ServerError> {
     Ok((entry, path))
 }
 
-fn quic_server_config(tls: &tls::TlsMaterial, cfg: &Config) -> Result<quinn::ServerConfig, ServerError> {
-    let provider = Arc::new(rustls::crypto::ring::default_provider());
-    let mut crypto = rustls::ServerConfig::builder_with_provider(provider)
+/// Server configs per path: same-host peers get large datagrams, others segmentation offload with
+/// a capped MTU (`kvpool_net` says why).
+pub struct QuicServerConfigs {
+    pub same_host: Arc<quinn::ServerConfig>,
+    pub network: Arc<quinn::ServerConfig>,
+}
+
+impl QuicServerConfigs {
+    pub fn for_peer(&self, peer: std::net::IpAddr) -> Arc<quinn::ServerConfig> {
+        match kvpool_net::path_kind(peer) {
+            kvpool_net::PathKind::SameHost => self.same_host.clone(),
+            kvpool_net::PathKind::Network => self.network.clone(),
+        }
+    }
+}
+
+fn quic_server_configs(
+    tls: &tls::TlsMaterial,
+    cfg: &Config,
+    bufs: &kvpool_net::SocketBuffers,
+) -> Result<QuicServerConfigs, ServerError> {
+    let mut crypto = rustls::ServerConfig::builder_with_provider(kvpool_net::crypto_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls::TlsError::from)?
         .with_no_client_auth()
         .with_single_cert(tls.certs.clone(), tls.key.clone_key())
         .map_err(tls::TlsError::from)?;
     crypto.alpn_protocols = vec![kvpool_proto::ALPN.to_vec()];
-    let quic = quinn::crypto::rustls::QuicServerConfig::try_from(crypto)
-        .map_err(|e| tls::TlsError::Generate(format!("quic tls: {e}")))?;
-    let mut sc = quinn::ServerConfig::with_crypto(Arc::new(quic));
-    let mut t = quinn::TransportConfig::default();
-    t.max_concurrent_bidi_streams(cfg.server.max_streams_per_connection.into());
-    t.max_concurrent_uni_streams(0u8.into());
-    t.max_idle_timeout(Some(
-        Duration::from_millis(cfg.server.idle_timeout_ms)
-            .try_into()
-            .unwrap_or(quinn::IdleTimeout::from(quinn::VarInt::from_u32(30_000))),
-    ));
-    // Large windows: blocks are MiB-sized and loopback/datacenter RTTs are tiny.
-    t.stream_receive_window((32u32 << 20).into());
-    t.receive_window((256u32 << 20).into());
-    t.send_window(256 << 20);
-    let mut mtu = quinn::MtuDiscoveryConfig::default();
-    mtu.upper_bound(65527);
-    t.mtu_discovery_config(Some(mtu));
-    sc.transport_config(Arc::new(t));
-    Ok(sc)
-}
-
-/// UDP socket buffers: Linux defaults (~200 KiB) overflow under bulk puts and every drop costs
-/// a congestion event.
-const UDP_BUFFER: usize = 16 << 20;
-
-fn quic_endpoint(sc: quinn::ServerConfig, addr: SocketAddr) -> std::io::Result<quinn::Endpoint> {
-    use socket2::{Domain, Protocol, Socket, Type};
-    let sock = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
-    if let Err(e) = sock.set_recv_buffer_size(UDP_BUFFER).and_then(|_| sock.set_send_buffer_size(UDP_BUFFER)) {
-        warn!(error = %e, "cannot enlarge the UDP socket buffers");
-    }
-    sock.bind(&addr.into())?;
-    let runtime = quinn::default_runtime().ok_or_else(|| std::io::Error::other("no async runtime for QUIC"))?;
-    let mut ec = quinn::EndpointConfig::default();
-    // Let path MTU discovery grow past 1472 bytes where the path allows (loopback, jumbo frames).
-    ec.max_udp_payload_size(65527).map_err(|e| std::io::Error::other(e.to_string()))?;
-    quinn::Endpoint::new(ec, Some(sc), sock.into(), runtime)
+    let quic = Arc::new(
+        quinn::crypto::rustls::QuicServerConfig::try_from(crypto)
+            .map_err(|e| tls::TlsError::Generate(format!("quic tls: {e}")))?,
+    );
+    let tuning = cfg.quic.tuning();
+    let build = |kind| {
+        let mut t = kvpool_net::transport_config(kind, bufs, &tuning);
+        t.max_concurrent_bidi_streams(cfg.server.max_streams_per_connection.into());
+        t.max_concurrent_uni_streams(0u8.into());
+        t.max_idle_timeout(Some(
+            Duration::from_millis(cfg.server.idle_timeout_ms)
+                .try_into()
+                .unwrap_or(quinn::IdleTimeout::from(quinn::VarInt::from_u32(30_000))),
+        ));
+        let mut sc = quinn::ServerConfig::with_crypto(quic.clone());
+        sc.transport_config(Arc::new(t));
+        Arc::new(sc)
+    };
+    Ok(QuicServerConfigs {
+        same_host: build(kvpool_net::PathKind::SameHost),
+        network: build(kvpool_net::PathKind::Network),
+    })
 }
 
 /// A node's request-serving state with no network attached: the store, the policy engine,
@@ -205,12 +208,7 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         put_wait: Duration::from_millis(cfg.cache.put_wait_ms),
         promote_on_hit: cfg.cache.promote_on_hit,
     };
-    let store = Store::open(
-        store_cfg,
-        metrics.clone(),
-        policy::EvictionSlot::Native(Box::new(kvpool_policies::LeafLru::new())),
-        policy::AdmissionSlot::Native(Box::new(kvpool_policies::ThresholdAdmission::new(cfg.cache.store_threshold))),
-    )?;
+    let store = Store::open(store_cfg, metrics.clone(), policy::builtin_policies(cfg.cache.store_threshold))?;
     let p = &cfg.policy;
     let host = kvpool_policy_host::HostConfig {
         deadline: if p.fuel_per_call > 0 {
@@ -225,7 +223,7 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         max_total_faults: p.max_faults,
         ..kvpool_policy_host::HostConfig::default()
     };
-    let policies = policy::PolicyManager::new(host, store.clone(), cfg.cache.store_threshold)?;
+    let policies = policy::PolicyManager::new(host, store.clone(), store.meta().db(), cfg.cache.store_threshold)?;
     // Modules active before a restart come back before the first request is served.
     policies.restore().await;
 
@@ -258,6 +256,7 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         max_connections: cfg.server.max_connections,
         policies,
         max_module_size: cfg.policy.max_module_size.0,
+        paths: Default::default(),
     });
     Ok(Node { shared, data_dir, api_key_file })
 }
@@ -265,7 +264,7 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
 /// Start every part of the server and return once it accepts connections.
 pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     let Node { shared, data_dir, api_key_file } = open_node(&cfg).await?;
-    let (store, metrics, policies) = (shared.store.clone(), shared.metrics.clone(), shared.policies.clone());
+    let store = shared.store.clone();
 
     let tls = tls::load_or_generate(
         cfg.server.cert.as_deref(),
@@ -279,11 +278,18 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     info!(fingerprint = %tls.fingerprint, "server certificate SHA-256");
 
     let addr: SocketAddr = cfg.server.listen.parse().map_err(|_| ServerError::Addr(cfg.server.listen.clone()))?;
-    let endpoint = quic_endpoint(quic_server_config(&tls, &cfg)?, addr)
-        .map_err(|source| ServerError::Listen { addr: cfg.server.listen.clone(), source })?;
-    let quic_addr =
-        endpoint.local_addr().map_err(|source| ServerError::Listen { addr: cfg.server.listen.clone(), source })?;
-    let mut tasks = vec![tokio::spawn(service::serve(endpoint.clone(), shared))];
+    let listen_err = |source| ServerError::Listen { addr: cfg.server.listen.clone(), source };
+    let (sock, bufs) = kvpool_net::bind_udp(addr, cfg.quic.udp_buffer.0 as usize).map_err(|e| match e {
+        kvpool_net::NetError::Socket { source, .. } => listen_err(source),
+        other => listen_err(std::io::Error::other(other.to_string())),
+    })?;
+    info!(recv = bufs.recv, send = bufs.send, "UDP socket buffers granted");
+    let configs = quic_server_configs(&tls, &cfg, &bufs)?;
+    let runtime = quinn::default_runtime().ok_or_else(|| listen_err(std::io::Error::other("no async runtime")))?;
+    let endpoint = quinn::Endpoint::new(kvpool_net::endpoint_config(), Some((*configs.network).clone()), sock, runtime)
+        .map_err(listen_err)?;
+    let quic_addr = endpoint.local_addr().map_err(listen_err)?;
+    let mut tasks = vec![tokio::spawn(service::serve(endpoint.clone(), shared.clone(), Arc::new(configs)))];
 
     let metrics_addr = match cfg.server.metrics_listen.trim() {
         "" | "off" => None,
@@ -292,7 +298,7 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
                 .await
                 .map_err(|source| ServerError::Listen { addr: a.into(), source })?;
             let bound = listener.local_addr().ok();
-            tasks.push(tokio::spawn(serve_metrics(listener, metrics.clone(), store.clone(), policies.clone())));
+            tasks.push(tokio::spawn(serve_metrics(listener, shared.clone())));
             bound
         }
     };
@@ -336,29 +342,20 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     })
 }
 
-async fn serve_metrics(
-    listener: tokio::net::TcpListener,
-    metrics: Arc<Metrics>,
-    store: Arc<Store>,
-    policies: Arc<policy::PolicyManager>,
-) {
+async fn serve_metrics(listener: tokio::net::TcpListener, shared: Arc<service::Shared>) {
     use http_body_util::Full;
     use hyper::{body::Bytes, service::service_fn, Response};
     loop {
         let Ok((stream, _)) = listener.accept().await else { continue };
-        let (m, st, pm) = (metrics.clone(), store.clone(), policies.clone());
+        let shared = shared.clone();
         tokio::spawn(async move {
             let svc = service_fn(move |req: hyper::Request<hyper::body::Incoming>| {
-                let (m, st, pm) = (m.clone(), st.clone(), pm.clone());
+                let shared = shared.clone();
                 async move {
                     let resp = match req.uri().path() {
-                        "/metrics" => {
-                            st.update_gauges();
-                            pm.export_metrics(&m);
-                            Response::builder()
-                                .header("content-type", "text/plain; version=0.0.4")
-                                .body(Full::new(Bytes::from(m.render())))
-                        }
+                        "/metrics" => Response::builder()
+                            .header("content-type", "text/plain; version=0.0.4")
+                            .body(Full::new(Bytes::from(shared.render_metrics()))),
                         "/healthz" => Response::builder().body(Full::new(Bytes::from_static(b"ok\n"))),
                         _ => Response::builder().status(404).body(Full::new(Bytes::from_static(b"not found\n"))),
                     };

@@ -39,6 +39,9 @@ struct Args {
     /// Overrides cache.store_threshold (tokens).
     #[arg(long)]
     store_threshold: Option<u64>,
+    /// Overrides quic.segmentation (auto, offload, large-datagrams).
+    #[arg(long)]
+    quic_segmentation: Option<kvpool_net::Segmentation>,
     /// Print the effective config (TOML) and exit.
     #[arg(long)]
     print_config: bool,
@@ -76,6 +79,9 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(t) = args.store_threshold {
         c.cache.store_threshold = t;
+    }
+    if let Some(s) = args.quic_segmentation {
+        c.quic.segmentation = s;
     }
     c.validate()?;
     for w in &loaded.warnings {

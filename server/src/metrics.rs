@@ -42,6 +42,10 @@ pub struct Metrics {
     /// multiply every series), hence not registered.
     pub tenant_op_seconds: HistogramVec,
     pub tenant_op_errors: IntCounterVec,
+    /// QUIC path counters over every connection (server side), by counter.
+    pub quic_path: IntCounterVec,
+    /// Current path MTU of live connections: `min` and `max`.
+    pub quic_mtu: IntGaugeVec,
     pub connections: IntGauge,
     pub auth_failures: IntCounter,
     pub lookup_blocks: IntCounterVec,
@@ -119,6 +123,14 @@ impl Metrics {
             ),
             tenant_op_seconds,
             tenant_op_errors,
+            quic_path: counter_vec(
+                &reg,
+                "quic_path_total",
+                "QUIC path events over all client connections (server side): sent_packets, lost_packets, \
+                 lost_bytes, congestion_events, black_holes",
+                &["counter"],
+            ),
+            quic_mtu: gauge_vec(&reg, "quic_path_mtu_bytes", "Path MTU of live client connections", &["stat"]),
             auth_failures: counter(&reg, "auth_failures_total", "Hellos refused"),
             lookup_blocks: counter_vec(
                 &reg,
@@ -164,6 +176,24 @@ impl Metrics {
     /// by linear interpolation inside the bucket that holds the quantile.
     pub fn op_summary(&self, op: &str) -> (u64, f64, f64, f64) {
         summary(&self.op_seconds.with_label_values(&[op]))
+    }
+
+    /// Bring the QUIC path series up to `totals` (counters only ever grow: closed connections
+    /// keep their share in the totals).
+    pub fn set_path_stats(&self, totals: &kvpool_net::PathReport, mtu: Option<(u16, u16)>) {
+        for (name, v) in [
+            ("sent_packets", totals.sent_packets),
+            ("lost_packets", totals.lost_packets),
+            ("lost_bytes", totals.lost_bytes),
+            ("congestion_events", totals.congestion_events),
+            ("black_holes", totals.black_holes),
+        ] {
+            let c = self.quic_path.with_label_values(&[name]);
+            c.inc_by(v.saturating_sub(c.get()));
+        }
+        let (lo, hi) = mtu.unwrap_or((0, 0));
+        self.quic_mtu.with_label_values(&["min"]).set(lo.into());
+        self.quic_mtu.with_label_values(&["max"]).set(hi.into());
     }
 
     /// As [`Metrics::op_summary`], for one tenant's requests only.

@@ -1,111 +1,94 @@
-//! Policy slots of the store (native built-in or a guarded Wasm module) and the manager that
-//! loads modules, swaps them in without stopping requests, keeps a history for rollback, and
-//! persists the active modules in sled so that a restart restores them.
+//! The policy manager: loads Wasm modules, swaps them into the store's policy slots without
+//! stopping requests, keeps a history for rollback, and persists the active modules in sled so
+//! that a restart restores them. It sees the store only through [`PolicySlots`].
 
-use crate::store::Store;
-use kvpool_policy_host::{GuardedAdmission, GuardedEviction, GuardedPlacement, HostConfig, ModuleInfo, PolicyEngine};
-use kvpool_policy_sdk::{
-    AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, NodeSet, Params, PlaceBatch, PlacementPolicy,
-    Placements, Tier,
+use kvpool_core::{Admitter, Evictor, IndexView, Native, NewSlot, Policies};
+use kvpool_policies::registry;
+use kvpool_policy_host::{
+    BlockOracle, GuardedAdmission, GuardedEviction, GuardedPlacement, HostConfig, ModuleInfo, PolicyEngine,
 };
+use kvpool_policy_sdk::{Events, Params, Pin, Tier};
 use kvpool_proto::{codec, PolicyInfo, PolicyKind};
 use serde::{Deserialize, Serialize};
+use std::any::Any;
 use std::sync::Arc;
 use std::time::{Instant, SystemTime, UNIX_EPOCH};
 use tracing::{info, warn};
 
-pub use kvpool_policy_host::BlockOracle;
-
-pub enum EvictionSlot {
-    Native(Box<dyn EvictionPolicy + Send>),
-    Wasm(Box<GuardedEviction>),
+/// What the policy manager needs of a store: swap a slot in (snapshot, tap, switch) and look at
+/// the active slots.
+pub trait PolicySlots: Send + Sync {
+    /// Snapshot of the block set for a new policy; events from now on are recorded for it.
+    fn begin_swap(&self) -> Events;
+    fn abort_swap(&self);
+    /// Feed the new occupant the recorded events, then switch atomically.
+    fn finish_swap(&self, slot: NewSlot);
+    fn with_policies(&self, f: &mut dyn FnMut(&Policies));
 }
 
-impl EvictionSlot {
-    pub fn on_events(&mut self, ev: &Events) {
-        match self {
-            EvictionSlot::Native(p) => p.on_events(ev),
-            EvictionSlot::Wasm(g) => g.on_events(ev),
-        }
-    }
+/// A guarded Wasm eviction module in the core's eviction slot.
+pub struct WasmEviction(pub GuardedEviction);
 
-    pub fn victims(&mut self, oracle: &dyn BlockOracle, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
-        match self {
-            EvictionSlot::Native(p) => p.victims(tier, bytes, exclude),
-            EvictionSlot::Wasm(g) => g.victims(oracle, tier, bytes, exclude),
-        }
-    }
+/// The index as the guard's oracle.
+struct Oracle<'a>(&'a dyn IndexView);
 
-    pub fn info(&self) -> Option<ModuleInfo> {
-        match self {
-            EvictionSlot::Native(_) => None,
-            EvictionSlot::Wasm(g) => Some(g.info()),
-        }
+impl BlockOracle for Oracle<'_> {
+    fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
+        self.0.size_in_tier(id, tier)
+    }
+    fn pin(&self, id: u64) -> Pin {
+        self.0.pin(id)
+    }
+    fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64 {
+        self.0.evictable_bytes(tier, exclude)
+    }
+    fn snapshot(&self) -> Events {
+        self.0.snapshot()
     }
 }
 
-pub enum AdmissionSlot {
-    Native(Box<dyn AdmissionPolicy + Send>),
-    Wasm(Box<GuardedAdmission>),
+impl Evictor for WasmEviction {
+    fn on_events(&mut self, events: &Events) {
+        self.0.on_events(events)
+    }
+    fn victims(&mut self, view: &dyn IndexView, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
+        self.0.victims(&Oracle(view), tier, bytes, exclude)
+    }
+    fn as_any(&self) -> &dyn Any {
+        self
+    }
 }
 
-impl AdmissionSlot {
-    pub fn on_events(&mut self, ev: &Events) {
-        match self {
-            AdmissionSlot::Native(p) => p.on_events(ev),
-            AdmissionSlot::Wasm(g) => g.on_events(ev),
-        }
-    }
-
-    pub fn admit(&mut self, batch: &AdmitBatch) -> Vec<Admit> {
-        match self {
-            AdmissionSlot::Native(p) => p.admit(batch),
-            AdmissionSlot::Wasm(g) => g.admit(batch),
-        }
-    }
-
-    pub fn info(&self) -> Option<ModuleInfo> {
-        match self {
-            AdmissionSlot::Native(_) => None,
-            AdmissionSlot::Wasm(g) => Some(g.info()),
+/// Module info of the module in a slot, if a module (not a native built-in) is there.
+fn slot_info(p: &Policies, kind: PolicyKind) -> Option<ModuleInfo> {
+    match kind {
+        PolicyKind::Eviction => p.eviction.as_any().downcast_ref::<WasmEviction>().map(|w| w.0.info()),
+        PolicyKind::Admission => p.admission.as_any().downcast_ref::<Native<GuardedAdmission>>().map(|w| w.0.info()),
+        PolicyKind::Placement => {
+            p.placement.as_ref()?.as_any().downcast_ref::<Native<GuardedPlacement>>().map(|w| w.0.info())
         }
     }
 }
 
-/// Placement on a single node chooses the tier of new blocks; with no module the store's own
-/// choice (DRAM) stands.
-pub enum PlacementSlot {
-    Default,
-    Wasm(Box<GuardedPlacement>),
+/// The built-in policies a store starts with (and returns to after a rollback past the first
+/// module): leaf-first LRU eviction, `store_threshold` admission, no placement module.
+pub fn builtin_policies(store_threshold: u64) -> Policies {
+    Policies::new(builtin_eviction(), builtin_admission(store_threshold))
 }
 
-impl PlacementSlot {
-    pub fn on_events(&mut self, ev: &Events) {
-        if let PlacementSlot::Wasm(g) = self {
-            g.on_events(ev);
-        }
-    }
-
-    pub fn place(&mut self, blocks: &PlaceBatch, nodes: &NodeSet) -> Option<Placements> {
-        match self {
-            PlacementSlot::Default => None,
-            PlacementSlot::Wasm(g) => Some(g.place(blocks, nodes)),
-        }
-    }
-
-    pub fn info(&self) -> Option<ModuleInfo> {
-        match self {
-            PlacementSlot::Default => None,
-            PlacementSlot::Wasm(g) => Some(g.info()),
-        }
-    }
+fn builtin_eviction() -> Box<dyn Evictor> {
+    Box::new(registry::eviction(registry::DEFAULT_EVICTION, &Params::new()).expect("the default is registered"))
 }
 
-/// A slot being replaced: the new occupant, built off the request path.
-pub enum NewSlot {
-    Eviction(EvictionSlot),
-    Admission(AdmissionSlot),
-    Placement(PlacementSlot),
+fn threshold_params(store_threshold: u64) -> Params {
+    Params::from_pairs([("store_threshold", store_threshold.to_string())])
+}
+
+fn builtin_admission(store_threshold: u64) -> Box<dyn Admitter> {
+    Box::new(
+        registry::admission(registry::DEFAULT_ADMISSION, &threshold_params(store_threshold))
+            .expect("the default is registered"),
+    )
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -147,7 +130,7 @@ const KINDS: [PolicyKind; 3] = [PolicyKind::Eviction, PolicyKind::Admission, Pol
 
 pub struct PolicyManager {
     engine: PolicyEngine,
-    store: Arc<Store>,
+    slots: Arc<dyn PolicySlots>,
     modules: sled::Tree,
     stacks: sled::Tree,
     /// One swap at a time (the store's event tap has one reader).
@@ -159,14 +142,19 @@ pub struct PolicyManager {
 }
 
 impl PolicyManager {
-    pub fn new(config: HostConfig, store: Arc<Store>, store_threshold: u64) -> Result<Arc<PolicyManager>, PolicyError> {
+    /// `db` keeps the module store and each kind's history.
+    pub fn new(
+        config: HostConfig,
+        slots: Arc<dyn PolicySlots>,
+        db: &sled::Db,
+        store_threshold: u64,
+    ) -> Result<Arc<PolicyManager>, PolicyError> {
         let engine = PolicyEngine::new(config)?;
-        let db = store.meta().db();
         let modules = db.open_tree("policy-modules").map_err(|e| PolicyError::Meta(e.to_string()))?;
         let stacks = db.open_tree("policy-stacks").map_err(|e| PolicyError::Meta(e.to_string()))?;
         Ok(Arc::new(PolicyManager {
             engine,
-            store,
+            slots,
             modules,
             stacks,
             swap: tokio::sync::Mutex::new(()),
@@ -231,27 +219,30 @@ impl PolicyManager {
             let sha = module.sha256().to_string();
             // Snapshot and tap are taken together under the store lock: every event after the
             // snapshot reaches the new module before it decides anything.
-            let snapshot = me.store.begin_swap();
+            let snapshot = me.slots.begin_swap();
+            let none = Params::new();
             let slot = match kind {
                 PolicyKind::Eviction => {
-                    GuardedEviction::new(&module, Box::new(kvpool_policies::LeafLru::new()), &snapshot)
-                        .map(|g| NewSlot::Eviction(EvictionSlot::Wasm(Box::new(g))))
+                    let fallback = registry::eviction(registry::DEFAULT_EVICTION, &none).expect("registered");
+                    GuardedEviction::new(&module, fallback, &snapshot)
+                        .map(|g| NewSlot::Eviction(Box::new(WasmEviction(g))))
                 }
-                PolicyKind::Admission => GuardedAdmission::new(
-                    &module,
-                    Box::new(kvpool_policies::ThresholdAdmission::new(me.store_threshold)),
-                    &snapshot,
-                )
-                .map(|g| NewSlot::Admission(AdmissionSlot::Wasm(Box::new(g)))),
+                PolicyKind::Admission => {
+                    let fallback =
+                        registry::admission(registry::DEFAULT_ADMISSION, &threshold_params(me.store_threshold))
+                            .expect("registered");
+                    GuardedAdmission::new(&module, fallback, &snapshot).map(|g| NewSlot::Admission(Box::new(Native(g))))
+                }
                 PolicyKind::Placement => {
-                    GuardedPlacement::new(&module, Box::new(kvpool_policies::LeastLoaded), &snapshot)
-                        .map(|g| NewSlot::Placement(PlacementSlot::Wasm(Box::new(g))))
+                    let fallback = registry::placement(registry::DEFAULT_PLACEMENT, &none).expect("registered");
+                    GuardedPlacement::new(&module, fallback, &snapshot)
+                        .map(|g| NewSlot::Placement(Some(Box::new(Native(g)))))
                 }
             };
             match slot {
                 Ok(s) => Ok((s, sha)),
                 Err(e) => {
-                    me.store.abort_swap();
+                    me.slots.abort_swap();
                     Err(e.into())
                 }
             }
@@ -259,7 +250,7 @@ impl PolicyManager {
         .await
         .map_err(|e| PolicyError::Invalid(format!("swap task failed: {e}")))??;
         let (slot, sha) = built;
-        self.store.finish_swap(slot);
+        self.slots.finish_swap(slot);
         let us = started.elapsed().as_micros() as u64;
         self.last_swap_us.lock()[kind as usize] = us;
         info!(kind = kind.name(), sha256 = %sha, swap_ms = us as f64 / 1e3, "policy module active");
@@ -279,10 +270,32 @@ impl PolicyManager {
                 let wasm = self.module_bytes(&prev.sha256)?;
                 self.activate(kind, &prev.name, &prev.params, wasm).await?;
             }
-            None => self.store.install_builtin(kind, self.store_threshold),
+            None => self.install_builtin(kind),
         }
         self.save_stack(kind, &stack)?;
         Ok(self.active_info(kind))
+    }
+
+    /// Back to the native built-in for a kind, rebuilt from the current block set.
+    fn install_builtin(&self, kind: PolicyKind) {
+        let snapshot = self.slots.begin_swap();
+        let slot = match kind {
+            PolicyKind::Eviction => {
+                let mut e = builtin_eviction();
+                e.on_events(&snapshot);
+                NewSlot::Eviction(e)
+            }
+            PolicyKind::Admission => NewSlot::Admission(builtin_admission(self.store_threshold)),
+            PolicyKind::Placement => NewSlot::Placement(None),
+        };
+        self.slots.finish_swap(slot);
+    }
+
+    /// The module in a kind's slot, if one is loaded.
+    fn module_info(&self, kind: PolicyKind) -> Option<ModuleInfo> {
+        let mut info = None;
+        self.slots.with_policies(&mut |p| info = slot_info(p, kind));
+        info
     }
 
     fn module_bytes(&self, sha: &str) -> Result<Vec<u8>, PolicyError> {
@@ -337,7 +350,7 @@ impl PolicyManager {
     }
 
     pub fn active_info(&self, kind: PolicyKind) -> PolicyInfo {
-        match self.store.policy_info(kind) {
+        match self.module_info(kind) {
             None => self.builtin_info(kind, true),
             Some(m) => PolicyInfo {
                 kind,
@@ -385,7 +398,7 @@ impl PolicyManager {
     /// Fault counters for /metrics.
     pub fn export_metrics(&self, m: &crate::metrics::Metrics) {
         for kind in KINDS {
-            if let Some(info) = self.store.policy_info(kind) {
+            if let Some(info) = self.module_info(kind) {
                 for (fault, n) in
                     [("trap", info.faults.trap), ("timeout", info.faults.timeout), ("invalid", info.faults.invalid)]
                 {

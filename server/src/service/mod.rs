@@ -91,11 +91,23 @@ pub struct Shared {
     pub max_connections: u32,
     pub policies: Arc<crate::policy::PolicyManager>,
     pub max_module_size: u64,
+    pub paths: parking_lot::Mutex<PathTally>,
+}
+
+impl Shared {
+    /// The Prometheus text of `/metrics`, with gauges brought up to date.
+    pub fn render_metrics(&self) -> String {
+        self.store.update_gauges();
+        self.policies.export_metrics(&self.metrics);
+        let (t, mtu) = self.paths.lock().totals();
+        self.metrics.set_path_stats(&t, mtu);
+        self.metrics.render()
+    }
 }
 
 const HELLO_TIMEOUT: Duration = Duration::from_secs(10);
 
-pub async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
+pub async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, configs: Arc<crate::QuicServerConfigs>) {
     while let Some(incoming) = endpoint.accept().await {
         if shared.metrics.connections.get() >= shared.max_connections as i64 {
             warn!("connection limit reached; refusing");
@@ -104,9 +116,14 @@ pub async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
         }
         let shared = shared.clone();
         let remote = incoming.remote_address();
+        let config = configs.for_peer(remote.ip());
         tokio::spawn(
             async move {
-                if let Err(e) = handle_connection(incoming, shared).await {
+                let connecting = match incoming.accept_with(config) {
+                    Ok(c) => c,
+                    Err(e) => return debug!(error = %e, "connection refused"),
+                };
+                if let Err(e) = handle_connection(connecting, shared).await {
                     debug!(error = %e, "connection ended");
                 }
             }
@@ -115,17 +132,60 @@ pub async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>) {
     }
 }
 
-struct ConnGuard(Arc<Metrics>);
-impl Drop for ConnGuard {
-    fn drop(&mut self) {
-        self.0.connections.dec();
+/// QUIC path statistics of every connection, live and closed, for `/metrics`.
+#[derive(Default)]
+pub struct PathTally {
+    live: std::collections::HashMap<u64, quinn::Connection>,
+    next: u64,
+    closed: kvpool_net::PathReport,
+}
+
+impl PathTally {
+    /// Totals over all connections so far, and the (min, max) path MTU of the live ones.
+    pub fn totals(&self) -> (kvpool_net::PathReport, Option<(u16, u16)>) {
+        let mut t = self.closed;
+        let mut mtu: Option<(u16, u16)> = None;
+        for c in self.live.values() {
+            let r = kvpool_net::PathReport::of(c);
+            t.add_counters(&r);
+            mtu = Some(mtu.map_or((r.mtu, r.mtu), |(lo, hi)| (lo.min(r.mtu), hi.max(r.mtu))));
+        }
+        (t, mtu)
     }
 }
 
-async fn handle_connection(incoming: quinn::Incoming, shared: Arc<Shared>) -> Result<(), quinn::ConnectionError> {
-    let conn = incoming.await?;
-    shared.metrics.connections.inc();
-    let _guard = ConnGuard(shared.metrics.clone());
+/// Counts a connection while it lives and folds its path statistics into the totals at the end.
+struct ConnGuard {
+    shared: Arc<Shared>,
+    id: u64,
+}
+
+impl ConnGuard {
+    fn new(shared: Arc<Shared>, conn: &quinn::Connection) -> ConnGuard {
+        shared.metrics.connections.inc();
+        let mut t = shared.paths.lock();
+        let id = t.next;
+        t.next += 1;
+        t.live.insert(id, conn.clone());
+        drop(t);
+        ConnGuard { shared, id }
+    }
+}
+
+impl Drop for ConnGuard {
+    fn drop(&mut self) {
+        self.shared.metrics.connections.dec();
+        let mut t = self.shared.paths.lock();
+        if let Some(c) = t.live.remove(&self.id) {
+            let r = kvpool_net::PathReport::of(&c);
+            t.closed.add_counters(&r);
+        }
+    }
+}
+
+async fn handle_connection(connecting: quinn::Connecting, shared: Arc<Shared>) -> Result<(), quinn::ConnectionError> {
+    let conn = connecting.await?;
+    let _guard = ConnGuard::new(shared.clone(), &conn);
     let principal = match tokio::time::timeout(HELLO_TIMEOUT, hello(&conn, &shared)).await {
         Ok(Some(p)) => p,
         Ok(None) => return Ok(()),

@@ -1,11 +1,15 @@
-//! Block metadata persisted in sled. The in-memory index is the working copy; sled is written
-//! at every commit, demotion, promotion and removal, so after a restart the SSD-tier blocks are
-//! found again. A record is written only after its bytes are complete (two-phase commit), and
-//! removed before its file is deleted, so the index never points at missing or partial data.
+//! Block metadata persisted in sled. The in-memory index is the working copy; sled receives every
+//! change the index makes ([`MetaOp`]), in the order the index made them, from one writer thread:
+//! requests never wait on sled while they hold the index lock. After a restart the SSD-tier
+//! blocks are found again from these records (recovery checks every record against the files on
+//! disk, so a record that outlived its file is dropped).
 
+use kvpool_core::MetaOp;
 use kvpool_proto::codec;
-use serde::{Deserialize, Serialize};
 use std::path::Path;
+use std::sync::mpsc;
+
+pub use kvpool_core::BlockRecord;
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetaError {
@@ -13,28 +17,21 @@ pub enum MetaError {
     Sled(#[from] sled::Error),
     #[error("metadata record: {0}")]
     Codec(#[from] kvpool_proto::ProtoError),
+    #[error("metadata writer thread is gone")]
+    WriterGone,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct BlockRecord {
-    pub size: u64,
-    pub tokens: u32,
-    pub seq_tokens: u64,
-    pub parent: Option<Vec<u8>>,
-    pub checksum: u64,
-    pub created_ms: u64,
-    /// 0 none, 1 soft, 2 hard.
-    pub pin: u8,
-    /// Wall-clock ms when a soft pin ends.
-    pub pin_until_ms: u64,
-    pub ssd_file: Option<u64>,
-    pub in_dram: bool,
+enum Msg {
+    Ops(Vec<MetaOp>),
+    /// Reply once every earlier op is in sled and sled is flushed.
+    Flush(mpsc::Sender<Result<(), String>>),
 }
 
 pub struct Meta {
     db: sled::Db,
     blocks: sled::Tree,
     pub kv: sled::Tree,
+    queue: mpsc::Sender<Msg>,
 }
 
 /// Scoped key: tenant id (4 bytes big endian) then the client's key bytes.
@@ -45,25 +42,59 @@ pub fn scoped(tenant: u32, key: &[u8]) -> Vec<u8> {
     k
 }
 
+fn apply(blocks: &sled::Tree, op: &MetaOp) -> Result<(), MetaError> {
+    match op {
+        MetaOp::Put { tenant, key, record } => {
+            blocks.insert(scoped(*tenant, key), codec::encode(record)?)?;
+        }
+        MetaOp::Remove { tenant, key } => {
+            blocks.remove(scoped(*tenant, key))?;
+        }
+    }
+    Ok(())
+}
+
 impl Meta {
     pub fn open(dir: &Path) -> Result<Meta, MetaError> {
         let db = sled::Config::new().path(dir).flush_every_ms(Some(200)).open()?;
         let blocks = db.open_tree("blocks")?;
         let kv = db.open_tree("kv")?;
-        Ok(Meta { db, blocks, kv })
+        let (tx, rx) = mpsc::channel::<Msg>();
+        let (wdb, wblocks) = (db.clone(), blocks.clone());
+        std::thread::Builder::new()
+            .name("kvpool-meta".into())
+            .spawn(move || {
+                for msg in rx {
+                    match msg {
+                        Msg::Ops(ops) => {
+                            for op in &ops {
+                                if let Err(e) = apply(&wblocks, op) {
+                                    tracing::warn!(error = %e, "metadata write failed");
+                                }
+                            }
+                        }
+                        Msg::Flush(reply) => {
+                            let _ = reply.send(wdb.flush().map(|_| ()).map_err(|e| e.to_string()));
+                        }
+                    }
+                }
+            })
+            .map_err(|e| MetaError::Sled(sled::Error::Io(e)))?;
+        Ok(Meta { db, blocks, kv, queue: tx })
     }
 
-    pub fn put(&self, tenant: u32, key: &[u8], rec: &BlockRecord) -> Result<(), MetaError> {
-        self.blocks.insert(scoped(tenant, key), codec::encode(rec)?)?;
-        Ok(())
+    /// Queue changes for the writer. Call while still holding the lock under which the index
+    /// produced them, so that sled sees them in the index's order.
+    pub fn enqueue(&self, ops: Vec<MetaOp>) {
+        if ops.is_empty() {
+            return;
+        }
+        if self.queue.send(Msg::Ops(ops)).is_err() {
+            tracing::error!("metadata writer thread is gone; changes are not persisted");
+        }
     }
 
-    pub fn remove(&self, tenant: u32, key: &[u8]) -> Result<(), MetaError> {
-        self.blocks.remove(scoped(tenant, key))?;
-        Ok(())
-    }
-
-    /// Every record: (tenant, key, record). Undecodable records are reported and skipped.
+    /// Every record: (tenant, key, record). Undecodable records come back as `None`.
     pub fn all(&self) -> Vec<(u32, Vec<u8>, Option<BlockRecord>)> {
         self.blocks
             .iter()
@@ -80,8 +111,10 @@ impl Meta {
         &self.db
     }
 
+    /// Wait until every queued change is in sled, then flush sled to disk.
     pub fn flush(&self) -> Result<(), MetaError> {
-        self.db.flush()?;
-        Ok(())
+        let (tx, rx) = mpsc::channel();
+        self.queue.send(Msg::Flush(tx)).map_err(|_| MetaError::WriterGone)?;
+        rx.recv().map_err(|_| MetaError::WriterGone)?.map_err(|e| MetaError::Sled(sled::Error::Unsupported(e)))
     }
 }

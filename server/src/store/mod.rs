@@ -1,10 +1,14 @@
-//! The block store of one node: index, tiers, leases, pins and the policies that decide
-//! admission and eviction.
+//! The block store of one node: the no-I/O core (`kvpool-core`: index and policy slots) behind
+//! two locks, the DRAM segment, the SSD tier, and sled metadata written off the critical section.
 //!
-//! Concurrency: one mutex guards the index and the policies; block bytes are copied outside it.
+//! Locks: `policies` may be taken before `index`, never the other way round. The index lock is
+//! held for index work only (no policy call, no sled write, no file I/O), so a lookup or a get
+//! never waits on a Wasm policy. Index events reach the policies in order: whoever holds the
+//! policies lock drains them from the index and feeds them.
+//!
 //! A put is two-phase: `reserve` hands out an exclusively owned DRAM range, the caller streams
-//! the bytes into it, `commit` publishes it (index, then sled). Readers clone the block's
-//! `Arc<DramBlock>`, so memory is never freed under an in-flight read.
+//! the bytes into it, `commit` publishes it. Readers clone the block's handle, so memory is
+//! never freed under an in-flight read.
 
 pub mod dram;
 pub mod meta;
@@ -13,20 +17,20 @@ pub mod ssd;
 pub use dram::DramBlock;
 
 use crate::metrics::Metrics;
-use crate::policy::{AdmissionSlot, BlockOracle, EvictionSlot, NewSlot, PlacementSlot};
 use dram::DramTier;
-use kvpool_policy_sdk::{
-    Admit, AdmitBatch, AdmitRequest, Event, EventKind, Events, NodeSet, Pin, PlaceBatch, Tier, NO_PARENT,
+use kvpool_core::{
+    placed_tiers, placement_batch, CopyHandle, Demoted, Dropped, Granularity, Index, IndexView, Located, NewSlot,
+    PinRequest, Policies, PutSpec, PutStatus, RemoveStatus, TenantCounters,
 };
+use kvpool_policy_sdk::{Admit, Events, NodeSet, Pin, Tier};
 use kvpool_proto::{ErrorCode, PinSpec, PutMode};
-use meta::{BlockRecord, Meta};
+use meta::Meta;
 use parking_lot::Mutex;
 use ssd::SsdTier;
-use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
-use tracing::{debug, warn};
+use tracing::warn;
 
 #[derive(Debug, thiserror::Error)]
 pub enum StoreError {
@@ -60,166 +64,18 @@ fn wall_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
-struct Block {
-    tenant: u32,
-    key: Box<[u8]>,
-    size: u64,
-    tokens: u32,
-    seq_tokens: u64,
-    parent_key: Option<Box<[u8]>>,
-    parent: u64,
-    checksum: u64,
-    created_ms: u64,
-    pin: Pin,
-    pin_until_ms: u64,
-    lease_until: Option<Instant>,
-    dram: Option<Arc<DramBlock>>,
-    ssd: Option<u64>,
-    /// A demotion of this block is in flight.
-    moving: bool,
-    /// Recency tick of the last insert or read (orders the snapshot a new policy is fed).
-    last_access: u64,
+pub fn checksum(data: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64(data)
 }
 
-impl Block {
-    fn record(&self) -> BlockRecord {
-        BlockRecord {
-            size: self.size,
-            tokens: self.tokens,
-            seq_tokens: self.seq_tokens,
-            parent: self.parent_key.as_ref().map(|p| p.to_vec()),
-            checksum: self.checksum,
-            created_ms: self.created_ms,
-            pin: self.pin as u8,
-            pin_until_ms: self.pin_until_ms,
-            ssd_file: self.ssd,
-            in_dram: self.dram.is_some(),
-        }
-    }
+/// A DRAM copy as the index holds it: every reader holds a clone, and the range is freed when
+/// the last clone goes.
+#[derive(Clone, Debug)]
+pub struct DramCopy(pub Arc<DramBlock>);
 
-    fn leased(&self, now: Instant) -> bool {
-        self.lease_until.is_some_and(|t| t > now)
-    }
-
-    fn event(&self, id: u64, kind: EventKind, tier: Tier) -> Event {
-        Event { kind, id, size: self.size, tokens: self.tokens, tier, parent: self.parent, pin: self.pin }
-    }
-}
-
-type ScopedKey = (u32, Box<[u8]>);
-
-struct State {
-    by_key: HashMap<ScopedKey, u64>,
-    blocks: HashMap<u64, Block>,
-    next_id: u64,
-    /// Ids with a lease that may still be running (expired ones are pruned lazily).
-    leased: BTreeSet<u64>,
-    /// Ids with a demotion in flight (kept apart so eviction need not scan every block).
-    moving: BTreeSet<u64>,
-    soft_pins: BTreeSet<(u64, u64)>,
-    events: Events,
-    eviction: EvictionSlot,
-    admission: AdmissionSlot,
-    placement: PlacementSlot,
-    /// While a policy swap is warming up: copies of every event since its snapshot.
-    tap: Option<Events>,
-    tick: u64,
-    dram_blocks: u64,
-    ssd_blocks: u64,
-    /// Per-tenant residency and counters, for tenant-scoped `stats`.
-    tenants: HashMap<u32, TenantCounters>,
-}
-
-/// What one tenant holds and what happened to its blocks: the `stats` a non-admin key sees.
-/// Tier arrays are indexed `[dram, ssd]`.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
-pub struct TenantCounters {
-    /// Blocks in the index (a block may have a copy in both tiers).
-    pub resident: u64,
-    pub blocks: [u64; 2],
-    /// Bytes held, at each tier's allocation granularity.
-    pub bytes: [u64; 2],
-    pub hits: [u64; 2],
-    pub misses: [u64; 2],
-    pub evictions: [u64; 2],
-    pub demotions: u64,
-    pub promotions: u64,
-    pub rejected: u64,
-    pub corrupt: u64,
-}
-
-fn tier_slot(tier: Tier) -> usize {
-    usize::from(tier == Tier::Ssd)
-}
-
-fn footprint(tier: Tier, size: u64) -> u64 {
-    match tier {
-        Tier::Ssd => ssd::SsdTier::footprint(size),
-        _ => DramTier::footprint(size),
-    }
-}
-
-impl State {
-    fn tenant_mut(&mut self, tenant: u32) -> &mut TenantCounters {
-        self.tenants.entry(tenant).or_default()
-    }
-
-    /// A copy of a block entered `tier`.
-    fn copy_added(&mut self, tenant: u32, tier: Tier, size: u64) {
-        match tier {
-            Tier::Ssd => self.ssd_blocks += 1,
-            _ => self.dram_blocks += 1,
-        }
-        let t = self.tenant_mut(tenant);
-        t.blocks[tier_slot(tier)] += 1;
-        t.bytes[tier_slot(tier)] += footprint(tier, size);
-    }
-
-    /// A copy of a block left `tier`.
-    fn copy_removed(&mut self, tenant: u32, tier: Tier, size: u64) {
-        match tier {
-            Tier::Ssd => self.ssd_blocks -= 1,
-            _ => self.dram_blocks -= 1,
-        }
-        let t = self.tenant_mut(tenant);
-        t.blocks[tier_slot(tier)] -= 1;
-        t.bytes[tier_slot(tier)] -= footprint(tier, size);
-    }
-
-    fn emit(&mut self, e: Event) {
-        if let Some(t) = &mut self.tap {
-            t.push(e);
-        }
-        self.events.push(e);
-        if self.events.len() >= 4096 {
-            self.flush_events();
-        }
-    }
-
-    fn flush_events(&mut self) {
-        if !self.events.is_empty() {
-            let ev = std::mem::take(&mut self.events);
-            self.eviction.on_events(&ev);
-            self.admission.on_events(&ev);
-            self.placement.on_events(&ev);
-            self.events = ev;
-            self.events.clear();
-        }
-    }
-
-    /// Blocks an eviction of `tier` must not touch. A lease promises that the block stays
-    /// readable, not where: when an SSD tier exists, a leased DRAM copy may still leave DRAM
-    /// (demoted, or dropped when it already has an SSD copy); the in-flight bytes themselves are
-    /// protected by reference counting.
-    fn excluded(&mut self, now: Instant, tier: Tier, has_ssd: bool) -> Vec<u64> {
-        let blocks = &self.blocks;
-        self.leased.retain(|id| blocks.get(id).is_some_and(|b| b.leased(now)));
-        let mut ex: Vec<u64> =
-            if tier == Tier::Dram && has_ssd { Vec::new() } else { self.leased.iter().copied().collect() };
-        ex.extend(self.moving.iter().copied());
-        ex.sort_unstable();
-        ex.dedup();
-        ex
+impl CopyHandle for DramCopy {
+    fn in_use(&self) -> bool {
+        Arc::strong_count(&self.0) > 1
     }
 }
 
@@ -228,7 +84,7 @@ impl State {
 pub enum PutPlan {
     /// Stream into DRAM under this pre-assigned id.
     Dram(u64),
-    /// Stream straight into the SSD tier (admission asked for it).
+    /// Stream straight into the SSD tier (admission or placement asked for it).
     Ssd(u64),
     /// Do not store; discard the bytes and answer this status.
     Skip(ErrorCode),
@@ -267,34 +123,66 @@ impl Served {
     }
 }
 
+/// The wire answer for a put item's outcome.
+fn put_code(s: PutStatus) -> ErrorCode {
+    match s {
+        PutStatus::Ok => ErrorCode::Ok,
+        PutStatus::AlreadyExists => ErrorCode::AlreadyExists,
+        PutStatus::Leased => ErrorCode::Leased,
+        PutStatus::Rejected => ErrorCode::Rejected,
+        PutStatus::NoSpace => ErrorCode::NoSpace,
+    }
+}
+
+fn spec(item: &kvpool_proto::PutItem) -> PutSpec<'_> {
+    PutSpec {
+        key: &item.key,
+        size: item.size,
+        parent: item.parent.as_deref(),
+        tokens: item.tokens,
+        seq_tokens: item.seq_tokens,
+        pin: match item.pin {
+            PinSpec::None => PinRequest::None,
+            PinSpec::Hard => PinRequest::Hard,
+            PinSpec::Soft { ttl_ms } => PinRequest::Soft { ttl_ms },
+        },
+    }
+}
+
 pub struct Store {
     pub cfg: StoreConfig,
     dram: Arc<DramTier>,
     ssd: Option<Arc<SsdTier>>,
     meta: Meta,
-    state: Mutex<State>,
+    index: Mutex<Index<DramCopy>>,
+    policies: Mutex<Policies>,
     metrics: Arc<Metrics>,
     /// Wakes the background evictor early (a put pushed usage past the high watermark).
     pub kick: tokio::sync::Notify,
 }
 
-/// A DRAM copy leaving for the SSD tier.
-struct Demotion {
-    id: u64,
-    block: Arc<DramBlock>,
-}
+/// The index seen by a policy's guard during victim selection: each question takes the index
+/// lock briefly (the policy itself runs unlocked).
+struct LockedIndex<'a>(&'a Mutex<Index<DramCopy>>);
 
-pub fn checksum(data: &[u8]) -> u64 {
-    xxhash_rust::xxh3::xxh3_64(data)
+impl IndexView for LockedIndex<'_> {
+    fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
+        self.0.lock().size_in_tier(id, tier)
+    }
+    fn pin(&self, id: u64) -> Pin {
+        IndexView::pin(&*self.0.lock(), id)
+    }
+    fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64 {
+        self.0.lock().evictable_bytes(tier, exclude)
+    }
+    fn snapshot(&self) -> Events {
+        self.0.lock().snapshot()
+    }
 }
 
 impl Store {
-    pub fn open(
-        cfg: StoreConfig,
-        metrics: Arc<Metrics>,
-        eviction: EvictionSlot,
-        admission: AdmissionSlot,
-    ) -> Result<Arc<Store>, StoreError> {
+    /// Open the tiers and sled, and rebuild the index from sled (SSD copies survive a restart).
+    pub fn open(cfg: StoreConfig, metrics: Arc<Metrics>, policies: Policies) -> Result<Arc<Store>, StoreError> {
         let meta = Meta::open(&cfg.data_dir.join("meta"))?;
         let dram = DramTier::new(cfg.dram_bytes)?;
         let (ssd, files) = match (&cfg.ssd_dir, cfg.ssd_bytes) {
@@ -304,116 +192,37 @@ impl Store {
             }
             _ => (None, Vec::new()),
         };
-        let mut state = State {
-            by_key: HashMap::new(),
-            blocks: HashMap::new(),
-            next_id: 1,
-            leased: BTreeSet::new(),
-            moving: BTreeSet::new(),
-            soft_pins: BTreeSet::new(),
-            events: Events::new(),
-            eviction,
-            admission,
-            placement: PlacementSlot::Default,
-            tap: None,
-            tick: 0,
-            dram_blocks: 0,
-            ssd_blocks: 0,
-            tenants: HashMap::new(),
-        };
-        // Recovery: only SSD copies survive a restart, and only when their file is complete.
-        let files: HashMap<u64, u64> = files.into_iter().collect();
-        let mut kept_files = std::collections::HashSet::new();
-        let (mut kept, mut dropped) = (0u64, 0u64);
-        for (tenant, key, rec) in meta.all() {
-            let usable = match (&rec, &ssd) {
-                (Some(r), Some(_)) => r.ssd_file.is_some_and(|f| files.get(&f) == Some(&r.size)),
-                _ => false,
-            };
-            let Some(r) = rec.filter(|_| usable) else {
-                meta.remove(tenant, &key)?;
-                dropped += 1;
-                continue;
-            };
-            let id = state.next_id;
-            state.next_id += 1;
-            let file = r.ssd_file.unwrap_or_default();
-            kept_files.insert(file);
-            if let Some(s) = &ssd {
-                s.adopt(r.size);
-            }
-            let pin = match Pin::from_u8(r.pin).unwrap_or(Pin::None) {
-                Pin::Soft if r.pin_until_ms <= wall_ms() => Pin::None,
-                p => p,
-            };
-            if pin == Pin::Soft {
-                state.soft_pins.insert((r.pin_until_ms, id));
-            }
-            let key: Box<[u8]> = key.into();
-            state.by_key.insert((tenant, key.clone()), id);
-            state.blocks.insert(
-                id,
-                Block {
-                    tenant,
-                    key,
-                    size: r.size,
-                    tokens: r.tokens,
-                    seq_tokens: r.seq_tokens,
-                    parent_key: r.parent.map(Into::into),
-                    parent: NO_PARENT,
-                    checksum: r.checksum,
-                    created_ms: r.created_ms,
-                    pin,
-                    pin_until_ms: r.pin_until_ms,
-                    lease_until: None,
-                    dram: None,
-                    ssd: Some(file),
-                    moving: false,
-                    last_access: 0,
-                },
-            );
-            if r.in_dram {
-                // The DRAM copy is gone with the old process.
-                let b = &state.blocks[&id];
-                meta.put(tenant, &b.key, &b.record())?;
-            }
-            state.copy_added(tenant, Tier::Ssd, r.size);
-            state.tenant_mut(tenant).resident += 1;
-            kept += 1;
-        }
+        let gran = Granularity { dram: dram::UNIT, ssd: ssd::SSD_UNIT };
+        let mut index = Index::new(gran, ssd.is_some());
+        let files: std::collections::HashMap<u64, u64> = files.into_iter().collect();
+        let rec = index.recover(meta.all(), &files, wall_ms());
         if let Some(s) = &ssd {
-            for f in files.keys().filter(|f| !kept_files.contains(f)) {
-                s.delete(*f);
+            for (f, len) in &files {
+                if rec.files.contains(f) {
+                    s.adopt(*len);
+                } else {
+                    s.delete(*f);
+                }
             }
         }
-        // Parent links, then feed the policies the recovered block set (parents first).
-        let links: Vec<(u64, u64)> = state
-            .blocks
-            .iter()
-            .filter_map(|(&id, b)| {
-                let pk = b.parent_key.as_ref()?;
-                let pid = *state.by_key.get(&(b.tenant, pk.clone()))?;
-                Some((id, pid))
-            })
-            .collect();
-        for (id, pid) in links {
-            if let Some(b) = state.blocks.get_mut(&id) {
-                b.parent = pid;
-            }
-        }
-        // The same parents-first ordering a policy swap replays.
-        let recovered = snapshot(&state.blocks);
-        state.eviction.on_events(&recovered);
-        state.admission.on_events(&recovered);
-        if kept + dropped > 0 {
-            tracing::info!(kept, dropped, "recovered block index from sled (SSD copies kept, DRAM copies dropped)");
+        meta.enqueue(rec.meta);
+        let mut policies = policies;
+        // The same parents-first snapshot a policy swap replays.
+        policies.feed(&rec.snapshot);
+        if rec.kept + rec.dropped > 0 {
+            tracing::info!(
+                kept = rec.kept,
+                dropped = rec.dropped,
+                "recovered block index from sled (SSD copies kept, DRAM copies dropped)"
+            );
         }
         let store = Arc::new(Store {
             cfg,
             dram,
             ssd,
             meta,
-            state: Mutex::new(state),
+            index: Mutex::new(index),
+            policies: Mutex::new(policies),
             metrics,
             kick: tokio::sync::Notify::new(),
         });
@@ -438,20 +247,19 @@ impl Store {
             m.bytes_used.with_label_values(&["ssd"]).set(s.used() as i64);
             m.capacity.with_label_values(&["ssd"]).set(s.capacity() as i64);
         }
-        let st = self.state.lock();
-        m.blocks.with_label_values(&["dram"]).set(st.dram_blocks as i64);
-        m.blocks.with_label_values(&["ssd"]).set(st.ssd_blocks as i64);
+        let (_, dram_blocks, ssd_blocks) = self.counts();
+        m.blocks.with_label_values(&["dram"]).set(dram_blocks as i64);
+        m.blocks.with_label_values(&["ssd"]).set(ssd_blocks as i64);
     }
 
-    /// One tenant's residency and counters (zero for a tenant that never stored anything).
-    pub fn tenant_counters(&self, tenant: u32) -> TenantCounters {
-        self.state.lock().tenants.get(&tenant).cloned().unwrap_or_default()
-    }
-
-    /// (blocks, dram blocks, ssd blocks)
+    /// (blocks, DRAM copies, SSD copies)
     pub fn counts(&self) -> (u64, u64, u64) {
-        let st = self.state.lock();
-        (st.blocks.len() as u64, st.dram_blocks, st.ssd_blocks)
+        self.index.lock().counts()
+    }
+
+    /// One tenant's residency and counters.
+    pub fn tenant_counters(&self, tenant: u32) -> TenantCounters {
+        self.index.lock().tenant_counters(tenant)
     }
 
     pub fn tier_usage(&self) -> Vec<(Tier, u64, u64)> {
@@ -462,88 +270,69 @@ impl Store {
         v
     }
 
-    // ---- put -------------------------------------------------------------------------------
-
-    /// Decide every item of a put before any byte is read: existing keys, admission.
-    pub fn plan_put(&self, tenant: u32, items: &[kvpool_proto::PutItem], mode: PutMode) -> Vec<PutPlan> {
-        let mut st = self.state.lock();
-        st.flush_events();
-        let mut plans = vec![PutPlan::Skip(ErrorCode::Internal); items.len()];
-        let mut batch = AdmitBatch::default();
-        let mut asked = Vec::new();
-        for (i, it) in items.iter().enumerate() {
-            if mode == PutMode::Insert && st.by_key.contains_key(&(tenant, it.key.clone().into_boxed_slice())) {
-                plans[i] = PutPlan::Skip(ErrorCode::AlreadyExists);
-                continue;
+    /// Free what the index let go of: DRAM copies drop here, SSD copies are released and deleted.
+    fn release(&self, dropped: impl IntoIterator<Item = Dropped<DramCopy>>) {
+        for d in dropped {
+            drop(d.dram);
+            if let (Some((file, size)), Some(s)) = (d.ssd, &self.ssd) {
+                s.release(size);
+                s.delete(file);
             }
-            if DramTier::footprint(it.size) > self.dram.capacity() {
-                plans[i] = PutPlan::Skip(ErrorCode::NoSpace);
-                continue;
-            }
-            let id = st.next_id;
-            st.next_id += 1;
-            let parent =
-                it.parent.as_ref().and_then(|p| st.by_key.get(&(tenant, p.clone().into_boxed_slice())).copied());
-            batch.push(AdmitRequest {
-                id,
-                size: it.size,
-                tokens: it.tokens,
-                seq_tokens: it.seq_tokens,
-                tier: Tier::Dram,
-                parent: parent.unwrap_or(NO_PARENT),
-            });
-            asked.push((i, id));
         }
-        if asked.is_empty() {
-            return plans;
-        }
-        let decisions = st.admission.admit(&batch);
-        let placed = self.place(&mut st, &batch);
-        drop(st);
-        for (n, (i, id)) in asked.into_iter().enumerate() {
-            let decision = match decisions.get(n).copied().unwrap_or(Admit::Into(Tier::Dram)) {
-                Admit::Into(_) if placed.get(n).is_some() => Admit::Into(placed[n]),
-                d => d,
-            };
-            plans[i] = match decision {
-                Admit::Reject => {
-                    self.metrics.rejected_puts.with_label_values(&["admission"]).inc();
-                    self.state.lock().tenant_mut(tenant).rejected += 1;
-                    PutPlan::Skip(ErrorCode::Rejected)
-                }
-                Admit::Into(Tier::Ssd) if self.ssd.is_some() => PutPlan::Ssd(id),
-                Admit::Into(_) => PutPlan::Dram(id),
-            };
-        }
-        plans
     }
 
-    /// Tier per new block from a placement module (this node is the only node), if one is loaded.
-    fn place(&self, st: &mut State, batch: &AdmitBatch) -> Vec<Tier> {
-        if matches!(st.placement, PlacementSlot::Default) {
-            return Vec::new();
-        }
-        let mut pb = PlaceBatch::default();
-        for r in batch.iter() {
-            pb.id.push(r.id);
-            pb.size.push(r.size);
-            pb.tokens.push(r.tokens);
-            pb.parent.push(r.parent);
-            pb.parent_node.push(if r.parent == NO_PARENT { kvpool_policy_sdk::NO_NODE } else { 0 });
-            pb.tier.push(Tier::Dram as u8);
-        }
+    /// Hand the index's pending events to the policies (the caller holds the policies lock).
+    fn feed(&self, policies: &mut Policies) {
+        let ev = self.index.lock().take_events();
+        policies.feed(&ev);
+    }
+
+    /// This node's free space, as a placement policy sees it.
+    fn nodes(&self) -> NodeSet {
         let mut nodes = NodeSet::default();
         let ssd_free = self.ssd.as_ref().map_or(0, |s| s.capacity().saturating_sub(s.used()));
         nodes.push(0, [0, self.dram.capacity().saturating_sub(self.dram.used()), ssd_free], 0);
-        let Some(p) = st.placement.place(&pb, &nodes) else { return Vec::new() };
-        p.tier
-            .iter()
-            .take(batch.len())
-            .map(|&t| match Tier::from_u8(t) {
-                Some(Tier::Ssd) if self.ssd.is_some() => Tier::Ssd,
-                _ => Tier::Dram,
+        nodes
+    }
+
+    // ---- put -------------------------------------------------------------------------------
+
+    /// Decide every item of a put before any byte is read: existing keys, admission, placement.
+    pub fn plan_put(&self, tenant: u32, items: &[kvpool_proto::PutItem], mode: PutMode) -> Vec<PutPlan> {
+        let specs: Vec<PutSpec<'_>> = items.iter().map(spec).collect();
+        let upsert = mode == PutMode::Upsert;
+        let (pending, batch) = self.index.lock().plan_put(tenant, &specs, upsert, self.dram.capacity());
+        let (decisions, placed) = if batch.is_empty() {
+            (Vec::new(), None)
+        } else {
+            let mut pol = self.policies.lock();
+            self.feed(&mut pol);
+            let decisions = pol.admission.admit(&batch);
+            let nodes = self.nodes();
+            let placed =
+                pol.placement.as_mut().map(|p| placed_tiers(&p.place(&placement_batch(&batch), &nodes), batch.len()));
+            (decisions, placed)
+        };
+        let plans = self.index.lock().decide_put(tenant, &pending, &decisions, placed.as_deref());
+        plans
+            .into_iter()
+            .map(|p| match p {
+                kvpool_core::PutPlan::Skip(s) => {
+                    if s == PutStatus::Rejected {
+                        self.metrics.rejected_puts.with_label_values(&["admission"]).inc();
+                    }
+                    PutPlan::Skip(put_code(s))
+                }
+                kvpool_core::PutPlan::Store { id, tier: Tier::Ssd } => PutPlan::Ssd(id),
+                kvpool_core::PutPlan::Store { id, .. } => PutPlan::Dram(id),
             })
             .collect()
+    }
+
+    fn no_space(&self, tenant: u32) -> ErrorCode {
+        self.metrics.rejected_puts.with_label_values(&["no_space"]).inc();
+        self.index.lock().count_no_space(tenant, 1);
+        ErrorCode::NoSpace
     }
 
     /// Reserve DRAM for `len` bytes, evicting and then waiting for space until `deadline`.
@@ -564,10 +353,34 @@ impl Store {
                 continue;
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                self.metrics.rejected_puts.with_label_values(&["no_space"]).inc();
-                self.state.lock().tenant_mut(tenant).rejected += 1;
-                return Err(ErrorCode::NoSpace);
+                return Err(self.no_space(tenant));
             }
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn commit_copy(
+        &self,
+        tenant: u32,
+        id: u64,
+        item: &kvpool_proto::PutItem,
+        mode: PutMode,
+        sum: u64,
+        dram: Option<DramCopy>,
+        ssd: Option<u64>,
+    ) -> ErrorCode {
+        let s = spec(item);
+        let soft_ttl = self.cfg.soft_pin_ttl.as_millis() as u64;
+        let mut ix = self.index.lock();
+        let r = ix.commit(tenant, id, &s, mode == PutMode::Upsert, sum, dram, ssd, Instant::now(), wall_ms(), soft_ttl);
+        match r {
+            Ok((replaced, meta)) => {
+                self.meta.enqueue(meta);
+                drop(ix);
+                self.release(replaced);
+                ErrorCode::Ok
+            }
+            Err(status) => put_code(status),
         }
     }
 
@@ -581,10 +394,10 @@ impl Store {
         block: DramBlock,
     ) -> ErrorCode {
         let sum = checksum(block.bytes());
-        self.commit_copy(tenant, id, item, mode, sum, Some(Arc::new(block)), None)
+        self.commit_copy(tenant, id, item, mode, sum, Some(DramCopy(Arc::new(block))), None)
     }
 
-    /// Publish a block whose bytes went straight to the SSD tier.
+    /// Publish a block whose bytes go straight to the SSD tier.
     pub async fn commit_ssd(
         &self,
         tenant: u32,
@@ -595,9 +408,7 @@ impl Store {
     ) -> ErrorCode {
         let Some(ssd) = self.ssd.clone() else { return ErrorCode::NoSpace };
         if !self.reserve_ssd(item.size).await {
-            self.metrics.rejected_puts.with_label_values(&["no_space"]).inc();
-            self.state.lock().tenant_mut(tenant).rejected += 1;
-            return ErrorCode::NoSpace;
+            return self.no_space(tenant);
         }
         let file = ssd.new_file_id();
         let sum = checksum(&data);
@@ -617,225 +428,45 @@ impl Store {
         code
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn commit_copy(
-        &self,
-        tenant: u32,
-        id: u64,
-        item: &kvpool_proto::PutItem,
-        mode: PutMode,
-        sum: u64,
-        dram: Option<Arc<DramBlock>>,
-        ssd: Option<u64>,
-    ) -> ErrorCode {
-        let now = Instant::now();
-        let mut st = self.state.lock();
-        let skey: ScopedKey = (tenant, item.key.clone().into_boxed_slice());
-        let mut old_file = None;
-        if let Some(&old) = st.by_key.get(&skey) {
-            match mode {
-                PutMode::Insert => return ErrorCode::AlreadyExists,
-                PutMode::Upsert => {
-                    if st.blocks.get(&old).is_some_and(|b| b.leased(now)) {
-                        return ErrorCode::Leased;
-                    }
-                    old_file = self.drop_block(&mut st, old);
-                }
-            }
-        }
-        let parent = item.parent.as_ref().and_then(|p| st.by_key.get(&(tenant, p.clone().into_boxed_slice())).copied());
-        let (pin, pin_until_ms) = match item.pin {
-            PinSpec::None => (Pin::None, 0),
-            PinSpec::Hard => (Pin::Hard, 0),
-            PinSpec::Soft { ttl_ms } => {
-                let ttl = if ttl_ms == 0 { self.cfg.soft_pin_ttl.as_millis() as u64 } else { ttl_ms };
-                (Pin::Soft, wall_ms().saturating_add(ttl))
-            }
-        };
-        let block = Block {
-            tenant,
-            key: skey.1.clone(),
-            size: item.size,
-            tokens: item.tokens,
-            seq_tokens: item.seq_tokens,
-            parent_key: item.parent.clone().map(Into::into),
-            parent: parent.unwrap_or(NO_PARENT),
-            checksum: sum,
-            created_ms: wall_ms(),
-            pin,
-            pin_until_ms,
-            lease_until: None,
-            dram,
-            ssd,
-            moving: false,
-            last_access: st.tick + 1,
-        };
-        st.tick += 1;
-        if let Err(e) = self.meta.put(tenant, &block.key, &block.record()) {
-            warn!(error = %e, "metadata write failed; put refused");
-            return ErrorCode::Internal;
-        }
-        let tier = if block.dram.is_some() { Tier::Dram } else { Tier::Ssd };
-        let ev = block.event(id, EventKind::Inserted, tier);
-        st.copy_added(tenant, tier, item.size);
-        st.tenant_mut(tenant).resident += 1;
-        if pin == Pin::Soft {
-            st.soft_pins.insert((pin_until_ms, id));
-        }
-        st.by_key.insert(skey, id);
-        st.blocks.insert(id, block);
-        st.emit(ev);
-        drop(st);
-        if let (Some((f, _)), Some(s)) = (old_file, &self.ssd) {
-            s.delete(f);
-        }
-        ErrorCode::Ok
-    }
-
-    /// Remove a block from the index and sled; returns its SSD file to delete (after unlock).
-    fn drop_block(&self, st: &mut State, id: u64) -> Option<(u64, u64)> {
-        let b = st.blocks.remove(&id)?;
-        st.by_key.remove(&(b.tenant, b.key.clone()));
-        st.tenant_mut(b.tenant).resident -= 1;
-        st.leased.remove(&id);
-        st.moving.remove(&id);
-        if b.pin == Pin::Soft {
-            st.soft_pins.remove(&(b.pin_until_ms, id));
-        }
-        if let Err(e) = self.meta.remove(b.tenant, &b.key) {
-            warn!(error = %e, "metadata remove failed");
-        }
-        if b.dram.is_some() {
-            st.copy_removed(b.tenant, Tier::Dram, b.size);
-            st.emit(b.event(id, EventKind::Removed, Tier::Dram));
-        }
-        if let Some(f) = b.ssd {
-            st.copy_removed(b.tenant, Tier::Ssd, b.size);
-            st.emit(b.event(id, EventKind::Removed, Tier::Ssd));
-            if let Some(s) = &self.ssd {
-                s.release(b.size);
-            }
-            return Some((f, b.size));
-        }
-        None
-    }
-
     // ---- eviction ------------------------------------------------------------------------
 
     /// Free at least `bytes` of `tier` (DRAM copies are demoted to SSD when the SSD tier and
     /// the admission policy take them). Returns the number of copies that left the tier.
     pub async fn evict(&self, tier: Tier, bytes: u64) -> usize {
         let now = Instant::now();
-        let mut demotions = Vec::new();
-        let mut files = Vec::new();
-        let mut gone = 0;
-        {
-            let mut st = self.state.lock();
-            st.flush_events();
-            let exclude = st.excluded(now, tier, self.ssd.is_some());
-            let State { eviction, blocks, .. } = &mut *st;
-            let chosen = eviction.victims(&Oracle { blocks }, tier, bytes, &exclude);
-            let mut freed = 0u64;
-            let mut valid = Vec::new();
-            for id in chosen {
-                if freed >= bytes {
-                    break;
-                }
-                let Some(b) = st.blocks.get(&id) else { continue };
-                let in_tier = match tier {
-                    Tier::Dram => b.dram.as_ref().is_some_and(|d| Arc::strong_count(d) == 1),
-                    Tier::Ssd => b.ssd.is_some(),
-                    Tier::Device => false,
-                };
-                if !in_tier || b.pin == Pin::Hard || b.moving || exclude.binary_search(&id).is_ok() {
-                    debug!(id, "eviction policy proposed an ineligible victim; skipped");
-                    continue;
-                }
-                freed += b.size;
-                valid.push(id);
+        let has_ssd = self.ssd.is_some();
+        let (victims, decisions) = {
+            let mut pol = self.policies.lock();
+            self.feed(&mut pol);
+            let exclude = self.index.lock().excluded(now, tier);
+            let proposed = pol.eviction.victims(&LockedIndex(&self.index), tier, bytes, &exclude);
+            let victims = self.index.lock().valid_victims(&proposed, tier, bytes, &exclude);
+            if victims.is_empty() && !proposed.is_empty() {
+                tracing::debug!(proposed = proposed.len(), "eviction policy proposed only ineligible victims");
             }
-            // Which DRAM victims go to SSD: asked of admission in one batch.
-            let to_ssd: Vec<bool> = if tier == Tier::Dram && self.ssd.is_some() {
-                let batch: AdmitBatch = valid
-                    .iter()
-                    .map(|id| {
-                        let b = &st.blocks[id];
-                        AdmitRequest {
-                            id: *id,
-                            size: b.size,
-                            tokens: b.tokens,
-                            seq_tokens: b.seq_tokens,
-                            tier: Tier::Ssd,
-                            parent: b.parent,
-                        }
-                    })
-                    .collect();
-                let d = st.admission.admit(&batch);
-                valid
-                    .iter()
-                    .enumerate()
-                    .map(|(i, id)| st.blocks[id].ssd.is_none() && d.get(i).copied() == Some(Admit::Into(Tier::Ssd)))
-                    .collect()
+            let decisions: Vec<Admit> = if tier == Tier::Dram && has_ssd && !victims.is_empty() {
+                let batch = self.index.lock().demotion_batch(&victims);
+                pol.admission.admit(&batch)
             } else {
-                vec![false; valid.len()]
+                Vec::new()
             };
-            for (id, demote) in valid.into_iter().zip(to_ssd) {
-                if demote {
-                    self.metrics.evictions.with_label_values(&[tier.name()]).inc();
-                    let b = st.blocks.get_mut(&id).expect("validated above");
-                    b.moving = true;
-                    let tenant = b.tenant;
-                    demotions.push(Demotion { id, block: b.dram.clone().expect("validated above") });
-                    st.moving.insert(id);
-                    st.tenant_mut(tenant).evictions[tier_slot(tier)] += 1;
-                    continue;
-                }
-                let b = st.blocks.get_mut(&id).expect("validated above");
-                let (tenant, size) = (b.tenant, b.size);
-                let other_copy = match tier {
-                    Tier::Dram => b.ssd.is_some(),
-                    _ => b.dram.is_some(),
-                };
-                if !other_copy && b.leased(now) {
-                    // Would drop a leased block from the pool: keep it.
-                    continue;
-                }
-                gone += 1;
-                self.metrics.evictions.with_label_values(&[tier.name()]).inc();
-                if !other_copy {
-                    st.tenant_mut(tenant).evictions[tier_slot(tier)] += 1;
-                    if let Some(f) = self.drop_block(&mut st, id) {
-                        files.push(f.0);
-                    }
-                    continue;
-                }
-                let ev = match tier {
-                    Tier::Dram => {
-                        b.dram = None;
-                        b.event(id, EventKind::Removed, Tier::Dram)
-                    }
-                    _ => {
-                        files.push(b.ssd.take().expect("checked"));
-                        if let Some(s) = &self.ssd {
-                            s.release(b.size);
-                        }
-                        b.event(id, EventKind::Removed, Tier::Ssd)
-                    }
-                };
-                let (tenant, key, rec) = (b.tenant, b.key.clone(), b.record());
-                let _ = self.meta.put(tenant, &key, &rec);
-                st.copy_removed(tenant, tier, size);
-                st.tenant_mut(tenant).evictions[tier_slot(tier)] += 1;
-                st.emit(ev);
-            }
+            (victims, decisions)
+        };
+        if victims.is_empty() {
+            return 0;
         }
-        if let Some(s) = &self.ssd {
-            for f in files {
-                s.delete(f);
-            }
-        }
-        for d in demotions {
-            if self.demote(d).await {
+        let out = {
+            let mut ix = self.index.lock();
+            let mut out = ix.evict(&victims, tier, &decisions, now);
+            self.meta.enqueue(std::mem::take(&mut out.meta));
+            out
+        };
+        let evicted = out.gone + out.demotions.len();
+        self.metrics.evictions.with_label_values(&[tier.name()]).inc_by(evicted as u64);
+        let mut gone = out.gone;
+        self.release(out.dropped);
+        for (id, copy) in out.demotions {
+            if self.demote(id, copy).await {
                 gone += 1;
             }
         }
@@ -858,75 +489,55 @@ impl Store {
 
     /// Copy a DRAM victim to SSD, then drop its DRAM copy. When SSD has no room the block is
     /// simply evicted. Returns whether the DRAM copy left.
-    async fn demote(&self, d: Demotion) -> bool {
+    async fn demote(&self, id: u64, copy: DramCopy) -> bool {
         let Some(ssd) = self.ssd.clone() else { return false };
-        let size = d.block.len();
+        let size = copy.0.len();
         let file = ssd.new_file_id();
-        let ok = if self.reserve_ssd(size).await {
-            let (s2, data) = (ssd.clone(), d.block.clone());
-            let r = tokio::task::spawn_blocking(move || s2.write(file, data.bytes())).await;
-            if !matches!(r, Ok(Ok(()))) {
-                warn!(?r, "demotion write failed; block evicted instead");
-                ssd.release(size);
-                ssd.delete(file);
-                false
-            } else {
-                true
+        let written = if self.reserve_ssd(size).await {
+            let (s2, data) = (ssd.clone(), copy.0.clone());
+            match tokio::task::spawn_blocking(move || s2.write(file, data.bytes())).await {
+                Ok(Ok(())) => Some(file),
+                r => {
+                    warn!(?r, "demotion write failed; block evicted instead");
+                    ssd.release(size);
+                    ssd.delete(file);
+                    None
+                }
             }
         } else {
-            false
+            None
         };
-        drop(d.block);
-        let mut st = self.state.lock();
-        st.moving.remove(&d.id);
-        let Some(b) = st.blocks.get_mut(&d.id).filter(|b| b.moving) else {
-            // Removed or replaced while moving.
-            if ok {
-                ssd.release(size);
-                ssd.delete(file);
+        drop(copy);
+        let mut ix = self.index.lock();
+        match ix.finish_demotion(id, written) {
+            Demoted::Moved { dram, meta } => {
+                self.meta.enqueue(vec![meta]);
+                drop(ix);
+                drop(dram);
+                self.metrics.demotions.inc();
             }
-            return true;
-        };
-        b.moving = false;
-        if !ok {
-            // Nowhere to demote to: plain eviction (the block never had an SSD copy).
-            self.drop_block(&mut st, d.id);
-            return true;
+            Demoted::Evicted { dropped, meta } => {
+                self.meta.enqueue(vec![meta]);
+                drop(ix);
+                self.release([dropped]);
+            }
+            Demoted::Vanished => {
+                drop(ix);
+                if written.is_some() {
+                    ssd.release(size);
+                    ssd.delete(file);
+                }
+            }
         }
-        b.dram = None;
-        b.ssd = Some(file);
-        let (tenant, key, rec) = (b.tenant, b.key.clone(), b.record());
-        let removed = b.event(d.id, EventKind::Removed, Tier::Dram);
-        let inserted = b.event(d.id, EventKind::Inserted, Tier::Ssd);
-        if let Err(e) = self.meta.put(tenant, &key, &rec) {
-            warn!(error = %e, "metadata write failed during demotion");
-        }
-        st.copy_removed(tenant, Tier::Dram, size);
-        st.copy_added(tenant, Tier::Ssd, size);
-        st.tenant_mut(tenant).demotions += 1;
-        st.emit(removed);
-        st.emit(inserted);
-        self.metrics.demotions.inc();
         true
     }
 
-    /// One round of background work: watermarks, soft-pin expiry, event flush.
+    /// One round of background work: soft-pin expiry, event flush, watermarks.
     pub async fn maintain(&self) {
+        self.index.lock().expire_soft_pins(wall_ms());
         {
-            let mut st = self.state.lock();
-            let now = wall_ms();
-            while let Some(&(until, id)) = st.soft_pins.first() {
-                if until > now {
-                    break;
-                }
-                st.soft_pins.pop_first();
-                if let Some(b) = st.blocks.get_mut(&id) {
-                    b.pin = Pin::None;
-                    let ev = Event::pin_changed(id, Pin::None);
-                    st.emit(ev);
-                }
-            }
-            st.flush_events();
+            let mut pol = self.policies.lock();
+            self.feed(&mut pol);
         }
         let cap = self.dram.capacity() as f64;
         if self.dram.used() as f64 > self.cfg.dram_high * cap {
@@ -948,52 +559,30 @@ impl Store {
 
     /// Locate and lease the keys of a get; hits update recency.
     pub fn plan_get(&self, tenant: u32, keys: &[Vec<u8>]) -> Vec<GetPlan> {
-        let now = Instant::now();
-        let lease = now + self.cfg.lease_ttl;
-        let mut st = self.state.lock();
-        let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
-            let Some(&id) = st.by_key.get(&(tenant, k.clone().into_boxed_slice())) else {
-                self.metrics.misses.with_label_values(&["dram"]).inc();
-                let has_ssd = self.ssd.is_some();
-                let t = st.tenant_mut(tenant);
-                t.misses[0] += 1;
-                if has_ssd {
-                    self.metrics.misses.with_label_values(&["ssd"]).inc();
-                    t.misses[1] += 1;
+        let lease = Instant::now() + self.cfg.lease_ttl;
+        let located = self.index.lock().plan_get(tenant, keys, lease);
+        let m = &self.metrics;
+        located
+            .into_iter()
+            .map(|l| match l {
+                Located::Missing => {
+                    m.misses.with_label_values(&["dram"]).inc();
+                    if self.ssd.is_some() {
+                        m.misses.with_label_values(&["ssd"]).inc();
+                    }
+                    GetPlan::Missing
                 }
-                out.push(GetPlan::Missing);
-                continue;
-            };
-            st.tick += 1;
-            let tick = st.tick;
-            let b = st.blocks.get_mut(&id).expect("index and blocks agree");
-            b.lease_until = Some(lease);
-            b.last_access = tick;
-            let (plan, ev) = if let Some(d) = &b.dram {
-                self.metrics.hits.with_label_values(&["dram"]).inc();
-                (GetPlan::Dram { block: d.clone(), checksum: b.checksum }, b.event(id, EventKind::Accessed, Tier::Dram))
-            } else {
-                self.metrics.misses.with_label_values(&["dram"]).inc();
-                self.metrics.hits.with_label_values(&["ssd"]).inc();
-                let file = b.ssd.expect("a block has at least one copy");
-                (
-                    GetPlan::Ssd { id, file, size: b.size, checksum: b.checksum },
-                    b.event(id, EventKind::Accessed, Tier::Ssd),
-                )
-            };
-            let t = st.tenant_mut(tenant);
-            if matches!(plan, GetPlan::Dram { .. }) {
-                t.hits[0] += 1;
-            } else {
-                t.misses[0] += 1;
-                t.hits[1] += 1;
-            }
-            st.leased.insert(id);
-            st.emit(ev);
-            out.push(plan);
-        }
-        out
+                Located::Dram { copy, checksum, .. } => {
+                    m.hits.with_label_values(&["dram"]).inc();
+                    GetPlan::Dram { block: copy.0, checksum }
+                }
+                Located::Ssd { id, locator, size, checksum } => {
+                    m.misses.with_label_values(&["dram"]).inc();
+                    m.hits.with_label_values(&["ssd"]).inc();
+                    GetPlan::Ssd { id, file: locator, size, checksum }
+                }
+            })
+            .collect()
     }
 
     /// Read an SSD copy, verify it, and promote it to DRAM when there is room.
@@ -1013,7 +602,7 @@ impl Store {
             Ok(Ok(x)) => x,
             other => {
                 warn!(id, file, ?other, "ssd read failed; block dropped");
-                self.drop_ssd_copy(id, file);
+                self.drop_corrupt(id, file);
                 return Err(ErrorCode::Corrupt);
             }
         };
@@ -1024,7 +613,7 @@ impl Store {
         if actual != sum {
             warn!(id, file, "checksum mismatch on ssd read; block dropped, never served");
             self.metrics.corrupt.inc();
-            self.drop_ssd_copy(id, file);
+            self.drop_corrupt(id, file);
             return Err(ErrorCode::Corrupt);
         }
         let Some(blk) = blk else {
@@ -1035,7 +624,9 @@ impl Store {
             }
             return Ok(Served::Owned(vec, sum, Tier::Ssd));
         };
-        self.install_promoted(id, file, blk, sum)
+        let blk = Arc::new(blk);
+        self.install_promoted(id, file, blk.clone());
+        Ok(Served::Dram(blk, sum, Tier::Ssd))
     }
 
     async fn promote(&self, id: u64, file: u64, data: Vec<u8>) {
@@ -1051,123 +642,67 @@ impl Store {
             }
         };
         blk.bytes_mut().copy_from_slice(&data);
-        let sum = checksum(blk.bytes());
-        let _ = self.install_promoted(id, file, blk, sum);
+        self.install_promoted(id, file, Arc::new(blk));
     }
 
-    fn install_promoted(&self, id: u64, file: u64, blk: DramBlock, sum: u64) -> Result<Served, ErrorCode> {
-        let blk = Arc::new(blk);
-        let mut st = self.state.lock();
-        if let Some(b) = st.blocks.get_mut(&id).filter(|b| b.dram.is_none() && b.ssd == Some(file)) {
-            b.dram = Some(blk.clone());
-            let ev = b.event(id, EventKind::Inserted, Tier::Dram);
-            let (tenant, key, rec, size) = (b.tenant, b.key.clone(), b.record(), b.size);
-            let _ = self.meta.put(tenant, &key, &rec);
-            st.copy_added(tenant, Tier::Dram, size);
-            st.tenant_mut(tenant).promotions += 1;
-            st.emit(ev);
+    fn install_promoted(&self, id: u64, file: u64, blk: Arc<DramBlock>) {
+        let mut ix = self.index.lock();
+        if let Ok(meta) = ix.install_promoted(id, file, DramCopy(blk)) {
+            self.meta.enqueue(vec![meta]);
             self.metrics.promotions.inc();
         }
-        drop(st);
-        Ok(Served::Dram(blk, sum, Tier::Ssd))
     }
 
-    /// Drop an SSD copy whose bytes cannot be trusted (read error or checksum mismatch).
-    fn drop_ssd_copy(&self, id: u64, file: u64) {
-        let mut st = self.state.lock();
-        let Some(b) = st.blocks.get_mut(&id).filter(|b| b.ssd == Some(file)) else { return };
-        let tenant = b.tenant;
-        st.tenant_mut(tenant).corrupt += 1;
-        let Some(b) = st.blocks.get_mut(&id) else { return };
-        if b.dram.is_none() {
-            if let Some((f, _)) = self.drop_block(&mut st, id) {
-                drop(st);
-                if let Some(s) = &self.ssd {
-                    s.delete(f);
-                }
-            }
-            return;
-        }
-        b.ssd = None;
-        let ev = b.event(id, EventKind::Removed, Tier::Ssd);
-        let (tenant, key, rec, size) = (b.tenant, b.key.clone(), b.record(), b.size);
-        let _ = self.meta.put(tenant, &key, &rec);
-        st.copy_removed(tenant, Tier::Ssd, size);
-        st.emit(ev);
-        drop(st);
-        if let Some(s) = &self.ssd {
-            s.release(size);
-            s.delete(file);
+    fn drop_corrupt(&self, id: u64, file: u64) {
+        let mut ix = self.index.lock();
+        if let Some((dropped, meta)) = ix.drop_corrupt(id, file) {
+            self.meta.enqueue(vec![meta]);
+            drop(ix);
+            self.release([dropped]);
         }
     }
 
     /// Number of leading chain blocks resident in any tier. No lease, no recency update.
     pub fn lookup(&self, tenant: u32, chain: &[Vec<u8>]) -> u32 {
-        let st = self.state.lock();
-        let n = chain.iter().take_while(|k| st.by_key.contains_key(&(tenant, (*k).clone().into_boxed_slice()))).count();
-        drop(st);
+        let n = self.index.lock().lookup(tenant, chain);
         self.metrics.lookup_blocks.with_label_values(&["hit"]).inc_by(n as u64);
         self.metrics.lookup_blocks.with_label_values(&["miss"]).inc_by((chain.len() - n) as u64);
         n as u32
     }
 
     pub fn exists(&self, tenant: u32, keys: &[Vec<u8>]) -> Vec<bool> {
-        let st = self.state.lock();
-        keys.iter().map(|k| st.by_key.contains_key(&(tenant, k.clone().into_boxed_slice()))).collect()
+        self.index.lock().exists(tenant, keys)
     }
 
     // ---- removal ---------------------------------------------------------------------------
 
     pub fn remove(&self, tenant: u32, keys: &[Vec<u8>], force: bool) -> Vec<ErrorCode> {
-        let now = Instant::now();
-        let mut files = Vec::new();
-        let mut st = self.state.lock();
-        let out = keys
-            .iter()
-            .map(|k| {
-                let Some(&id) = st.by_key.get(&(tenant, k.clone().into_boxed_slice())) else {
-                    return ErrorCode::NotFound;
-                };
-                if !force && st.blocks[&id].leased(now) {
-                    return ErrorCode::Leased;
-                }
-                files.extend(self.drop_block(&mut st, id));
-                ErrorCode::Ok
+        let mut ix = self.index.lock();
+        let (status, dropped, meta) = ix.remove(tenant, keys, force, Instant::now());
+        self.meta.enqueue(meta);
+        drop(ix);
+        self.release(dropped);
+        status
+            .into_iter()
+            .map(|s| match s {
+                RemoveStatus::Ok => ErrorCode::Ok,
+                RemoveStatus::NotFound => ErrorCode::NotFound,
+                RemoveStatus::Leased => ErrorCode::Leased,
             })
-            .collect();
-        drop(st);
-        self.delete_files(files);
-        out
+            .collect()
     }
 
     /// Remove every block of the tenant; leased ones stay unless `force`. (removed, skipped)
     pub fn remove_all(&self, tenant: u32, force: bool) -> (u64, u64) {
-        let now = Instant::now();
-        let mut st = self.state.lock();
-        let ids: Vec<(u64, bool)> =
-            st.blocks.iter().filter(|(_, b)| b.tenant == tenant).map(|(&id, b)| (id, b.leased(now))).collect();
-        let (mut removed, mut skipped, mut files) = (0, 0, Vec::new());
-        for (id, leased) in ids {
-            if leased && !force {
-                skipped += 1;
-                continue;
-            }
-            files.extend(self.drop_block(&mut st, id));
-            removed += 1;
-        }
-        drop(st);
-        self.delete_files(files);
+        let mut ix = self.index.lock();
+        let (removed, skipped, dropped, meta) = ix.remove_all(tenant, force, Instant::now());
+        self.meta.enqueue(meta);
+        drop(ix);
+        self.release(dropped);
         (removed, skipped)
     }
 
-    fn delete_files(&self, files: Vec<(u64, u64)>) {
-        if let Some(s) = &self.ssd {
-            for (f, _) in files {
-                s.delete(f);
-            }
-        }
-    }
-
+    /// Wait for every queued metadata change, then flush sled.
     pub fn flush(&self) {
         if let Err(e) = self.meta.flush() {
             warn!(error = %e, "metadata flush failed");
@@ -1177,136 +712,37 @@ impl Store {
     pub fn meta(&self) -> &Meta {
         &self.meta
     }
+}
 
-    // ---- policy swap -----------------------------------------------------------------------
-
-    /// Snapshot of the block set for a new policy, and start recording later events for it.
-    pub fn begin_swap(&self) -> Events {
-        let mut st = self.state.lock();
-        st.flush_events();
-        st.tap = Some(Events::new());
-        snapshot(&st.blocks)
-    }
-
-    pub fn abort_swap(&self) {
-        self.state.lock().tap = None;
-    }
-
-    /// Feed the new policy what happened since its snapshot, then switch atomically: no
-    /// decision is ever taken by a policy that missed an event.
-    pub fn finish_swap(&self, slot: NewSlot) {
-        let mut st = self.state.lock();
-        st.flush_events();
-        let tap = st.tap.take().unwrap_or_default();
-        let old = match slot {
-            NewSlot::Eviction(mut e) => {
-                e.on_events(&tap);
-                NewSlot::Eviction(std::mem::replace(&mut st.eviction, e))
-            }
-            NewSlot::Admission(mut a) => {
-                a.on_events(&tap);
-                NewSlot::Admission(std::mem::replace(&mut st.admission, a))
-            }
-            NewSlot::Placement(mut p) => {
-                p.on_events(&tap);
-                NewSlot::Placement(std::mem::replace(&mut st.placement, p))
-            }
+impl crate::policy::PolicySlots for Store {
+    fn begin_swap(&self) -> Events {
+        let mut pol = self.policies.lock();
+        // The snapshot and the start of the tap are one instant: events before it are in the
+        // snapshot (and fed to the current policies now), events after it reach the tap.
+        let (ev, snapshot) = {
+            let mut ix = self.index.lock();
+            (ix.take_events(), ix.snapshot())
         };
-        drop(st);
+        pol.feed(&ev);
+        pol.start_tap();
+        snapshot
+    }
+
+    fn abort_swap(&self) {
+        self.policies.lock().abort_tap();
+    }
+
+    fn finish_swap(&self, slot: NewSlot) {
+        let old = {
+            let mut pol = self.policies.lock();
+            self.feed(&mut pol);
+            pol.swap(slot)
+        };
         // The old module (and its wasmtime store) is dropped outside the lock.
         drop(old);
     }
 
-    /// Back to the native built-in for a kind, rebuilt from the current block set.
-    pub fn install_builtin(&self, kind: kvpool_proto::PolicyKind, store_threshold: u64) {
-        let snap = self.begin_swap();
-        let slot = match kind {
-            kvpool_proto::PolicyKind::Eviction => {
-                let mut p = kvpool_policies::LeafLru::new();
-                kvpool_policy_sdk::EvictionPolicy::on_events(&mut p, &snap);
-                NewSlot::Eviction(EvictionSlot::Native(Box::new(p)))
-            }
-            kvpool_proto::PolicyKind::Admission => NewSlot::Admission(AdmissionSlot::Native(Box::new(
-                kvpool_policies::ThresholdAdmission::new(store_threshold),
-            ))),
-            kvpool_proto::PolicyKind::Placement => NewSlot::Placement(PlacementSlot::Default),
-        };
-        self.finish_swap(slot);
+    fn with_policies(&self, f: &mut dyn FnMut(&Policies)) {
+        f(&self.policies.lock());
     }
-
-    pub fn policy_info(&self, kind: kvpool_proto::PolicyKind) -> Option<kvpool_policy_host::ModuleInfo> {
-        let st = self.state.lock();
-        match kind {
-            kvpool_proto::PolicyKind::Eviction => st.eviction.info(),
-            kvpool_proto::PolicyKind::Admission => st.admission.info(),
-            kvpool_proto::PolicyKind::Placement => st.placement.info(),
-        }
-    }
-}
-
-/// Host truth for validating a policy's answers.
-struct Oracle<'a> {
-    blocks: &'a HashMap<u64, Block>,
-}
-
-impl BlockOracle for Oracle<'_> {
-    fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
-        let b = self.blocks.get(&id)?;
-        let present = match tier {
-            Tier::Dram => b.dram.is_some(),
-            Tier::Ssd => b.ssd.is_some(),
-            Tier::Device => false,
-        };
-        present.then_some(b.size)
-    }
-
-    fn pin(&self, id: u64) -> Pin {
-        self.blocks.get(&id).map_or(Pin::None, |b| b.pin)
-    }
-
-    fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64 {
-        self.blocks
-            .iter()
-            .filter(|(id, b)| b.pin != Pin::Hard && exclude.binary_search(id).is_err())
-            .filter_map(|(id, _)| self.size_in_tier(*id, tier))
-            .sum()
-    }
-
-    fn snapshot(&self) -> Events {
-        snapshot(self.blocks)
-    }
-}
-
-/// The block set as `Inserted` events, least recently used first, every parent before its
-/// children (so a policy that tracks chains sees consistent links).
-fn snapshot(blocks: &HashMap<u64, Block>) -> Events {
-    let mut order: Vec<(u64, u64)> = blocks.iter().map(|(&id, b)| (b.last_access, id)).collect();
-    order.sort_unstable();
-    let mut done = std::collections::HashSet::with_capacity(blocks.len());
-    let mut ev = Events::new();
-    let mut stack = Vec::new();
-    for (_, id) in order {
-        let mut cur = id;
-        while !done.contains(&cur) && blocks.contains_key(&cur) {
-            stack.push(cur);
-            let p = blocks[&cur].parent;
-            if p == NO_PARENT || stack.len() > blocks.len() {
-                break;
-            }
-            cur = p;
-        }
-        while let Some(x) = stack.pop() {
-            if !done.insert(x) {
-                continue;
-            }
-            let b = &blocks[&x];
-            if b.ssd.is_some() {
-                ev.push(b.event(x, EventKind::Inserted, Tier::Ssd));
-            }
-            if b.dram.is_some() {
-                ev.push(b.event(x, EventKind::Inserted, Tier::Dram));
-            }
-        }
-    }
-    ev
 }

@@ -1,0 +1,896 @@
+//! The block index of one pool node: which blocks exist, their chains, leases, pins and copies.
+//!
+//! No I/O and no clock: the caller passes `now` (monotonic, for leases) and `wall_ms` (wall
+//! clock, for pins and records). Copies are opaque handles: `D` for a DRAM copy (the server's
+//! reference-counted segment range), a `u64` locator for an SSD copy. Whatever must happen
+//! outside (free a copy, delete a file, write sled) is returned to the caller as data.
+
+use crate::{Dropped, MetaOp, PinRequest, PutSpec};
+use kvpool_policy_sdk::{Admit, AdmitBatch, AdmitRequest, Event, EventKind, Events, Pin, Tier, NO_PARENT};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::time::Instant;
+
+/// A DRAM copy as the index holds it.
+pub trait CopyHandle: Clone + Send + 'static {
+    /// True while someone besides the index holds the copy (an in-flight read): eviction must not
+    /// pick it, since its memory would not come free.
+    fn in_use(&self) -> bool {
+        false
+    }
+}
+
+impl CopyHandle for u64 {}
+
+/// Allocation granularity of each tier, for byte accounting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Granularity {
+    pub dram: u64,
+    pub ssd: u64,
+}
+
+impl Granularity {
+    pub fn footprint(&self, tier: Tier, len: u64) -> u64 {
+        let unit = if tier == Tier::Ssd { self.ssd } else { self.dram };
+        len.max(1).div_ceil(unit) * unit
+    }
+}
+
+/// A block's persistent record (sled), as the index last wrote it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BlockRecord {
+    pub size: u64,
+    pub tokens: u32,
+    pub seq_tokens: u64,
+    pub parent: Option<Vec<u8>>,
+    pub checksum: u64,
+    pub created_ms: u64,
+    /// 0 none, 1 soft, 2 hard.
+    pub pin: u8,
+    /// Wall-clock ms when a soft pin ends.
+    pub pin_until_ms: u64,
+    /// Locator of the SSD copy.
+    pub ssd_file: Option<u64>,
+    pub in_dram: bool,
+}
+
+/// What one tenant holds and what happened to its blocks: the `stats` a non-admin key sees.
+/// Tier arrays are indexed `[dram, ssd]`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TenantCounters {
+    /// Blocks in the index (a block may have a copy in both tiers).
+    pub resident: u64,
+    pub blocks: [u64; 2],
+    /// Bytes held, at each tier's allocation granularity.
+    pub bytes: [u64; 2],
+    pub hits: [u64; 2],
+    pub misses: [u64; 2],
+    pub evictions: [u64; 2],
+    pub demotions: u64,
+    pub promotions: u64,
+    pub rejected: u64,
+    pub corrupt: u64,
+}
+
+fn slot(tier: Tier) -> usize {
+    usize::from(tier == Tier::Ssd)
+}
+
+pub(crate) struct Block<D> {
+    pub(crate) tenant: u32,
+    pub(crate) key: Box<[u8]>,
+    pub(crate) size: u64,
+    pub(crate) tokens: u32,
+    pub(crate) seq_tokens: u64,
+    pub(crate) parent_key: Option<Box<[u8]>>,
+    pub(crate) parent: u64,
+    pub(crate) checksum: u64,
+    pub(crate) created_ms: u64,
+    pub(crate) pin: Pin,
+    pub(crate) pin_until_ms: u64,
+    pub(crate) lease_until: Option<Instant>,
+    pub(crate) dram: Option<D>,
+    pub(crate) ssd: Option<u64>,
+    /// A demotion of this block is in flight.
+    pub(crate) moving: bool,
+    /// Recency tick of the last insert or read (orders the snapshot a new policy is fed).
+    pub(crate) last_access: u64,
+}
+
+impl<D> Block<D> {
+    fn record(&self) -> BlockRecord {
+        BlockRecord {
+            size: self.size,
+            tokens: self.tokens,
+            seq_tokens: self.seq_tokens,
+            parent: self.parent_key.as_ref().map(|p| p.to_vec()),
+            checksum: self.checksum,
+            created_ms: self.created_ms,
+            pin: self.pin as u8,
+            pin_until_ms: self.pin_until_ms,
+            ssd_file: self.ssd,
+            in_dram: self.dram.is_some(),
+        }
+    }
+
+    fn leased(&self, now: Instant) -> bool {
+        self.lease_until.is_some_and(|t| t > now)
+    }
+
+    fn event(&self, id: u64, kind: EventKind, tier: Tier) -> Event {
+        Event { kind, id, size: self.size, tokens: self.tokens, tier, parent: self.parent, pin: self.pin }
+    }
+
+    fn has(&self, tier: Tier) -> bool {
+        match tier {
+            Tier::Dram => self.dram.is_some(),
+            Tier::Ssd => self.ssd.is_some(),
+            Tier::Device => false,
+        }
+    }
+}
+
+/// How a put item will be handled, decided before its bytes are read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutPlan {
+    /// Store the bytes as a copy in this tier, under this pre-assigned id.
+    Store { id: u64, tier: Tier },
+    /// Do not store: discard the bytes and answer this.
+    Skip(PutStatus),
+}
+
+/// Outcome of one put item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutStatus {
+    Ok,
+    AlreadyExists,
+    /// Upsert of a block that is leased to readers.
+    Leased,
+    /// Refused by the admission policy.
+    Rejected,
+    NoSpace,
+}
+
+/// Outcome of one remove item.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RemoveStatus {
+    Ok,
+    NotFound,
+    Leased,
+}
+
+/// Where a block of a get is, resolved under the lock and read outside it.
+#[derive(Debug, Clone)]
+pub enum Located<D> {
+    Missing,
+    Dram { id: u64, copy: D, checksum: u64 },
+    Ssd { id: u64, locator: u64, size: u64, checksum: u64 },
+}
+
+/// A put item whose admission is still to be asked.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pending {
+    Skip(PutStatus),
+    /// Row `row` of the admission batch, for block `id`.
+    Ask {
+        id: u64,
+        row: usize,
+    },
+}
+
+/// The result of an eviction pass over the index.
+#[derive(Debug)]
+pub struct Evicted<D> {
+    /// DRAM copies to write to the SSD tier; finish each with [`Index::finish_demotion`].
+    pub demotions: Vec<(u64, D)>,
+    /// Copies to free and files to delete, outside the lock.
+    pub dropped: Vec<Dropped<D>>,
+    pub meta: Vec<MetaOp>,
+    /// Copies that left the tier now (demotions not counted).
+    pub gone: usize,
+}
+
+/// How a demotion ended.
+#[derive(Debug)]
+pub enum Demoted<D> {
+    /// The block now lives on SSD; its DRAM copy is to be freed.
+    Moved { dram: Option<D>, meta: MetaOp },
+    /// No SSD copy could be written: the block was evicted instead.
+    Evicted { dropped: Dropped<D>, meta: MetaOp },
+    /// The block was removed or replaced meanwhile: the written copy is garbage.
+    Vanished,
+}
+
+/// Recovery of the index from persisted records.
+#[derive(Debug, Default)]
+pub struct Recovered {
+    pub kept: u64,
+    pub dropped: u64,
+    /// SSD locators the index uses; every other file is garbage.
+    pub files: HashSet<u64>,
+    pub meta: Vec<MetaOp>,
+    /// The recovered block set, parents first, for the policies.
+    pub snapshot: Events,
+}
+
+/// The block index.
+pub struct Index<D> {
+    by_key: HashMap<(u32, Box<[u8]>), u64>,
+    pub(crate) blocks: HashMap<u64, Block<D>>,
+    next_id: u64,
+    /// Ids with a lease that may still be running (expired ones are pruned lazily).
+    leased: BTreeSet<u64>,
+    /// Ids with a demotion in flight.
+    moving: BTreeSet<u64>,
+    soft_pins: BTreeSet<(u64, u64)>,
+    events: Events,
+    tick: u64,
+    copies: [u64; 2],
+    tenants: HashMap<u32, TenantCounters>,
+    gran: Granularity,
+    has_ssd: bool,
+}
+
+/// Scratch key for lookups without allocating a boxed key per probe.
+fn probe(tenant: u32, key: &[u8]) -> (u32, Box<[u8]>) {
+    (tenant, key.into())
+}
+
+impl<D: CopyHandle> Index<D> {
+    pub fn new(gran: Granularity, has_ssd: bool) -> Index<D> {
+        Index {
+            by_key: HashMap::new(),
+            blocks: HashMap::new(),
+            next_id: 1,
+            leased: BTreeSet::new(),
+            moving: BTreeSet::new(),
+            soft_pins: BTreeSet::new(),
+            events: Events::new(),
+            tick: 0,
+            copies: [0; 2],
+            tenants: HashMap::new(),
+            gran,
+            has_ssd,
+        }
+    }
+
+    // ---- bookkeeping --------------------------------------------------------------------
+
+    fn tenant_mut(&mut self, tenant: u32) -> &mut TenantCounters {
+        self.tenants.entry(tenant).or_default()
+    }
+
+    fn copy_added(&mut self, tenant: u32, tier: Tier, size: u64) {
+        let fp = self.gran.footprint(tier, size);
+        self.copies[slot(tier)] += 1;
+        let t = self.tenant_mut(tenant);
+        t.blocks[slot(tier)] += 1;
+        t.bytes[slot(tier)] += fp;
+    }
+
+    fn copy_removed(&mut self, tenant: u32, tier: Tier, size: u64) {
+        let fp = self.gran.footprint(tier, size);
+        self.copies[slot(tier)] -= 1;
+        let t = self.tenant_mut(tenant);
+        t.blocks[slot(tier)] -= 1;
+        t.bytes[slot(tier)] -= fp;
+    }
+
+    fn emit(&mut self, e: Event) {
+        self.events.push(e);
+    }
+
+    /// Events since the last call, for the policies (in order).
+    pub fn take_events(&mut self) -> Events {
+        std::mem::take(&mut self.events)
+    }
+
+    /// Events waiting for the policies.
+    pub fn pending_events(&self) -> usize {
+        self.events.len()
+    }
+
+    /// (blocks, DRAM copies, SSD copies)
+    pub fn counts(&self) -> (u64, u64, u64) {
+        (self.blocks.len() as u64, self.copies[0], self.copies[1])
+    }
+
+    /// One tenant's residency and counters (zero for a tenant that never stored anything).
+    pub fn tenant_counters(&self, tenant: u32) -> TenantCounters {
+        self.tenants.get(&tenant).cloned().unwrap_or_default()
+    }
+
+    /// Count put items refused for lack of space, for the tenant's stats.
+    pub fn count_no_space(&mut self, tenant: u32, n: u64) {
+        self.tenant_mut(tenant).rejected += n;
+    }
+
+    // ---- recovery -----------------------------------------------------------------------
+
+    /// Rebuild from persisted records. Only SSD copies survive a restart, and only when their
+    /// file is present with the right length (`ssd_files`: locator -> length on disk).
+    pub fn recover(
+        &mut self,
+        records: impl IntoIterator<Item = (u32, Vec<u8>, Option<BlockRecord>)>,
+        ssd_files: &HashMap<u64, u64>,
+        wall_ms: u64,
+    ) -> Recovered {
+        let mut out = Recovered::default();
+        for (tenant, key, rec) in records {
+            let usable = rec
+                .as_ref()
+                .is_some_and(|r| self.has_ssd && r.ssd_file.is_some_and(|f| ssd_files.get(&f) == Some(&r.size)));
+            let Some(r) = rec.filter(|_| usable) else {
+                out.meta.push(MetaOp::Remove { tenant, key: key.into() });
+                out.dropped += 1;
+                continue;
+            };
+            let id = self.next_id;
+            self.next_id += 1;
+            let file = r.ssd_file.expect("checked usable");
+            out.files.insert(file);
+            let pin = match Pin::from_u8(r.pin).unwrap_or(Pin::None) {
+                Pin::Soft if r.pin_until_ms <= wall_ms => Pin::None,
+                p => p,
+            };
+            if pin == Pin::Soft {
+                self.soft_pins.insert((r.pin_until_ms, id));
+            }
+            let key: Box<[u8]> = key.into();
+            let b = Block {
+                tenant,
+                key: key.clone(),
+                size: r.size,
+                tokens: r.tokens,
+                seq_tokens: r.seq_tokens,
+                parent_key: r.parent.map(Into::into),
+                parent: NO_PARENT,
+                checksum: r.checksum,
+                created_ms: r.created_ms,
+                pin,
+                pin_until_ms: r.pin_until_ms,
+                lease_until: None,
+                dram: None,
+                ssd: Some(file),
+                moving: false,
+                last_access: 0,
+            };
+            if r.in_dram {
+                // The DRAM copy is gone with the old process.
+                out.meta.push(MetaOp::Put { tenant, key: key.clone(), record: b.record() });
+            }
+            self.copy_added(tenant, Tier::Ssd, b.size);
+            self.tenant_mut(tenant).resident += 1;
+            self.by_key.insert((tenant, key), id);
+            self.blocks.insert(id, b);
+            out.kept += 1;
+        }
+        let links: Vec<(u64, u64)> = self
+            .blocks
+            .iter()
+            .filter_map(|(&id, b)| {
+                let pk = b.parent_key.as_ref()?;
+                let pid = *self.by_key.get(&(b.tenant, pk.clone()))?;
+                Some((id, pid))
+            })
+            .collect();
+        for (id, pid) in links {
+            if let Some(b) = self.blocks.get_mut(&id) {
+                b.parent = pid;
+            }
+        }
+        out.snapshot = self.snapshot();
+        out
+    }
+
+    // ---- put ----------------------------------------------------------------------------
+
+    /// First half of planning a put: existing keys and blocks that can never fit are decided
+    /// here; the others get an id and a row in the returned admission batch.
+    pub fn plan_put(
+        &mut self,
+        tenant: u32,
+        items: &[PutSpec<'_>],
+        upsert: bool,
+        max_copy: u64,
+    ) -> (Vec<Pending>, AdmitBatch) {
+        let mut pending = Vec::with_capacity(items.len());
+        let mut batch = AdmitBatch::default();
+        for it in items {
+            if !upsert && self.by_key.contains_key(&probe(tenant, it.key)) {
+                pending.push(Pending::Skip(PutStatus::AlreadyExists));
+                continue;
+            }
+            if self.gran.footprint(Tier::Dram, it.size) > max_copy {
+                pending.push(Pending::Skip(PutStatus::NoSpace));
+                continue;
+            }
+            let id = self.next_id;
+            self.next_id += 1;
+            let parent = it.parent.and_then(|p| self.by_key.get(&probe(tenant, p)).copied()).unwrap_or(NO_PARENT);
+            pending.push(Pending::Ask { id, row: batch.len() });
+            batch.push(AdmitRequest {
+                id,
+                size: it.size,
+                tokens: it.tokens,
+                seq_tokens: it.seq_tokens,
+                tier: Tier::Dram,
+                parent,
+            });
+        }
+        (pending, batch)
+    }
+
+    /// Second half: combine admission decisions (and placement tiers, when a placement policy
+    /// answered) into plans. Rejections count against the tenant.
+    pub fn decide_put(
+        &mut self,
+        tenant: u32,
+        pending: &[Pending],
+        decisions: &[Admit],
+        placed: Option<&[Tier]>,
+    ) -> Vec<PutPlan> {
+        let has_ssd = self.has_ssd;
+        let mut rejected = 0;
+        let plans = pending
+            .iter()
+            .map(|p| match *p {
+                Pending::Skip(s) => PutPlan::Skip(s),
+                Pending::Ask { id, row } => match decisions.get(row).copied().unwrap_or(Admit::Into(Tier::Dram)) {
+                    Admit::Reject => {
+                        rejected += 1;
+                        PutPlan::Skip(PutStatus::Rejected)
+                    }
+                    Admit::Into(t) => {
+                        let t = placed.and_then(|p| p.get(row).copied()).unwrap_or(t);
+                        let tier = if t == Tier::Ssd && has_ssd { Tier::Ssd } else { Tier::Dram };
+                        PutPlan::Store { id, tier }
+                    }
+                },
+            })
+            .collect();
+        if rejected > 0 {
+            self.tenant_mut(tenant).rejected += rejected;
+        }
+        plans
+    }
+
+    /// Publish a block whose bytes are complete. `Err` when the key changed meanwhile (an insert
+    /// found it present, an upsert found the old value leased): the caller frees the copy.
+    #[allow(clippy::too_many_arguments)]
+    pub fn commit(
+        &mut self,
+        tenant: u32,
+        id: u64,
+        spec: &PutSpec<'_>,
+        upsert: bool,
+        checksum: u64,
+        dram: Option<D>,
+        ssd: Option<u64>,
+        now: Instant,
+        wall_ms: u64,
+        soft_pin_ttl_ms: u64,
+    ) -> Result<(Option<Dropped<D>>, Vec<MetaOp>), PutStatus> {
+        let mut meta = Vec::with_capacity(2);
+        let mut replaced = None;
+        if let Some(&old) = self.by_key.get(&probe(tenant, spec.key)) {
+            if !upsert {
+                return Err(PutStatus::AlreadyExists);
+            }
+            if self.blocks.get(&old).is_some_and(|b| b.leased(now)) {
+                return Err(PutStatus::Leased);
+            }
+            let (d, m) = self.drop_block(old).expect("indexed block exists");
+            replaced = Some(d);
+            meta.push(m);
+        }
+        let parent = spec.parent.and_then(|p| self.by_key.get(&probe(tenant, p)).copied()).unwrap_or(NO_PARENT);
+        let (pin, pin_until_ms) = match spec.pin {
+            PinRequest::None => (Pin::None, 0),
+            PinRequest::Hard => (Pin::Hard, 0),
+            PinRequest::Soft { ttl_ms } => {
+                (Pin::Soft, wall_ms.saturating_add(if ttl_ms == 0 { soft_pin_ttl_ms } else { ttl_ms }))
+            }
+        };
+        self.tick += 1;
+        let key: Box<[u8]> = spec.key.into();
+        let block = Block {
+            tenant,
+            key: key.clone(),
+            size: spec.size,
+            tokens: spec.tokens,
+            seq_tokens: spec.seq_tokens,
+            parent_key: spec.parent.map(Into::into),
+            parent,
+            checksum,
+            created_ms: wall_ms,
+            pin,
+            pin_until_ms,
+            lease_until: None,
+            dram,
+            ssd,
+            moving: false,
+            last_access: self.tick,
+        };
+        meta.push(MetaOp::Put { tenant, key: key.clone(), record: block.record() });
+        for tier in [Tier::Dram, Tier::Ssd] {
+            if block.has(tier) {
+                self.copy_added(tenant, tier, spec.size);
+                let ev = block.event(id, EventKind::Inserted, tier);
+                self.emit(ev);
+            }
+        }
+        self.tenant_mut(tenant).resident += 1;
+        if pin == Pin::Soft {
+            self.soft_pins.insert((pin_until_ms, id));
+        }
+        self.by_key.insert((tenant, key), id);
+        self.blocks.insert(id, block);
+        Ok((replaced, meta))
+    }
+
+    /// Take a block out of the index: its copies for the caller to free, and the sled removal.
+    fn drop_block(&mut self, id: u64) -> Option<(Dropped<D>, MetaOp)> {
+        let b = self.blocks.remove(&id)?;
+        self.by_key.remove(&(b.tenant, b.key.clone()));
+        self.tenant_mut(b.tenant).resident -= 1;
+        self.leased.remove(&id);
+        self.moving.remove(&id);
+        if b.pin == Pin::Soft {
+            self.soft_pins.remove(&(b.pin_until_ms, id));
+        }
+        for tier in [Tier::Dram, Tier::Ssd] {
+            if b.has(tier) {
+                self.copy_removed(b.tenant, tier, b.size);
+                self.emit(b.event(id, EventKind::Removed, tier));
+            }
+        }
+        let meta = MetaOp::Remove { tenant: b.tenant, key: b.key };
+        Some((Dropped { dram: b.dram, ssd: b.ssd.map(|f| (f, b.size)) }, meta))
+    }
+
+    // ---- reads --------------------------------------------------------------------------
+
+    /// Locate and lease the keys of a get; hits update recency.
+    pub fn plan_get(&mut self, tenant: u32, keys: &[Vec<u8>], lease_until: Instant) -> Vec<Located<D>> {
+        let mut out = Vec::with_capacity(keys.len());
+        for k in keys {
+            let Some(&id) = self.by_key.get(&probe(tenant, k)) else {
+                let has_ssd = self.has_ssd;
+                let t = self.tenant_mut(tenant);
+                t.misses[0] += 1;
+                if has_ssd {
+                    t.misses[1] += 1;
+                }
+                out.push(Located::Missing);
+                continue;
+            };
+            self.tick += 1;
+            let tick = self.tick;
+            let b = self.blocks.get_mut(&id).expect("index and blocks agree");
+            b.lease_until = Some(lease_until);
+            b.last_access = tick;
+            let (loc, ev) = match &b.dram {
+                Some(d) => (
+                    Located::Dram { id, copy: d.clone(), checksum: b.checksum },
+                    b.event(id, EventKind::Accessed, Tier::Dram),
+                ),
+                None => {
+                    let locator = b.ssd.expect("a block has at least one copy");
+                    (
+                        Located::Ssd { id, locator, size: b.size, checksum: b.checksum },
+                        b.event(id, EventKind::Accessed, Tier::Ssd),
+                    )
+                }
+            };
+            let t = self.tenant_mut(tenant);
+            if matches!(loc, Located::Dram { .. }) {
+                t.hits[0] += 1;
+            } else {
+                t.misses[0] += 1;
+                t.hits[1] += 1;
+            }
+            self.leased.insert(id);
+            self.emit(ev);
+            out.push(loc);
+        }
+        out
+    }
+
+    /// Number of leading chain blocks resident in any tier. No lease, no recency update.
+    pub fn lookup(&self, tenant: u32, chain: &[Vec<u8>]) -> usize {
+        chain.iter().take_while(|k| self.by_key.contains_key(&probe(tenant, k))).count()
+    }
+
+    pub fn exists(&self, tenant: u32, keys: &[Vec<u8>]) -> Vec<bool> {
+        keys.iter().map(|k| self.by_key.contains_key(&probe(tenant, k))).collect()
+    }
+
+    // ---- removal ------------------------------------------------------------------------
+
+    pub fn remove(
+        &mut self,
+        tenant: u32,
+        keys: &[Vec<u8>],
+        force: bool,
+        now: Instant,
+    ) -> (Vec<RemoveStatus>, Vec<Dropped<D>>, Vec<MetaOp>) {
+        let (mut dropped, mut meta) = (Vec::new(), Vec::new());
+        let st = keys
+            .iter()
+            .map(|k| {
+                let Some(&id) = self.by_key.get(&probe(tenant, k)) else { return RemoveStatus::NotFound };
+                if !force && self.blocks[&id].leased(now) {
+                    return RemoveStatus::Leased;
+                }
+                let (d, m) = self.drop_block(id).expect("indexed block exists");
+                dropped.push(d);
+                meta.push(m);
+                RemoveStatus::Ok
+            })
+            .collect();
+        (st, dropped, meta)
+    }
+
+    /// Remove every block of the tenant; leased ones stay unless `force`.
+    /// Returns (removed, skipped, copies to free, sled removals).
+    pub fn remove_all(&mut self, tenant: u32, force: bool, now: Instant) -> (u64, u64, Vec<Dropped<D>>, Vec<MetaOp>) {
+        let ids: Vec<(u64, bool)> =
+            self.blocks.iter().filter(|(_, b)| b.tenant == tenant).map(|(&id, b)| (id, b.leased(now))).collect();
+        let (mut removed, mut skipped, mut dropped, mut meta) = (0, 0, Vec::new(), Vec::new());
+        for (id, leased) in ids {
+            if leased && !force {
+                skipped += 1;
+                continue;
+            }
+            let (d, m) = self.drop_block(id).expect("listed block exists");
+            dropped.push(d);
+            meta.push(m);
+            removed += 1;
+        }
+        (removed, skipped, dropped, meta)
+    }
+
+    // ---- eviction -----------------------------------------------------------------------
+
+    /// Blocks an eviction of `tier` must not touch. A lease promises that the block stays
+    /// readable, not where: with an SSD tier, a leased DRAM copy may still leave DRAM (demoted,
+    /// or dropped when an SSD copy exists); the in-flight bytes are protected by the handle.
+    pub fn excluded(&mut self, now: Instant, tier: Tier) -> Vec<u64> {
+        let blocks = &self.blocks;
+        self.leased.retain(|id| blocks.get(id).is_some_and(|b| b.leased(now)));
+        let mut ex: Vec<u64> =
+            if tier == Tier::Dram && self.has_ssd { Vec::new() } else { self.leased.iter().copied().collect() };
+        ex.extend(self.moving.iter().copied());
+        ex.sort_unstable();
+        ex.dedup();
+        ex
+    }
+
+    /// Keep the proposed victims that may really go, in order, until `bytes` are covered.
+    pub fn valid_victims(&self, proposed: &[u64], tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
+        let mut freed = 0u64;
+        let mut valid = Vec::new();
+        for &id in proposed {
+            if freed >= bytes {
+                break;
+            }
+            let Some(b) = self.blocks.get(&id) else { continue };
+            let eligible = match tier {
+                Tier::Dram => b.dram.as_ref().is_some_and(|d| !d.in_use()),
+                Tier::Ssd => b.ssd.is_some(),
+                Tier::Device => false,
+            };
+            if !eligible || b.pin == Pin::Hard || b.moving || exclude.binary_search(&id).is_ok() || valid.contains(&id)
+            {
+                continue;
+            }
+            freed += b.size;
+            valid.push(id);
+        }
+        valid
+    }
+
+    /// The admission question for DRAM victims: which may go to the SSD tier.
+    pub fn demotion_batch(&self, victims: &[u64]) -> AdmitBatch {
+        victims
+            .iter()
+            .filter_map(|id| self.blocks.get(id).map(|b| (id, b)))
+            .map(|(&id, b)| AdmitRequest {
+                id,
+                size: b.size,
+                tokens: b.tokens,
+                seq_tokens: b.seq_tokens,
+                tier: Tier::Ssd,
+                parent: b.parent,
+            })
+            .collect()
+    }
+
+    /// Evict `victims` from `tier`: DRAM victims admitted to SSD (`decisions`, one per row of
+    /// [`Index::demotion_batch`]) start a demotion; the others lose their copy in `tier`, and
+    /// blocks left with no copy leave the index. Leased blocks are never dropped from the pool.
+    pub fn evict(&mut self, victims: &[u64], tier: Tier, decisions: &[Admit], now: Instant) -> Evicted<D> {
+        let mut out = Evicted { demotions: Vec::new(), dropped: Vec::new(), meta: Vec::new(), gone: 0 };
+        for (row, &id) in victims.iter().enumerate() {
+            let Some(b) = self.blocks.get_mut(&id) else { continue };
+            if !b.has(tier) || b.moving {
+                continue;
+            }
+            let (tenant, size) = (b.tenant, b.size);
+            let demote = tier == Tier::Dram
+                && self.has_ssd
+                && b.ssd.is_none()
+                && decisions.get(row).copied() == Some(Admit::Into(Tier::Ssd));
+            if demote {
+                b.moving = true;
+                out.demotions.push((id, b.dram.clone().expect("has a DRAM copy")));
+                self.moving.insert(id);
+                self.tenant_mut(tenant).evictions[slot(tier)] += 1;
+                continue;
+            }
+            let other_copy = match tier {
+                Tier::Dram => b.ssd.is_some(),
+                _ => b.dram.is_some(),
+            };
+            if !other_copy && b.leased(now) {
+                continue;
+            }
+            out.gone += 1;
+            self.tenant_mut(tenant).evictions[slot(tier)] += 1;
+            if !other_copy {
+                let (d, m) = self.drop_block(id).expect("exists");
+                out.dropped.push(d);
+                out.meta.push(m);
+                continue;
+            }
+            let b = self.blocks.get_mut(&id).expect("exists");
+            let dropped = match tier {
+                Tier::Dram => Dropped { dram: b.dram.take(), ssd: None },
+                _ => Dropped { dram: None, ssd: b.ssd.take().map(|f| (f, size)) },
+            };
+            let ev = b.event(id, EventKind::Removed, tier);
+            out.meta.push(MetaOp::Put { tenant, key: b.key.clone(), record: b.record() });
+            out.dropped.push(dropped);
+            self.copy_removed(tenant, tier, size);
+            self.emit(ev);
+        }
+        out
+    }
+
+    /// A demotion finished: `written` is the SSD locator of the copy, or `None` when there was
+    /// no room or the write failed (the block is then simply evicted).
+    pub fn finish_demotion(&mut self, id: u64, written: Option<u64>) -> Demoted<D> {
+        self.moving.remove(&id);
+        let Some(b) = self.blocks.get_mut(&id).filter(|b| b.moving) else {
+            return Demoted::Vanished;
+        };
+        b.moving = false;
+        let Some(file) = written else {
+            return match self.drop_block(id) {
+                Some((dropped, meta)) => Demoted::Evicted { dropped, meta },
+                None => Demoted::Vanished,
+            };
+        };
+        let (tenant, size) = (b.tenant, b.size);
+        let dram = b.dram.take();
+        b.ssd = Some(file);
+        let removed = b.event(id, EventKind::Removed, Tier::Dram);
+        let inserted = b.event(id, EventKind::Inserted, Tier::Ssd);
+        let meta = MetaOp::Put { tenant, key: b.key.clone(), record: b.record() };
+        self.copy_removed(tenant, Tier::Dram, size);
+        self.copy_added(tenant, Tier::Ssd, size);
+        self.tenant_mut(tenant).demotions += 1;
+        self.emit(removed);
+        self.emit(inserted);
+        Demoted::Moved { dram, meta }
+    }
+
+    /// An SSD copy was read back into DRAM: keep the DRAM copy when the block still has that
+    /// SSD copy and no DRAM copy. `Err` gives the copy back (nothing changed).
+    pub fn install_promoted(&mut self, id: u64, locator: u64, copy: D) -> Result<MetaOp, D> {
+        let Some(b) = self.blocks.get_mut(&id).filter(|b| b.dram.is_none() && b.ssd == Some(locator)) else {
+            return Err(copy);
+        };
+        b.dram = Some(copy);
+        let (tenant, size) = (b.tenant, b.size);
+        let ev = b.event(id, EventKind::Inserted, Tier::Dram);
+        let meta = MetaOp::Put { tenant, key: b.key.clone(), record: b.record() };
+        self.copy_added(tenant, Tier::Dram, size);
+        self.tenant_mut(tenant).promotions += 1;
+        self.emit(ev);
+        Ok(meta)
+    }
+
+    /// Drop an SSD copy whose bytes cannot be trusted (read error or checksum mismatch); the
+    /// block goes with it unless it still has a DRAM copy. Never served again.
+    pub fn drop_corrupt(&mut self, id: u64, locator: u64) -> Option<(Dropped<D>, MetaOp)> {
+        let b = self.blocks.get_mut(&id).filter(|b| b.ssd == Some(locator))?;
+        let (tenant, size) = (b.tenant, b.size);
+        self.tenant_mut(tenant).corrupt += 1;
+        let b = self.blocks.get_mut(&id).expect("exists");
+        if b.dram.is_none() {
+            return self.drop_block(id);
+        }
+        b.ssd = None;
+        let ev = b.event(id, EventKind::Removed, Tier::Ssd);
+        let meta = MetaOp::Put { tenant, key: b.key.clone(), record: b.record() };
+        self.copy_removed(tenant, Tier::Ssd, size);
+        self.emit(ev);
+        Some((Dropped { dram: None, ssd: Some((locator, size)) }, meta))
+    }
+
+    /// Soft pins whose time is up become no pin.
+    pub fn expire_soft_pins(&mut self, wall_ms: u64) {
+        while let Some(&(until, id)) = self.soft_pins.first() {
+            if until > wall_ms {
+                break;
+            }
+            self.soft_pins.pop_first();
+            if let Some(b) = self.blocks.get_mut(&id) {
+                b.pin = Pin::None;
+                self.emit(Event::pin_changed(id, Pin::None));
+            }
+        }
+    }
+
+    // ---- policy snapshot ----------------------------------------------------------------
+
+    /// The block set as `Inserted` events, least recently used first, every parent before its
+    /// children (so a policy that tracks chains sees consistent links).
+    pub fn snapshot(&self) -> Events {
+        let blocks = &self.blocks;
+        let mut order: Vec<(u64, u64)> = blocks.iter().map(|(&id, b)| (b.last_access, id)).collect();
+        order.sort_unstable();
+        let mut done = HashSet::with_capacity(blocks.len());
+        let mut ev = Events::new();
+        let mut stack = Vec::new();
+        for (_, id) in order {
+            let mut cur = id;
+            while !done.contains(&cur) && blocks.contains_key(&cur) {
+                stack.push(cur);
+                let p = blocks[&cur].parent;
+                if p == NO_PARENT || stack.len() > blocks.len() {
+                    break;
+                }
+                cur = p;
+            }
+            while let Some(x) = stack.pop() {
+                if !done.insert(x) {
+                    continue;
+                }
+                let b = &blocks[&x];
+                if b.ssd.is_some() {
+                    ev.push(b.event(x, EventKind::Inserted, Tier::Ssd));
+                }
+                if b.dram.is_some() {
+                    ev.push(b.event(x, EventKind::Inserted, Tier::Dram));
+                }
+            }
+        }
+        ev
+    }
+}
+
+impl<D: CopyHandle> crate::IndexView for Index<D> {
+    fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
+        let b = self.blocks.get(&id)?;
+        b.has(tier).then_some(b.size)
+    }
+
+    fn pin(&self, id: u64) -> Pin {
+        self.blocks.get(&id).map_or(Pin::None, |b| b.pin)
+    }
+
+    fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64 {
+        self.blocks
+            .iter()
+            .filter(|(id, b)| b.pin != Pin::Hard && exclude.binary_search(id).is_err() && b.has(tier))
+            .map(|(_, b)| b.size)
+            .sum()
+    }
+
+    fn snapshot(&self) -> Events {
+        Index::snapshot(self)
+    }
+}
