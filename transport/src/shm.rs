@@ -74,8 +74,11 @@ fn send(stream: &UnixStream, body: &[u8], fds: &[rustix::fd::BorrowedFd<'_>]) ->
     (&*stream).write_all(&frame[sent..])
 }
 
-/// One message and the descriptors that came with it; `None` at a clean end of stream.
-fn recv(stream: &UnixStream) -> Result<Option<(Vec<u8>, Vec<OwnedFd>)>, ShmError> {
+/// A message body and the descriptors that came with it.
+type Received = (Vec<u8>, Vec<OwnedFd>);
+
+/// One message; `None` at a clean end of stream.
+fn recv(stream: &UnixStream) -> Result<Option<Received>, ShmError> {
     let mut buf = vec![0u8; 4096];
     let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(MAX_FDS))];
     let mut anc = RecvAncillaryBuffer::new(&mut space);
