@@ -6,7 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 rustup target add wasm32-unknown-unknown >/dev/null 2>&1 || rustup target add wasm32-unknown-unknown
 cargo build --workspace --bins
+# End-to-end clients use same-host shared memory by default; the suite runs again on QUIC.
 cargo test --workspace "$@"
+KVPOOL_TEST_TRANSPORT=quic cargo test -p kvpool-tests "$@"
 # The in-tree fuzz driver over the decoder and the request handler: 2 x 5 million inputs, bounded
 # in time (KVPOOL_FUZZ_SECONDS, default 300); any panic or protocol violation fails the run.
 # Skipped when the call names tests to run.

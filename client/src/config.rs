@@ -16,6 +16,30 @@ pub enum Trust {
     Fingerprint([u8; 32]),
 }
 
+/// Which data path block bytes take.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransportChoice {
+    /// Shared memory when the server is on this host and offers it, QUIC otherwise.
+    #[default]
+    Auto,
+    /// QUIC only.
+    Quic,
+    /// Shared memory, or fail to connect.
+    Shm,
+}
+
+impl std::str::FromStr for TransportChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(TransportChoice::Auto),
+            "quic" | "tcp" => Ok(TransportChoice::Quic),
+            "shm" => Ok(TransportChoice::Shm),
+            other => Err(format!("{other:?}: expected auto, quic or shm")),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
     /// `host:port` of the server's QUIC endpoint.
@@ -30,6 +54,8 @@ pub struct ClientConfig {
     pub request_timeout: Duration,
     /// UDP and QUIC settings (the defaults are the measured choice).
     pub quic: kvpool_net::QuicTuning,
+    /// Data path for block bytes.
+    pub transport: TransportChoice,
 }
 
 impl ClientConfig {
@@ -42,6 +68,7 @@ impl ClientConfig {
             client_name: concat!("kvpool-client/", env!("CARGO_PKG_VERSION")).into(),
             request_timeout: Duration::from_secs(30),
             quic: kvpool_net::QuicTuning::default(),
+            transport: TransportChoice::Auto,
         }
     }
 

@@ -13,21 +13,30 @@
 //! ```
 
 mod admin;
+pub mod blocking;
 mod config;
 mod error;
+mod onesided;
+mod shm;
+#[cfg(feature = "test-hooks")]
+mod testing;
 pub mod tls;
 
-pub use config::{parse_fingerprint, read_key_file, ClientConfig, EndpointInfo, Trust};
+pub use config::{parse_fingerprint, read_key_file, ClientConfig, EndpointInfo, TransportChoice, Trust};
 pub use error::{ClientError, Result};
 pub use kvpool_net::{PathReport, QuicTuning, Segmentation};
 pub use kvpool_proto as proto;
 pub use kvpool_proto::{
     ErrorCode, HelloOk, Limits, OpStats, PinSpec, PutMode, RemoveAllResponse, StatsReport, TierStats,
 };
+pub use onesided::{Grant, Located, LocatedBlock};
+pub use shm::{BufSlice, Buffer};
+#[cfg(feature = "test-hooks")]
+pub use testing::{parse_reply, RawConnection};
 
 use kvpool_proto::{
     frame, Hello, KeysRequest, LookupRequest, Ping, PutItem, PutRequest, RemoveAllRequest, RemoveRequest, Request,
-    Response, CLIENT_MAX_FRAME, PROTOCOL_VERSION,
+    Response, CLIENT_MAX_FRAME, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
 };
 use quinn::{RecvStream, SendStream};
 use std::future::Future;
@@ -107,6 +116,10 @@ struct Inner {
     /// Serialises reconnects so that a dropped connection is re-established once.
     reconnect: tokio::sync::Mutex<()>,
     nonce: AtomicU64,
+    /// Shared buffers, and the shm link of the current connection when there is one.
+    registry: Arc<shm::Registry>,
+    /// Shared buffers that plain-slice calls stage through on a same-host connection.
+    staging: shm::Staging,
 }
 
 impl Drop for Inner {
@@ -180,6 +193,25 @@ async fn handshake(
     }
 }
 
+async fn hello(conn: &quinn::Connection, cfg: &ClientConfig, version: u16) -> Result<HelloOk> {
+    let req = Request::Hello(Hello { version, api_key: cfg.api_key.clone(), client_name: cfg.client_name.clone() });
+    let resp = timed(cfg.request_timeout, async {
+        let (mut tx, mut rx) = conn.open_bi().await?;
+        write_request(&mut tx, &req).await?;
+        tx.finish()?;
+        read_response(conn, &mut rx).await
+    })
+    .await;
+    match resp {
+        Ok(Response::Hello(h)) if (MIN_PROTOCOL_VERSION..=version).contains(&h.version) => Ok(h),
+        Ok(Response::Hello(h)) => {
+            Err(ClientError::Protocol(format!("server answered version {} to a version {version} hello", h.version)))
+        }
+        Ok(other) => Err(unexpected("Hello", &other)),
+        Err(e) => Err(e),
+    }
+}
+
 async fn establish(
     endpoint: &quinn::Endpoint,
     quic: &quinn::ClientConfig,
@@ -187,27 +219,76 @@ async fn establish(
     cfg: &ClientConfig,
 ) -> Result<Session> {
     let conn = handshake(endpoint, quic, addr, cfg).await?;
-    let req = Request::Hello(Hello {
-        version: PROTOCOL_VERSION,
-        api_key: cfg.api_key.clone(),
-        client_name: cfg.client_name.clone(),
-    });
-    let resp = timed(cfg.request_timeout, async {
-        let (mut tx, mut rx) = conn.open_bi().await?;
-        write_request(&mut tx, &req).await?;
-        tx.finish()?;
-        read_response(&conn, &mut rx).await
-    })
-    .await;
-    match resp {
-        Ok(Response::Hello(hello)) => {
-            tracing::debug!(tenant = %hello.tenant, server = %hello.server, "connected to kvpool");
+    let hello = match hello(&conn, cfg, PROTOCOL_VERSION).await {
+        // A server older than this client: speak its version (it closed that connection).
+        Err(ClientError::Status { code: ErrorCode::UnsupportedVersion, .. }) if PROTOCOL_VERSION > 1 => {
+            conn.close(kvpool_proto::close::OK.into(), b"retry with version 1");
+            let conn = handshake(endpoint, quic, addr, cfg).await?;
+            let h = hello(&conn, cfg, 1).await;
+            return finish_session(conn, h);
+        }
+        h => h,
+    };
+    finish_session(conn, hello)
+}
+
+fn finish_session(conn: quinn::Connection, hello: Result<HelloOk>) -> Result<Session> {
+    match hello {
+        Ok(hello) => {
+            tracing::debug!(tenant = %hello.tenant, server = %hello.server, version = hello.version, "connected to kvpool");
             Ok(Session { conn, hello })
         }
-        Ok(other) => Err(unexpected("Hello", &other)),
         Err(e) => {
             conn.close(kvpool_proto::close::OK.into(), b"hello failed");
             Err(e)
+        }
+    }
+}
+
+/// Set up the same-host transport on a fresh connection when the configuration allows it and the
+/// server offers it: ask for a token, attach on the shm socket, share every live buffer.
+async fn attach_shm(
+    session: &Session,
+    cfg: &ClientConfig,
+    addr: SocketAddr,
+    registry: &Arc<shm::Registry>,
+) -> Result<()> {
+    let wanted = match cfg.transport {
+        TransportChoice::Quic => false,
+        TransportChoice::Shm => true,
+        TransportChoice::Auto => kvpool_net::path_kind(addr.ip()) == kvpool_net::PathKind::SameHost,
+    };
+    let attempt = async {
+        if !wanted {
+            return Ok(None);
+        }
+        if session.hello.version < 2 {
+            return Err(ClientError::status(ErrorCode::Unsupported, "the server speaks protocol version 1 only"));
+        }
+        let offer = timed(cfg.request_timeout, async {
+            let (mut tx, mut rx) = session.conn.open_bi().await?;
+            write_request(&mut tx, &Request::ShmAttach).await?;
+            tx.finish()?;
+            match read_response(&session.conn, &mut rx).await? {
+                Response::ShmOffer(o) => Ok(o),
+                other => Err(unexpected("ShmOffer", &other)),
+            }
+        })
+        .await?;
+        let link = tokio::task::spawn_blocking(move || {
+            kvpool_transport::shm::ShmClient::connect(std::path::Path::new(&offer.socket_path), &offer.token)
+        })
+        .await
+        .map_err(|e| ClientError::Io(e.to_string()))?
+        .map_err(|e| ClientError::Io(format!("attaching to the shm socket: {e}")))?;
+        Ok(Some(link))
+    };
+    match attempt.await {
+        Ok(link) => registry.relink(link),
+        Err(e) if cfg.transport == TransportChoice::Shm => Err(e),
+        Err(e) => {
+            tracing::debug!(error = %e, "same-host transport not available; using QUIC");
+            registry.relink(None)
         }
     }
 }
@@ -250,23 +331,6 @@ async fn expect_end(rx: &mut RecvStream) -> Result<()> {
     }
 }
 
-async fn exchange_raw(conn: &quinn::Connection, limit: Duration, bytes: &[u8], max_reply: usize) -> Result<Vec<u8>> {
-    timed(limit, async {
-        let (mut tx, mut rx) = conn.open_bi().await?;
-        // The server may stop reading early (that is often the point of a malformed input);
-        // what it answered is still worth reading.
-        let written = tx.write_all(bytes).await;
-        let _ = tx.finish();
-        let reply = rx.read_to_end(max_reply).await;
-        match (reply, written) {
-            (Ok(r), _) => Ok(r),
-            (Err(e), Ok(())) => Err(e.into()),
-            (Err(_), Err(w)) => Err(w.into()),
-        }
-    })
-    .await
-}
-
 fn key_text(key: &[u8]) -> String {
     match std::str::from_utf8(key) {
         Ok(s) if !s.chars().any(char::is_control) => s.to_string(),
@@ -281,6 +345,8 @@ impl Client {
         let (endpoint, bufs) = client_endpoint(&addr, &cfg.quic)?;
         let quic = quic_config(&cfg, &addr, &bufs)?;
         let session = establish(&endpoint, &quic, addr, &cfg).await?;
+        let registry = Arc::new(shm::Registry::default());
+        attach_shm(&session, &cfg, addr, &registry).await?;
         Ok(Client {
             inner: Arc::new(Inner {
                 cfg,
@@ -290,6 +356,8 @@ impl Client {
                 session: RwLock::new(session),
                 reconnect: tokio::sync::Mutex::new(()),
                 nonce: AtomicU64::new(1),
+                registry,
+                staging: shm::Staging::default(),
             }),
         })
     }
@@ -321,11 +389,6 @@ impl Client {
         &self.inner.cfg
     }
 
-    /// The underlying QUIC connection (for tests and diagnostics).
-    pub fn connection(&self) -> quinn::Connection {
-        self.current().conn
-    }
-
     /// What the QUIC path of the current connection looks like: MTU reached, losses,
     /// congestion events, black holes.
     pub fn path_report(&self) -> PathReport {
@@ -352,6 +415,7 @@ impl Client {
         }
         tracing::info!(server = %self.inner.cfg.server, "connection lost, reconnecting");
         let fresh = establish(&self.inner.endpoint, &self.inner.quic, self.inner.addr, &self.inner.cfg).await?;
+        attach_shm(&fresh, &self.inner.cfg, self.inner.addr, &self.inner.registry).await?;
         *self.inner.session.write().unwrap_or_else(|p| p.into_inner()) = fresh.clone();
         Ok(fresh)
     }
@@ -448,43 +512,60 @@ impl Client {
         }
     }
 
+    /// Check put items against the server's limits and build their wire form.
+    fn put_items<'k>(
+        &self,
+        entries: impl ExactSizeIterator<Item = (&'k [u8], u64, &'k PutOptions)> + Clone,
+    ) -> Result<Vec<PutItem>> {
+        self.check_keys(entries.clone().map(|(k, _, _)| k))?;
+        let limits = self.limits();
+        entries
+            .map(|(key, size, opts)| {
+                if let Some(p) = opts.parent.as_ref().filter(|p| p.len() as u64 > limits.max_key_len as u64) {
+                    return Err(ClientError::LimitExceeded {
+                        code: ErrorCode::KeyTooLong,
+                        what: "parent key length",
+                        value: p.len() as u64,
+                        limit: limits.max_key_len as u64,
+                    });
+                }
+                if size > limits.max_value_size {
+                    return Err(ClientError::LimitExceeded {
+                        code: ErrorCode::ValueTooLarge,
+                        what: "value size",
+                        value: size,
+                        limit: limits.max_value_size,
+                    });
+                }
+                Ok(PutItem {
+                    key: key.to_vec(),
+                    size,
+                    parent: opts.parent.clone(),
+                    tokens: opts.tokens,
+                    seq_tokens: opts.seq_tokens,
+                    pin: opts.pin,
+                })
+            })
+            .collect()
+    }
+
     /// Put many blocks on one stream; one status per entry, in order (`Ok`, `AlreadyExists`,
     /// `Rejected`, `NoSpace`, `Leased`, ...). A request-level failure is an `Err`.
+    /// On a same-host connection the values are staged through shared buffers (one copy here,
+    /// one in the server), otherwise sent over QUIC.
     pub async fn put_batch(&self, entries: &[PutEntry<'_>], mode: PutMode) -> Result<Vec<ErrorCode>> {
         if entries.is_empty() {
             return Ok(Vec::new());
         }
-        self.check_keys(entries.iter().map(|e| e.key))?;
-        let limits = self.limits();
-        for e in entries {
-            if let Some(p) = e.opts.parent.as_ref().filter(|p| p.len() as u64 > limits.max_key_len as u64) {
-                return Err(ClientError::LimitExceeded {
-                    code: ErrorCode::KeyTooLong,
-                    what: "parent key length",
-                    value: p.len() as u64,
-                    limit: limits.max_key_len as u64,
-                });
-            }
-            if e.value.len() as u64 > limits.max_value_size {
-                return Err(ClientError::LimitExceeded {
-                    code: ErrorCode::ValueTooLarge,
-                    what: "value size",
-                    value: e.value.len() as u64,
-                    limit: limits.max_value_size,
-                });
-            }
+        if self.inner.registry.linked() {
+            return self.put_batch_staged(entries, mode).await;
         }
-        let items = entries
-            .iter()
-            .map(|e| PutItem {
-                key: e.key.to_vec(),
-                size: e.value.len() as u64,
-                parent: e.opts.parent.clone(),
-                tokens: e.opts.tokens,
-                seq_tokens: e.opts.seq_tokens,
-                pin: e.opts.pin,
-            })
-            .collect();
+        self.put_batch_inband(entries, mode).await
+    }
+
+    /// `put_batch` over QUIC: the values follow the request frame on its stream.
+    async fn put_batch_inband(&self, entries: &[PutEntry<'_>], mode: PutMode) -> Result<Vec<ErrorCode>> {
+        let items = self.put_items(entries.iter().map(|e| (e.key, e.value.len() as u64, &e.opts)))?;
         let frame = self.encode_checked(&Request::Put(PutRequest { mode, items }))?;
         let resp = self
             .timed(async {
@@ -600,6 +681,21 @@ impl Client {
         if keys.len() != bufs.len() {
             return Err(ClientError::Config(format!("{} keys but {} buffers", keys.len(), bufs.len())));
         }
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.inner.registry.linked() {
+            return self.get_batch_into_staged(keys, bufs).await;
+        }
+        self.get_batch_into_inband(keys, bufs).await
+    }
+
+    /// `get_batch_into` over QUIC: values come back on the request's stream.
+    async fn get_batch_into_inband<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<GetIntoResult>> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
@@ -734,15 +830,6 @@ impl Client {
             other => Err(unexpected("Pong", &other)),
         }
     }
-
-    // ---- raw access, for protocol tests -----------------------------------------------
-
-    /// Open a stream on this (authenticated) connection, write `bytes` verbatim, finish, and
-    /// return everything the server wrote back (at most `max_reply` bytes).
-    pub async fn raw_exchange(&self, bytes: &[u8], max_reply: usize) -> Result<Vec<u8>> {
-        let s = self.session().await?;
-        exchange_raw(&s.conn, self.inner.cfg.request_timeout, bytes, max_reply).await
-    }
 }
 
 fn verify(key: &[u8], expected: u64, bytes: &[u8]) -> Result<()> {
@@ -761,62 +848,4 @@ async fn discard(rx: &mut RecvStream, mut n: u64) -> Result<()> {
         n -= take as u64;
     }
     Ok(())
-}
-
-/// A TLS-verified QUIC connection on which no hello has been sent: for tests that probe the
-/// server with malformed or out-of-order input.
-pub struct RawConnection {
-    endpoint: quinn::Endpoint,
-    conn: quinn::Connection,
-    timeout: Duration,
-}
-
-impl RawConnection {
-    pub async fn connect(cfg: &ClientConfig) -> Result<RawConnection> {
-        let addr = resolve(&cfg.server).await?;
-        let (endpoint, bufs) = client_endpoint(&addr, &cfg.quic)?;
-        let quic = quic_config(cfg, &addr, &bufs)?;
-        let conn = handshake(&endpoint, &quic, addr, cfg).await?;
-        Ok(RawConnection { endpoint, conn, timeout: cfg.request_timeout })
-    }
-
-    pub fn connection(&self) -> &quinn::Connection {
-        &self.conn
-    }
-
-    /// Write `bytes` on a new stream, finish it, and read the whole reply.
-    pub async fn exchange(&self, bytes: &[u8], max_reply: usize) -> Result<Vec<u8>> {
-        exchange_raw(&self.conn, self.timeout, bytes, max_reply).await
-    }
-
-    /// Send one well-formed request and decode the response frame (bulk bytes are left unread).
-    pub async fn request(&self, req: &Request) -> Result<Response> {
-        let frame = frame::encode_frame(req)?;
-        let reply = self.exchange(&frame, CLIENT_MAX_FRAME as usize + (256 << 20)).await?;
-        Ok(parse_reply(&reply)?.0)
-    }
-
-    pub fn close(&self) {
-        self.conn.close(kvpool_proto::close::OK.into(), b"bye");
-    }
-}
-
-impl Drop for RawConnection {
-    fn drop(&mut self) {
-        self.conn.close(kvpool_proto::close::OK.into(), b"dropped");
-        let _ = &self.endpoint;
-    }
-}
-
-/// Split a raw reply into its response frame and the bulk bytes after it.
-pub fn parse_reply(reply: &[u8]) -> Result<(Response, &[u8])> {
-    if reply.len() < 4 {
-        return Err(ClientError::Protocol(format!("reply of {} bytes has no frame", reply.len())));
-    }
-    let len = u32::from_le_bytes([reply[0], reply[1], reply[2], reply[3]]) as usize;
-    let body = reply
-        .get(4..4 + len)
-        .ok_or_else(|| ClientError::Protocol(format!("frame claims {len} bytes, reply has {}", reply.len() - 4)))?;
-    let resp = kvpool_proto::codec::decode::<Response>(body)?;
-    Ok((resp, &reply[4 + len..]))
 }

@@ -15,7 +15,7 @@ use kvpool_proto::frame::encode_frame;
 use kvpool_proto::{codec, ErrorCode, KeysRequest, PinSpec, PutItem, PutMode, PutRequest, Request, Response};
 use kvpool_server::config::{ApiKeyEntry, Config, Size};
 use kvpool_server::service::memory::{MemRecv, MemSend};
-use kvpool_server::service::{handle_stream, Shared};
+use kvpool_server::service::{handle_stream, Session, Shared};
 use rand::rngs::StdRng;
 use rand::SeedableRng;
 use std::collections::BTreeMap;
@@ -93,10 +93,10 @@ async fn run(
     recv: MemRecv,
     send: MemSend,
 ) -> std::result::Result<(MemRecv, MemSend), String> {
-    let (shared, p) = (w.shared.clone(), principal.clone());
+    let (shared, session) = (w.shared.clone(), Session::new(principal.clone(), kvpool_proto::PROTOCOL_VERSION));
     let task = tokio::spawn(async move {
         let (mut recv, mut send) = (recv, send);
-        handle_stream(&mut recv, &mut send, &p, &shared).await;
+        handle_stream(&mut recv, &mut send, &session, &shared).await;
         (recv, send)
     });
     task.await.map_err(|e| format!("{e}"))

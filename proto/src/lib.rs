@@ -9,7 +9,7 @@ pub use messages::*;
 
 /// Serde glue for a list of keys: each key as a byte string (one length, then the bytes, as any
 /// `Vec<u8>`), so decoding copies it in one piece instead of visiting it byte by byte.
-mod key_list {
+pub(crate) mod key_list {
     use serde::{Deserialize, Deserializer, Serializer};
     use serde_bytes::{ByteBuf, Bytes};
 
@@ -24,8 +24,10 @@ mod key_list {
 
 /// QUIC ALPN of this protocol.
 pub const ALPN: &[u8] = b"kvpool/1";
-/// Protocol version carried in `Hello`.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// Protocol version carried in `Hello`: the newest this build speaks. Servers accept 1 and 2.
+pub const PROTOCOL_VERSION: u16 = 2;
+/// The oldest version a server of this build still accepts.
+pub const MIN_PROTOCOL_VERSION: u16 = 1;
 /// Frame limit a client uses for server responses (headers only; bulk bytes are not framed).
 pub const CLIENT_MAX_FRAME: u32 = 64 << 20;
 

@@ -23,10 +23,103 @@ pub enum Request {
     PolicyList,
     /// Admin: re-activate the module that was active before the current one (or the built-in).
     PolicyRollback(PolicyRollbackRequest),
+    // ---- version 2: one-sided transports --------------------------------------------------
+    /// Ask for the same-host shared-memory transport: answered with the Unix socket to connect
+    /// to and a one-time token binding that socket connection to this QUIC connection.
+    ShmAttach,
+    /// Reserve space for blocks whose bytes the client will write one-sidedly (`Write`, or a
+    /// transport such as HIXL): answered with a grant (reservation and location) per item.
+    PutIntent(PutIntentRequest),
+    /// Commit reservations whose bytes are complete.
+    PutDone(PutDoneRequest),
+    /// Lease blocks for one-sided reads: answered with each block's location.
+    GetLocate(KeysRequest),
+    /// End a lease early.
+    Release(ReleaseRequest),
+    /// Put blocks whose bytes the server copies from the client's shared buffers.
+    PutFrom(PutFromRequest),
+    /// Get blocks into the client's shared buffers (the server copies them there).
+    GetInto(GetIntoRequest),
+    /// Write bytes into a granted reservation: `size` raw bytes follow the frame.
+    Write(WriteRequest),
+    /// Read bytes of a located (leased) block: answered with `Data`, then the raw bytes.
+    Read(ReadRequest),
 }
 
 /// Number of request variants this version knows (tags `0..REQUEST_TAGS`).
-pub const REQUEST_TAGS: u32 = 12;
+pub const REQUEST_TAGS: u32 = 21;
+/// Requests of version 1 (tags `0..V1_REQUEST_TAGS`); later tags need a version 2 hello.
+pub const V1_REQUEST_TAGS: u32 = 12;
+
+/// Part of a client's shared buffer: region id (as registered over the shm socket), offset and
+/// length in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct BufSlice {
+    pub region: u64,
+    pub offset: u64,
+    pub len: u64,
+}
+
+/// Where a block's bytes are (or go) on the server: node, registered region, offset.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Location {
+    /// Node holding the bytes (0 on a single-node pool).
+    pub node: u32,
+    /// Registered region of that node (0: its DRAM segment).
+    pub region: u32,
+    pub offset: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutIntentRequest {
+    pub mode: PutMode,
+    pub items: Vec<PutItem>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutDoneRequest {
+    /// Reservations to commit, in order.
+    pub reservations: Vec<u64>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReleaseRequest {
+    pub lease: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutFromRequest {
+    pub mode: PutMode,
+    pub items: Vec<PutItem>,
+    /// One per item, exactly `items[i].size` bytes long.
+    pub sources: Vec<BufSlice>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct GetIntoRequest {
+    #[serde(with = "crate::key_list")]
+    pub keys: Vec<Vec<u8>>,
+    /// One per key: where its value goes; `len` is the room there.
+    pub dests: Vec<BufSlice>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WriteRequest {
+    pub reservation: u64,
+    /// Offset inside the reserved block.
+    pub offset: u64,
+    /// Exact number of raw bytes that follow the frame.
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ReadRequest {
+    pub lease: u64,
+    /// Which block of the lease (index into the `GetLocate` keys).
+    pub index: u32,
+    pub offset: u64,
+    pub size: u64,
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum PolicyKind {
@@ -198,6 +291,68 @@ pub enum Response {
     /// Answer to `PolicyLoad` and `PolicyRollback`: the module now active for that kind.
     Policy(PolicyInfo),
     PolicyList(PolicyListResponse),
+    // ---- version 2 ------------------------------------------------------------------------
+    /// Answer to `ShmAttach`.
+    ShmOffer(ShmOffer),
+    /// Answer to `PutIntent`: one grant per item.
+    PutGrant(PutGrant),
+    /// Answer to `GetLocate`.
+    Located(Located),
+    /// Answer to `Release` and `Write`: done.
+    Done,
+    /// Answer to `Read`: `size` raw bytes follow the frame.
+    Data(DataHeader),
+    /// Answer to `GetInto`: per key, the value was copied into its buffer (`Ok`) or not; no raw
+    /// bytes follow.
+    Filled(GetResponse),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShmOffer {
+    /// Unix socket to connect to (same host).
+    pub socket_path: String,
+    /// Present this on the socket; valid once, for this connection only.
+    pub token: Vec<u8>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Grant {
+    /// `Ok` (then the other fields are set), or why the item gets no space (`AlreadyExists`,
+    /// `Rejected`, `NoSpace`).
+    pub status: ErrorCode,
+    pub reservation: u64,
+    pub location: Location,
+    /// The reservation is released unless committed within this many ms.
+    pub expires_ms: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PutGrant {
+    pub grants: Vec<Grant>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocatedItem {
+    /// `Ok`, `NotFound`, or `Corrupt`.
+    pub status: ErrorCode,
+    pub size: u64,
+    pub tier: u8,
+    pub checksum: u64,
+    pub location: Location,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Located {
+    /// Name of the lease that keeps these blocks in place (0 when no block was found).
+    pub lease: u64,
+    /// The lease ends after this many ms, or at `Release`.
+    pub lease_ms: u32,
+    pub items: Vec<LocatedItem>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DataHeader {
+    pub size: u64,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -335,6 +490,12 @@ pub enum ErrorCode {
     /// A policy module failed to load (not a component, wrong world, refused its parameters,
     /// trapped while its state was rebuilt).
     PolicyError,
+    /// The server does not offer what was asked (a transport it lacks, a version 2 request on
+    /// a version 1 connection).
+    Unsupported,
+    /// The reservation or lease named does not exist (expired, released, committed, or never
+    /// granted to this connection).
+    Expired,
 }
 
 impl ErrorCode {
@@ -362,6 +523,8 @@ impl ErrorCode {
             ErrorCode::HelloRequired => "hello-required",
             ErrorCode::InvalidArgument => "invalid-argument",
             ErrorCode::PolicyError => "policy-error",
+            ErrorCode::Unsupported => "unsupported",
+            ErrorCode::Expired => "expired",
         }
     }
 }

@@ -289,11 +289,40 @@ pub struct ApiKeyEntry {
     pub admin: bool,
 }
 
+/// The data paths a server offers (the QUIC control path is always there).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Protocol {
+    /// Block bytes in band on QUIC only.
+    Quic,
+    /// QUIC, plus shared memory for clients on the same host (memfd buffers, the server copies).
+    Shm,
+    /// HIXL on Ascend NPUs (needs CANN; not in this build).
+    Ascend,
+}
+
+impl Protocol {
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Quic => "quic",
+            Protocol::Shm => "shm",
+            Protocol::Ascend => "ascend",
+        }
+    }
+}
+
 #[derive(Debug, Clone, Serialize, Deserialize)]
 #[serde(default)]
 pub struct TransportSection {
-    /// `quic` (portable default), `shm` (same host), `ascend` (HIXL; needs CANN).
-    pub protocol: String,
+    /// `shm` (default: QUIC, plus shared memory for same-host clients), `quic` (QUIC only),
+    /// `ascend` (HIXL; needs CANN).
+    pub protocol: Protocol,
+    /// Unix socket same-host clients attach their buffers through; empty = `<data_dir>/shm.sock`.
+    pub shm_socket: Option<PathBuf>,
+    /// Users (uids) allowed on the shm socket besides the server's own; empty = only its own.
+    pub shm_allowed_uids: Vec<u32>,
+    /// Threads copying between the segment and same-host clients' buffers.
+    pub copy_threads: u32,
     pub device_name: Option<String>,
     pub device_id: Option<u32>,
     /// Mooncake `metadata_server` (etcd endpoints or P2PHANDSHAKE); used by cluster roles.
@@ -311,7 +340,10 @@ pub struct TransportSection {
 impl Default for TransportSection {
     fn default() -> Self {
         TransportSection {
-            protocol: "quic".into(),
+            protocol: Protocol::Shm,
+            shm_socket: None,
+            shm_allowed_uids: Vec::new(),
+            copy_threads: 2,
             device_name: None,
             device_id: None,
             metadata_server: None,
@@ -389,13 +421,10 @@ impl Config {
                 });
             }
         }
-        match self.transport.protocol.as_str() {
-            "quic" | "shm" | "ascend" => Ok(()),
-            other => Err(ConfigError::Invalid {
-                field: "transport.protocol",
-                message: format!("{other:?}: expected quic, shm or ascend"),
-            }),
+        if self.transport.copy_threads == 0 || self.transport.copy_threads > 64 {
+            return Err(ConfigError::Invalid { field: "transport.copy_threads", message: "1 to 64".into() });
         }
+        Ok(())
     }
 
     pub fn ssd_dir(&self) -> PathBuf {
@@ -477,14 +506,18 @@ struct MooncakeTransferEngine {
     num_workers: Option<u32>,
 }
 
-fn map_protocol(p: &str, warnings: &mut Vec<String>, origin: &str) -> String {
+/// Mooncake's `protocol`: its TCP transport serves remote and same-host clients alike, which in
+/// kvpool is QUIC plus shared memory for same-host clients.
+fn map_protocol(p: &str, warnings: &mut Vec<String>, origin: &str) -> Protocol {
     match p.to_ascii_lowercase().as_str() {
-        "tcp" | "quic" => "quic".into(),
-        "shm" => "shm".into(),
-        "ascend" | "hixl" | "ascend_direct" => "ascend".into(),
+        "tcp" | "shm" => Protocol::Shm,
+        "quic" => Protocol::Quic,
+        "ascend" | "hixl" | "ascend_direct" => Protocol::Ascend,
         other => {
-            warnings.push(format!("{origin}: protocol {other:?} is not available in kvpool; using quic"));
-            "quic".into()
+            warnings.push(format!(
+                "{origin}: protocol {other:?} is not available in kvpool; using shm (QUIC and same-host shared memory)"
+            ));
+            Protocol::Shm
         }
     }
 }
@@ -583,7 +616,7 @@ fn apply_hixl(out: &mut LoadedConfig, path: &Path, text: &str) -> Result<(), Con
     }
     let h = h.hixl;
     let c = &mut out.config;
-    c.transport.protocol = "ascend".into();
+    c.transport.protocol = Protocol::Ascend;
     if h.device_id.is_some() {
         c.transport.device_id = h.device_id;
     }
@@ -667,10 +700,10 @@ mod tests {
         let l = load(None, Some(m.path()), None).unwrap();
         assert_eq!(l.config.dram.size.0, 2 << 30);
         assert_eq!(l.config.server.listen, "127.0.0.1:50051");
-        assert_eq!(l.config.transport.protocol, "quic");
+        assert_eq!(l.config.transport.protocol, Protocol::Shm);
         assert!(l.warnings.iter().any(|w| w.contains("shiny")));
         let l = load(None, None, Some(h.path())).unwrap();
-        assert_eq!(l.config.transport.protocol, "ascend");
+        assert_eq!(l.config.transport.protocol, Protocol::Ascend);
         assert_eq!(l.config.transport.device_id, Some(3));
         assert_eq!(l.config.transport.hixl.as_ref().unwrap().protocol_desc.as_deref(), Some("hccs:device"));
         assert!(l.warnings.iter().any(|w| w.contains("foo")));

@@ -171,19 +171,43 @@ pub struct Node {
 
 /// Check the transport choice this build can serve.
 fn check_transport(cfg: &Config) -> Result<(), ServerError> {
-    match cfg.transport.protocol.as_str() {
-        "quic" => Ok(()),
-        "ascend" => Err(ServerError::Transport {
+    match cfg.transport.protocol {
+        config::Protocol::Quic | config::Protocol::Shm => Ok(()),
+        config::Protocol::Ascend => Err(ServerError::Transport {
             protocol: "ascend".into(),
             why: "the HIXL backend needs CANN's libcann_hixl.so and kvpool's HIXL shim, neither of which is part \
-                  of this build; use protocol = \"quic\""
+                  of this build; use protocol = \"shm\" or \"quic\""
                 .into(),
         }),
-        other => Err(ServerError::Transport {
-            protocol: other.into(),
-            why: "not implemented in this build; use quic".into(),
-        }),
     }
+}
+
+/// The copy engine with the DRAM segment registered, and the shm socket when `shm` is on.
+fn data_path(cfg: &Config, store: &Store, data_dir: &Path) -> Option<service::DataPath> {
+    use kvpool_transport::Transport;
+    let transport = Arc::new(kvpool_transport::local::LocalTransport::new(cfg.transport.copy_threads as usize));
+    let (addr, len) = store.dram_segment();
+    let region = kvpool_transport::Region { addr, len, kind: kvpool_transport::MemKind::Host };
+    // SAFETY: the segment lives as long as the store, which outlives the server's requests.
+    let segment = unsafe { transport.register(region) }.ok()?;
+    let shm = match cfg.transport.protocol {
+        config::Protocol::Shm => {
+            let path = cfg.transport.shm_socket.clone().unwrap_or_else(|| data_dir.join("shm.sock"));
+            let allowed = cfg.transport.shm_allowed_uids.clone();
+            match kvpool_transport::shm::ShmServer::start(&path, transport.clone(), allowed) {
+                Ok(s) => {
+                    info!(socket = %path.display(), "shared memory offered to same-host clients");
+                    Some(s)
+                }
+                Err(e) => {
+                    warn!(socket = %path.display(), error = %e, "cannot open the shm socket; same-host clients use QUIC");
+                    None
+                }
+            }
+        }
+        _ => None,
+    };
+    Some(service::DataPath { transport, segment, shm })
 }
 
 /// Open the data directory, the store and the policy engine (restoring active modules).
@@ -242,6 +266,7 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         max_value_size: cfg.limits.max_value_size.0,
         max_batch: cfg.limits.max_batch,
     };
+    let data_path = data_path(cfg, &store, &data_dir);
     let shared = Arc::new(service::Shared {
         store,
         auth,
@@ -257,6 +282,7 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         policies,
         max_module_size: cfg.policy.max_module_size.0,
         paths: Default::default(),
+        data_path,
     });
     Ok(Node { shared, data_dir, api_key_file })
 }

@@ -5,7 +5,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-pub const OPS: [&str; 12] = [
+pub const OPS: [&str; 21] = [
     "hello",
     "put",
     "get",
@@ -18,6 +18,15 @@ pub const OPS: [&str; 12] = [
     "policy_load",
     "policy_list",
     "policy_rollback",
+    "shm_attach",
+    "put_intent",
+    "put_done",
+    "get_locate",
+    "release",
+    "put_from",
+    "get_into",
+    "write",
+    "read",
 ];
 
 pub struct Metrics {

@@ -156,9 +156,13 @@ sha256 = "{bob}"
         self.child.as_ref().expect("running").id()
     }
 
+    /// A client configuration for `key`, on the transport the run asks for
+    /// ([`test_transport`]).
     pub fn client_config(&self, key: &str) -> ClientConfig {
         let cert = PathBuf::from(self.endpoint["cert_path"].as_str().expect("cert_path"));
-        ClientConfig::new(self.addr(), key, Trust::CaFile(cert))
+        let mut cfg = ClientConfig::new(self.addr(), key, Trust::CaFile(cert));
+        cfg.transport = test_transport();
+        cfg
     }
 
     pub async fn client(&self, key: &str) -> Client {
@@ -226,6 +230,15 @@ sha256 = "{bob}"
 impl Drop for TestServer {
     fn drop(&mut self) {
         self.kill();
+    }
+}
+
+/// The data path end-to-end tests run their clients on: `KVPOOL_TEST_TRANSPORT` = `shm` (the
+/// default; a same-host server must offer it) or `quic`. The suite runs once with each.
+pub fn test_transport() -> kvpool_client::TransportChoice {
+    match std::env::var("KVPOOL_TEST_TRANSPORT").as_deref() {
+        Ok(v) => v.parse().expect("KVPOOL_TEST_TRANSPORT: auto, quic or shm"),
+        Err(_) => kvpool_client::TransportChoice::Shm,
     }
 }
 

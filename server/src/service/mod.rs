@@ -16,7 +16,7 @@ use kvpool_proto::frame::{encode_frame, read_frame};
 use kvpool_proto::{
     close, codec, message_tag, ErrorBody, ErrorCode, ExistsResponse, GetItem, GetResponse, HelloOk, Limits,
     LookupResponse, OpStats, PolicyListResponse, Pong, ProtoError, PutRequest, RemoveAllResponse, Request, Response,
-    StatsReport, StatusList, TierStats, PROTOCOL_VERSION, REQUEST_TAGS,
+    StatsReport, StatusList, TierStats, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, REQUEST_TAGS,
 };
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -25,8 +25,13 @@ use tokio::time::Instant as Deadline;
 use tracing::{debug, info, warn, Instrument};
 
 pub mod memory;
+mod session;
 #[cfg(test)]
 mod tests;
+mod v2;
+
+pub use session::Session;
+pub use v2::DataPath;
 
 /// The receiving half of a request stream.
 pub trait RequestRecv: AsyncRead + Unpin + Send {
@@ -92,6 +97,8 @@ pub struct Shared {
     pub policies: Arc<crate::policy::PolicyManager>,
     pub max_module_size: u64,
     pub paths: parking_lot::Mutex<PathTally>,
+    /// The copy engine and shm socket for same-host clients (version 2).
+    pub data_path: Option<DataPath>,
 }
 
 impl Shared {
@@ -186,20 +193,19 @@ impl Drop for ConnGuard {
 async fn handle_connection(connecting: quinn::Connecting, shared: Arc<Shared>) -> Result<(), quinn::ConnectionError> {
     let conn = connecting.await?;
     let _guard = ConnGuard::new(shared.clone(), &conn);
-    let principal = match tokio::time::timeout(HELLO_TIMEOUT, hello(&conn, &shared)).await {
-        Ok(Some(p)) => p,
+    let session = match tokio::time::timeout(HELLO_TIMEOUT, hello(&conn, &shared)).await {
+        Ok(Some((p, version))) => Session::new(p, version),
         Ok(None) => return Ok(()),
         Err(_) => {
             conn.close(close::UNAUTHORIZED.into(), b"no hello in time");
             return Ok(());
         }
     };
-    debug!(tenant = %principal.tenant, "authenticated");
-    let principal = Arc::new(principal);
+    debug!(tenant = %session.principal.tenant, version = session.version, "authenticated");
     loop {
         let (mut send, mut recv) = conn.accept_bi().await?;
-        let (p, s) = (principal.clone(), shared.clone());
-        tokio::spawn(async move { handle_stream(&mut recv, &mut send, &p, &s).await });
+        let (session, s) = (session.clone(), shared.clone());
+        tokio::spawn(async move { handle_stream(&mut recv, &mut send, &session, &s).await });
     }
 }
 
@@ -340,8 +346,9 @@ async fn conclude<R: RequestRecv, W: RequestSend>(
     }
 }
 
-/// The hello on a connection's first stream; `None` when it failed (the connection is closed).
-async fn hello(conn: &quinn::Connection, shared: &Shared) -> Option<Principal> {
+/// The hello on a connection's first stream: the principal and the negotiated version; `None`
+/// when it failed (the connection is closed).
+async fn hello(conn: &quinn::Connection, shared: &Shared) -> Option<(Principal, u16)> {
     let (mut send, mut recv) = conn.accept_bi().await.ok()?;
     let start = Instant::now();
     let deadline = Deadline::now() + shared.timeouts.request;
@@ -358,11 +365,12 @@ async fn hello(conn: &quinn::Connection, shared: &Shared) -> Option<Principal> {
     };
     match outcome {
         Ok((p, ok)) => {
+            let version = ok.version;
             if reply(&mut send, &Response::Hello(ok), deadline).await.is_err() {
                 return None;
             }
             shared.metrics.op_seconds.with_label_values(&["hello"]).observe(start.elapsed().as_secs_f64());
-            Some(p)
+            Some((p, version))
         }
         Err(f) => {
             shared.metrics.auth_failures.inc();
@@ -381,8 +389,11 @@ fn check_hello(req: Request, shared: &Shared) -> Result<(Principal, HelloOk), Fa
     let Request::Hello(h) = req else {
         return Err(Fail::Reply(error(ErrorCode::HelloRequired, "the first request of a connection must be a hello")));
     };
-    if h.version != PROTOCOL_VERSION {
-        let msg = format!("protocol version {} is not supported; this server speaks {PROTOCOL_VERSION}", h.version);
+    if !(MIN_PROTOCOL_VERSION..=PROTOCOL_VERSION).contains(&h.version) {
+        let msg = format!(
+            "protocol version {} is not supported; this server speaks {MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}",
+            h.version
+        );
         return Err(Fail::Reply(error(ErrorCode::UnsupportedVersion, msg)));
     }
     let Some(p) = shared.auth.check(&h.api_key) else {
@@ -390,7 +401,7 @@ fn check_hello(req: Request, shared: &Shared) -> Result<(Principal, HelloOk), Fa
         return Err(Fail::Reply(error(ErrorCode::Unauthorized, "unknown api key")));
     };
     let ok = HelloOk {
-        version: PROTOCOL_VERSION,
+        version: h.version,
         server: shared.server_name.clone(),
         tenant: p.tenant.clone(),
         admin: p.admin,
@@ -413,11 +424,26 @@ fn op_name(r: &Request) -> &'static str {
         Request::PolicyLoad(_) => "policy_load",
         Request::PolicyList => "policy_list",
         Request::PolicyRollback(_) => "policy_rollback",
+        Request::ShmAttach => "shm_attach",
+        Request::PutIntent(_) => "put_intent",
+        Request::PutDone(_) => "put_done",
+        Request::GetLocate(_) => "get_locate",
+        Request::Release(_) => "release",
+        Request::PutFrom(_) => "put_from",
+        Request::GetInto(_) => "get_into",
+        Request::Write(_) => "write",
+        Request::Read(_) => "read",
     }
 }
 
 /// Serve one request stream of an authenticated connection, start to end.
-pub async fn handle_stream<R: RequestRecv, W: RequestSend>(recv: &mut R, send: &mut W, p: &Principal, s: &Shared) {
+pub async fn handle_stream<R: RequestRecv, W: RequestSend>(
+    recv: &mut R,
+    send: &mut W,
+    session: &Arc<Session>,
+    s: &Shared,
+) {
+    let p = &session.principal;
     let start = Instant::now();
     let deadline = Deadline::now() + s.timeouts.request;
     let (op, result) = match read_request(recv, s.limits.max_frame, deadline).await {
@@ -425,7 +451,7 @@ pub async fn handle_stream<R: RequestRecv, W: RequestSend>(recv: &mut R, send: &
         Err(f) => (None, Err(f)),
         Ok(Some(req)) => {
             let op = op_name(&req);
-            (Some(op), dispatch(req, recv, send, p, s, deadline).await)
+            (Some(op), dispatch(req, recv, send, session, s, deadline).await)
         }
     };
     let failed = match result {
@@ -479,10 +505,11 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
     req: Request,
     recv: &mut R,
     send: &mut W,
-    p: &Principal,
+    session: &Arc<Session>,
     s: &Shared,
     deadline: Deadline,
 ) -> Result<(), Fail> {
+    let p = &session.principal;
     let store = &s.store;
     let t = p.tenant_id;
     // Requests without value bytes must end after their frame; nothing takes effect before the
@@ -555,6 +582,18 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
             expect_end(recv, deadline).await?;
             Response::PolicyList(PolicyListResponse { policies: s.policies.list() })
         }
+        v2 @ (Request::ShmAttach
+        | Request::PutIntent(_)
+        | Request::PutDone(_)
+        | Request::GetLocate(_)
+        | Request::Release(_)
+        | Request::PutFrom(_)
+        | Request::GetInto(_)
+        | Request::Write(_)
+        | Request::Read(_)) => match v2::dispatch(v2, recv, send, session, s, deadline).await? {
+            Some(r) => r,
+            None => return Ok(()),
+        },
         Request::PolicyRollback(r) => {
             expect_end(recv, deadline).await?;
             match s.policies.rollback(r.kind).await {
@@ -579,16 +618,11 @@ enum Staged {
     Ssd(u64, Vec<u8>),
 }
 
-async fn put_items<R: RequestRecv>(
-    put: PutRequest,
-    recv: &mut R,
-    p: &Principal,
-    s: &Shared,
-) -> Result<StatusList, Fail> {
-    let l = &s.limits;
-    check_keys(put.items.iter().map(|i| &i.key), put.items.len(), l)?;
+/// Request-level checks of put items (limits, empty keys); the sum of their sizes.
+fn check_put(items: &[kvpool_proto::PutItem], l: &Limits) -> Result<u64, Fail> {
+    check_keys(items.iter().map(|i| &i.key), items.len(), l)?;
     let mut total = 0u64;
-    for it in &put.items {
+    for it in items {
         if it.size > l.max_value_size {
             return Err(Fail::Reply(error(
                 ErrorCode::ValueTooLarge,
@@ -605,6 +639,16 @@ async fn put_items<R: RequestRecv>(
         }
         total += it.size;
     }
+    Ok(total)
+}
+
+async fn put_items<R: RequestRecv>(
+    put: PutRequest,
+    recv: &mut R,
+    p: &Principal,
+    s: &Shared,
+) -> Result<StatusList, Fail> {
+    let total = check_put(&put.items, &s.limits)?;
     let now = Deadline::now();
     // The bytes must arrive at the minimum rate; space is waited for once per request, not per item.
     let bytes_by = now + s.timeouts.transfer(total);

@@ -38,9 +38,9 @@ async fn run(
     recv: MemRecv,
     send: MemSend,
 ) -> (Option<Response>, Vec<u8>, MemRecv, MemSend) {
-    let p = principal(n, key);
+    let session = Session::new(principal(n, key), kvpool_proto::PROTOCOL_VERSION);
     let (mut recv, mut send) = (recv, send);
-    handle_stream(&mut recv, &mut send, &p, &n.shared).await;
+    handle_stream(&mut recv, &mut send, &session, &n.shared).await;
     let parsed = (send.written.len() >= 4).then(|| {
         let len = u32::from_le_bytes(send.written[..4].try_into().unwrap()) as usize;
         let resp = codec::decode::<Response>(&send.written[4..4 + len]).expect("server frames decode");

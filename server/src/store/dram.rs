@@ -7,7 +7,6 @@
 
 use offset_allocator::{Allocation, Allocator};
 use parking_lot::Mutex;
-use std::alloc::Layout;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -18,12 +17,13 @@ pub const UNIT: u64 = 256;
 /// Largest segment: u32::MAX units.
 pub const MAX_SEGMENT: u64 = UNIT * (u32::MAX as u64);
 const MAX_ALLOCS: u32 = 1 << 22;
-const ALIGN: usize = 4096;
 
-/// The raw segment memory. Zeroed on allocation (the kernel backs it lazily).
+/// The raw segment memory: an anonymous private mapping, so pages are zero and cost nothing
+/// until first written (a heap allocation of this alignment would be zeroed up front, touching
+/// every page of the segment at start).
 struct Segment {
     ptr: NonNull<u8>,
-    layout: Layout,
+    len: usize,
 }
 
 // SAFETY: the segment is plain memory; disjoint ranges are handed to one writer each by the
@@ -33,8 +33,10 @@ unsafe impl Sync for Segment {}
 
 impl Drop for Segment {
     fn drop(&mut self) {
-        // SAFETY: allocated in `DramTier::new` with this layout.
-        unsafe { std::alloc::dealloc(self.ptr.as_ptr(), self.layout) }
+        // SAFETY: mapped in `DramTier::new` with this length.
+        unsafe {
+            let _ = rustix::mm::munmap(self.ptr.as_ptr().cast(), self.len);
+        }
     }
 }
 
@@ -55,11 +57,20 @@ impl DramTier {
     pub fn new(capacity: u64) -> Result<Arc<DramTier>, SegmentAllocError> {
         let units = (capacity / UNIT).min(u32::MAX as u64) as u32;
         let capacity = units as u64 * UNIT;
-        let layout = Layout::from_size_align(capacity as usize, ALIGN).map_err(|_| SegmentAllocError(capacity))?;
-        // SAFETY: layout has a non-zero size (config validation requires >= 1 MiB).
-        let ptr = NonNull::new(unsafe { std::alloc::alloc_zeroed(layout) }).ok_or(SegmentAllocError(capacity))?;
+        use rustix::mm::{MapFlags, ProtFlags};
+        // SAFETY: a fresh anonymous mapping (page aligned); config validation requires >= 1 MiB.
+        let p = unsafe {
+            rustix::mm::mmap_anonymous(
+                std::ptr::null_mut(),
+                capacity as usize,
+                ProtFlags::READ | ProtFlags::WRITE,
+                MapFlags::PRIVATE | MapFlags::NORESERVE,
+            )
+        }
+        .map_err(|_| SegmentAllocError(capacity))?;
+        let ptr = NonNull::new(p.cast::<u8>()).ok_or(SegmentAllocError(capacity))?;
         Ok(Arc::new(DramTier {
-            seg: Segment { ptr, layout },
+            seg: Segment { ptr, len: capacity as usize },
             capacity,
             alloc: Mutex::new(Allocator::with_max_allocs(units, MAX_ALLOCS)),
             used: AtomicU64::new(0),
@@ -69,6 +80,11 @@ impl DramTier {
 
     pub fn capacity(&self) -> u64 {
         self.capacity
+    }
+
+    /// Address and length of the whole segment, for registering it with a transport once.
+    pub fn segment(&self) -> (usize, usize) {
+        (self.seg.ptr.as_ptr() as usize, self.seg.len)
     }
 
     /// Bytes handed out (allocator granularity included).

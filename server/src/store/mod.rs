@@ -230,6 +230,11 @@ impl Store {
         Ok(store)
     }
 
+    /// Address and length of the DRAM segment (registered once with the copy engine).
+    pub fn dram_segment(&self) -> (usize, usize) {
+        self.dram.segment()
+    }
+
     /// DRAM bytes allocated, reservations of puts in flight included.
     pub fn dram_used(&self) -> u64 {
         self.dram.used()

@@ -1,0 +1,150 @@
+//! A blocking front-end to the async [`crate::Client`], in the manner of `reqwest::blocking`: it
+//! owns a small Tokio runtime and runs each call to completion on the calling thread. One client
+//! is safe to share between threads (the Python binding releases the GIL around every call, so
+//! many threads may be in calls at once).
+
+use crate::{BufSlice, Buffer, ClientConfig, GetIntoResult, GetResult, PathReport, PutEntry, PutOptions, Result};
+use kvpool_proto::{ErrorCode, HelloOk, Limits, PolicyInfo, PolicyKind, PutMode, RemoveAllResponse, StatsReport};
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A blocking connection to a kvpool server. Cheap to clone; clones share the connection.
+#[derive(Clone)]
+pub struct Client {
+    // Dropped before the runtime it runs on.
+    inner: crate::Client,
+    rt: Arc<tokio::runtime::Runtime>,
+}
+
+impl std::fmt::Debug for Client {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.inner.fmt(f)
+    }
+}
+
+impl Client {
+    /// Connect (see [`crate::Client::connect`]). Must not be called from inside an async runtime.
+    pub fn connect(cfg: ClientConfig) -> Result<Client> {
+        let rt = tokio::runtime::Builder::new_multi_thread()
+            .worker_threads(2)
+            .thread_name("kvpool-client")
+            .enable_all()
+            .build()
+            .map_err(|e| crate::ClientError::Io(format!("cannot start the client runtime: {e}")))?;
+        let inner = rt.block_on(crate::Client::connect(cfg))?;
+        Ok(Client { inner, rt: Arc::new(rt) })
+    }
+
+    fn run<T>(&self, fut: impl Future<Output = T>) -> T {
+        self.rt.block_on(fut)
+    }
+
+    /// The async client underneath (its methods need this client's runtime).
+    pub fn as_async(&self) -> &crate::Client {
+        &self.inner
+    }
+
+    pub fn tenant(&self) -> String {
+        self.inner.tenant()
+    }
+    pub fn is_admin(&self) -> bool {
+        self.inner.is_admin()
+    }
+    pub fn limits(&self) -> Limits {
+        self.inner.limits()
+    }
+    pub fn hello(&self) -> HelloOk {
+        self.inner.hello()
+    }
+    pub fn path_report(&self) -> PathReport {
+        self.inner.path_report()
+    }
+    pub fn transport_in_use(&self) -> &'static str {
+        self.inner.transport_in_use()
+    }
+    pub fn close(&self) {
+        self.run(self.inner.close())
+    }
+
+    pub fn put(&self, key: impl AsRef<[u8]>, value: &[u8]) -> Result<()> {
+        self.run(self.inner.put(key, value))
+    }
+    pub fn put_with(&self, key: impl AsRef<[u8]>, value: &[u8], opts: PutOptions) -> Result<()> {
+        self.run(self.inner.put_with(key, value, opts))
+    }
+    pub fn upsert(&self, key: impl AsRef<[u8]>, value: &[u8]) -> Result<()> {
+        self.run(self.inner.upsert(key, value))
+    }
+    pub fn upsert_with(&self, key: impl AsRef<[u8]>, value: &[u8], opts: PutOptions) -> Result<()> {
+        self.run(self.inner.upsert_with(key, value, opts))
+    }
+    pub fn put_batch(&self, entries: &[PutEntry<'_>], mode: PutMode) -> Result<Vec<ErrorCode>> {
+        self.run(self.inner.put_batch(entries, mode))
+    }
+    pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        self.run(self.inner.get(key))
+    }
+    pub fn get_batch<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<GetResult>> {
+        self.run(self.inner.get_batch(keys))
+    }
+    pub fn get_into(&self, key: impl AsRef<[u8]>, buf: &mut [u8]) -> Result<Option<usize>> {
+        self.run(self.inner.get_into(key, buf))
+    }
+    pub fn get_batch_into<K: AsRef<[u8]>>(&self, keys: &[K], bufs: &mut [&mut [u8]]) -> Result<Vec<GetIntoResult>> {
+        self.run(self.inner.get_batch_into(keys, bufs))
+    }
+    pub fn lookup<K: AsRef<[u8]>>(&self, chain: &[K]) -> Result<usize> {
+        self.run(self.inner.lookup(chain))
+    }
+    pub fn exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>> {
+        self.run(self.inner.exists(keys))
+    }
+    pub fn remove(&self, key: impl AsRef<[u8]>, force: bool) -> Result<()> {
+        self.run(self.inner.remove(key, force))
+    }
+    pub fn remove_batch<K: AsRef<[u8]>>(&self, keys: &[K], force: bool) -> Result<Vec<ErrorCode>> {
+        self.run(self.inner.remove_batch(keys, force))
+    }
+    pub fn remove_all(&self, force: bool) -> Result<RemoveAllResponse> {
+        self.run(self.inner.remove_all(force))
+    }
+    pub fn stats(&self) -> Result<StatsReport> {
+        self.run(self.inner.stats())
+    }
+    pub fn ping(&self) -> Result<Duration> {
+        self.run(self.inner.ping())
+    }
+
+    pub fn alloc_buffer(&self, len: usize) -> Result<Buffer> {
+        // Sharing a buffer talks to the shm socket; keep it off any async thread.
+        let _guard = self.rt.enter();
+        self.inner.alloc_buffer(len)
+    }
+    pub fn put_from_batch<K: AsRef<[u8]>>(
+        &self,
+        entries: &[(K, BufSlice<'_>, PutOptions)],
+        mode: PutMode,
+    ) -> Result<Vec<ErrorCode>> {
+        self.run(self.inner.put_from_batch(entries, mode))
+    }
+    pub fn get_into_batch<K: AsRef<[u8]>>(&self, keys: &[K], dests: &[BufSlice<'_>]) -> Result<Vec<GetIntoResult>> {
+        self.run(self.inner.get_into_batch(keys, dests))
+    }
+
+    pub fn policy_load(
+        &self,
+        kind: PolicyKind,
+        name: &str,
+        params: &[(String, String)],
+        wasm: &[u8],
+    ) -> Result<PolicyInfo> {
+        self.run(self.inner.policy_load(kind, name, params, wasm))
+    }
+    pub fn policy_list(&self) -> Result<Vec<PolicyInfo>> {
+        self.run(self.inner.policy_list())
+    }
+    pub fn policy_rollback(&self, kind: PolicyKind) -> Result<PolicyInfo> {
+        self.run(self.inner.policy_rollback(kind))
+    }
+}

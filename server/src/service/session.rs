@@ -1,0 +1,116 @@
+//! What one authenticated connection holds between its requests: its principal and protocol
+//! version, and for version 2 its shared-memory peer, the reservations granted to it, and the
+//! leases of blocks it located. Everything is released when the connection ends, and
+//! reservations and leases also when their time is up (a client cannot pin memory by going
+//! quiet on a live connection).
+
+use crate::auth::Principal;
+use crate::store::{DramBlock, Served};
+use kvpool_proto::{PutItem, PutMode};
+use kvpool_transport::shm::Ticket;
+use kvpool_transport::PeerId;
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+/// Space granted by `PutIntent`, waiting for its bytes and `PutDone`.
+pub struct Reserved {
+    /// Index id planned for the block.
+    pub id: u64,
+    pub item: PutItem,
+    pub mode: PutMode,
+    /// Taken out while a `Write` fills it or `PutDone` commits it.
+    pub block: tokio::sync::Mutex<Option<DramBlock>>,
+}
+
+/// Blocks located by `GetLocate`, kept in place until released or expired.
+pub struct LeaseHold {
+    pub blocks: Vec<Option<Served>>,
+}
+
+pub struct Session {
+    pub principal: Principal,
+    /// Negotiated protocol version.
+    pub version: u16,
+    shm: Mutex<Option<Ticket>>,
+    grants: Mutex<HashMap<u64, Arc<Reserved>>>,
+    leases: Mutex<HashMap<u64, Arc<LeaseHold>>>,
+    next: AtomicU64,
+}
+
+impl Session {
+    pub fn new(principal: Principal, version: u16) -> Arc<Session> {
+        Arc::new(Session {
+            principal,
+            version,
+            shm: Mutex::new(None),
+            grants: Mutex::new(HashMap::new()),
+            leases: Mutex::new(HashMap::new()),
+            next: AtomicU64::new(1),
+        })
+    }
+
+    fn next_id(&self) -> u64 {
+        self.next.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// The connection's shared-memory peer, once its client attached.
+    pub fn shm_peer(&self) -> Option<PeerId> {
+        self.shm.lock().as_ref().map(|t| t.peer)
+    }
+
+    /// A new shm ticket for this connection (an earlier one, and its buffers, are dropped).
+    pub fn set_shm(&self, ticket: Ticket) {
+        *self.shm.lock() = Some(ticket);
+    }
+
+    /// Keep a reservation for `ttl`; returns its name.
+    pub fn grant(self: &Arc<Self>, r: Reserved, ttl: Duration) -> u64 {
+        let id = self.next_id();
+        self.grants.lock().insert(id, Arc::new(r));
+        let weak = Arc::downgrade(self);
+        expire(weak, ttl, move |s| {
+            s.grants.lock().remove(&id);
+        });
+        id
+    }
+
+    pub fn reservation(&self, id: u64) -> Option<Arc<Reserved>> {
+        self.grants.lock().get(&id).cloned()
+    }
+
+    pub fn take_reservation(&self, id: u64) -> Option<Arc<Reserved>> {
+        self.grants.lock().remove(&id)
+    }
+
+    /// Keep located blocks for `ttl`; returns the lease's name.
+    pub fn lease(self: &Arc<Self>, hold: LeaseHold, ttl: Duration) -> u64 {
+        let id = self.next_id();
+        self.leases.lock().insert(id, Arc::new(hold));
+        let weak = Arc::downgrade(self);
+        expire(weak, ttl, move |s| {
+            s.leases.lock().remove(&id);
+        });
+        id
+    }
+
+    pub fn leased(&self, id: u64) -> Option<Arc<LeaseHold>> {
+        self.leases.lock().get(&id).cloned()
+    }
+
+    pub fn release(&self, id: u64) -> bool {
+        self.leases.lock().remove(&id).is_some()
+    }
+}
+
+/// Run `f` on the session after `ttl`, if it still exists.
+fn expire(session: Weak<Session>, ttl: Duration, f: impl FnOnce(&Session) + Send + 'static) {
+    tokio::spawn(async move {
+        tokio::time::sleep(ttl).await;
+        if let Some(s) = session.upgrade() {
+            f(&s);
+        }
+    });
+}
