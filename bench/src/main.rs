@@ -18,13 +18,14 @@ use clap::{Args, Parser, Subcommand};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvpool_client::ClientConfig;
+use kvpool_client::TransportChoice;
 use peers::{MooncakeCluster, MooncakeInstall, RedisServer, RedisTarget};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-use target::{KvpoolTarget, LocalServer, Target};
+use target::{KvpoolShmTarget, KvpoolTarget, LocalServer, Target};
 
 #[derive(Debug, Parser)]
 #[command(name = "kvpool-bench", version, about = "kvpool benchmark harness")]
@@ -91,6 +92,9 @@ struct ThroughputArgs {
     /// How QUIC hands packets to the kernel, on both sides (auto, offload, large-datagrams)
     #[arg(long, default_value = "auto")]
     quic_segmentation: kvpool_client::Segmentation,
+    /// Lookups of a 64-block chain to time after the kvpool (QUIC) run
+    #[arg(long, default_value_t = 5000)]
+    lookups: usize,
     /// Python interpreter that has Mooncake's client (`mooncake.store`) installed
     #[arg(long, env = "KVPOOL_BENCH_PYTHON", default_value = "python3")]
     python: PathBuf,
@@ -99,8 +103,9 @@ struct ThroughputArgs {
     mooncake_driver: PathBuf,
 }
 
-/// Every system `throughput` knows how to drive.
-const TARGETS: [&str; 3] = ["kvpool", "redis", "mooncake"];
+/// Every system `throughput` knows how to drive: kvpool over QUIC, kvpool over same-host
+/// shared memory (zero-copy buffers), Redis, Mooncake.
+const TARGETS: [&str; 4] = ["kvpool", "kvpool-shm", "redis", "mooncake"];
 
 fn parse_size(s: &str) -> Result<usize> {
     let b: bytesize::ByteSize = s.parse().map_err(|e| anyhow::anyhow!("bad size {s:?}: {e}"))?;
@@ -152,6 +157,104 @@ struct Report {
     /// Client-side QUIC path statistics at the end of the run.
     quic: String,
     rows: Vec<Row>,
+    /// Lookup latency of a 64-block chain (kvpool over QUIC).
+    lookup: Option<LookupLatency>,
+    /// The data-path goals, each as a ratio measured in this run.
+    goals: Vec<Goal>,
+}
+
+/// One goal of the data path, checked against this run's own measurements.
+#[derive(Debug, Clone, Serialize)]
+struct Goal {
+    goal: String,
+    /// Measured value (a ratio, or microseconds for latency goals); `None` when a side of the
+    /// comparison did not run.
+    measured: Option<f64>,
+    /// Needed value: at least this for ratios, at most this for latencies.
+    needed: f64,
+    at_most: bool,
+}
+
+impl Goal {
+    fn met(&self) -> Option<bool> {
+        self.measured.map(|m| if self.at_most { m <= self.needed } else { m >= self.needed })
+    }
+}
+
+/// Best MB/s of a target for a block size and operation (optionally one batch size).
+fn best<'a>(rows: &'a [Row], target: &str, size: usize, op: &str, batch: Option<usize>) -> Option<&'a Row> {
+    rows.iter()
+        .filter(|r| r.target == target && r.block_size == size && r.op == op && batch.is_none_or(|b| r.batch == b))
+        .max_by(|a, b| a.result.mb_per_s.total_cmp(&b.result.mb_per_s))
+}
+
+/// The goals of the data-path work, from this run's rows.
+fn goals(rows: &[Row], lookup: Option<&LookupLatency>) -> Vec<Goal> {
+    let mb = |t: &str, size, op, batch| best(rows, t, size, op, batch).map(|r| r.result.mb_per_s);
+    let ratio = |a: Option<f64>, b: Option<f64>| a.zip(b).map(|(a, b)| a / b);
+    let mut out = Vec::new();
+    for size in [1usize << 20, 4 << 20] {
+        for op in ["get", "put"] {
+            let label = bytesize::ByteSize(size as u64).to_string_as(true).replace(' ', "");
+            let kv = mb("kvpool", size, op, None);
+            out.push(Goal {
+                goal: format!("quic {label} {op}: kvpool / Redis (best of each)"),
+                measured: ratio(kv, mb("redis", size, op, None)),
+                needed: 1.0,
+                at_most: false,
+            });
+            out.push(Goal {
+                goal: format!("quic {label} {op}: kvpool / Mooncake TCP (best of each)"),
+                measured: ratio(kv, mb("mooncake", size, op, None)),
+                needed: 2.0,
+                at_most: false,
+            });
+        }
+    }
+    let single = rows.iter().find(|r| {
+        r.target == "kvpool" && r.block_size == 64 << 10 && r.batch == 1 && r.concurrency == 1 && r.op == "put"
+    });
+    out.push(Goal {
+        goal: "quic 64KiB single put: p50 (us)".into(),
+        measured: single.map(|r| r.result.p50_us as f64),
+        needed: 1000.0,
+        at_most: true,
+    });
+    for op in ["get", "put"] {
+        let shm = best(rows, "kvpool-shm", 1 << 20, op, Some(64));
+        out.push(Goal {
+            goal: format!("shm 1MiB x64 {op}: kvpool-shm / memcpy of the same bytes"),
+            measured: shm.map(|r| r.ratio),
+            needed: 0.5,
+            at_most: false,
+        });
+        out.push(Goal {
+            goal: format!("shm 1MiB x64 {op}: kvpool-shm / Mooncake TCP (best 1MiB)"),
+            measured: ratio(shm.map(|r| r.result.mb_per_s), mb("mooncake", 1 << 20, op, None)),
+            needed: 10.0,
+            at_most: false,
+        });
+    }
+    out.push(Goal {
+        goal: "lookup of a 64-block chain: p99 (us)".into(),
+        measured: lookup.map(|l| l.p99_us as f64),
+        needed: 200.0,
+        at_most: true,
+    });
+    out
+}
+
+fn print_goals(goals: &[Goal]) {
+    println!("\ngoals (measured in this run):");
+    for g in goals {
+        let (m, verdict) = match (g.measured, g.met()) {
+            (Some(m), Some(true)) => (format!("{m:.2}"), "met"),
+            (Some(m), _) => (format!("{m:.2}"), "MISSED"),
+            (None, _) => ("-".into(), "not measured (a side did not run)"),
+        };
+        let need = if g.at_most { format!("<= {}", g.needed) } else { format!(">= {}", g.needed) };
+        println!("  {:<62} {:>10}  need {:<9} {}", g.goal, m, need, verdict);
+    }
 }
 
 fn hist() -> Histogram<u64> {
@@ -303,6 +406,53 @@ impl Phase<'_> {
     }
 }
 
+/// Blocks per chain in the lookup benchmark (a 32K-token prompt in 512-token blocks).
+const LOOKUP_CHAIN: usize = 64;
+
+/// Latency of `lookup` of a whole resident chain, one request at a time.
+#[derive(Debug, Clone, Serialize)]
+struct LookupLatency {
+    count: u64,
+    resident: u64,
+    p50_us: u64,
+    p99_us: u64,
+}
+
+/// Store 16 chains of 64 small blocks, then time `count` lookups of whole chains (every block
+/// resident, so the server walks all 64).
+async fn lookup_latency(client: &kvpool_client::Client, run: &str, count: usize) -> Result<LookupLatency> {
+    let chains: Vec<Vec<Vec<u8>>> =
+        (0..16).map(|c| (0..LOOKUP_CHAIN).map(|i| format!("lookup/{run}/{c}/{i}").into_bytes()).collect()).collect();
+    let value = vec![7u8; 4096];
+    for chain in &chains {
+        let entries: Vec<kvpool_client::PutEntry<'_>> = chain
+            .iter()
+            .enumerate()
+            .map(|(i, k)| kvpool_client::PutEntry {
+                key: k,
+                value: &value,
+                opts: kvpool_client::PutOptions { parent: (i > 0).then(|| chain[i - 1].clone()), ..Default::default() },
+            })
+            .collect();
+        client.put_batch(&entries, kvpool_client::PutMode::Upsert).await?;
+    }
+    let mut h = hist();
+    for i in 0..count {
+        let chain = &chains[i % chains.len()];
+        let t = Instant::now();
+        let n = client.lookup(chain).await?;
+        let _ = h.record(micros(t.elapsed()));
+        if n != LOOKUP_CHAIN {
+            bail!("lookup found {n} of {LOOKUP_CHAIN} blocks");
+        }
+    }
+    let resident = client.stats().await.map(|s| s.blocks).unwrap_or(0);
+    for chain in &chains {
+        client.remove_batch(chain, true).await?;
+    }
+    Ok(LookupLatency { count: h.len(), resident, p50_us: h.value_at_quantile(0.5), p99_us: h.value_at_quantile(0.99) })
+}
+
 /// What the client's side of the connection saw: path MTU reached, losses, congestion events.
 fn quic_summary(client: &kvpool_client::Client) -> String {
     format!("quic (client side): {}", client.path_report())
@@ -424,10 +574,11 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
     let mut notes = Vec::new();
     let mut peers_seen = Vec::new();
     let mut server = String::new();
+    let mut lookup = None;
     print_header();
     for name in &targets {
         match name.as_str() {
-            "kvpool" => {
+            "kvpool" | "kvpool-shm" => {
                 // Start our own server unless pointed at one.
                 let (_server, mut cfg) = match (&a.server, &a.data_dir) {
                     (_, Some(dir)) => {
@@ -448,9 +599,17 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                 cfg.client_name = "kvpool-bench".into();
                 cfg.quic.segmentation = a.quic_segmentation;
                 cfg.request_timeout = Duration::from_secs(300);
-                let kv = KvpoolTarget::connect(cfg).await?;
-                server = kv.client().hello().server;
-                let limits = kv.client().limits();
+                let shm = name == "kvpool-shm";
+                cfg.transport = if shm { TransportChoice::Shm } else { TransportChoice::Quic };
+                let (client, target): (kvpool_client::Client, Arc<dyn Target>) = if shm {
+                    let t = KvpoolShmTarget::connect(cfg, &pool, max_conc, max_size * max_batch).await?;
+                    (t.client().clone(), Arc::new(t))
+                } else {
+                    let t = KvpoolTarget::connect(cfg).await?;
+                    (t.client().clone(), Arc::new(t))
+                };
+                server = client.hello().server;
+                let limits = client.limits();
                 if max_batch as u64 > limits.max_batch as u64 || max_size as u64 > limits.max_value_size {
                     bail!(
                         "the server limits (batch {}, value {}) are below this run's",
@@ -458,10 +617,16 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                         limits.max_value_size
                     );
                 }
-                let client = kv.client().clone();
-                let target: Arc<dyn Target> = Arc::new(kv);
                 run_in_process(&target, &plan, &pool, &run, &pb, &mut rows).await?;
-                notes.push(quic_summary(&client));
+                if !shm {
+                    notes.push(quic_summary(&client));
+                    let l = lookup_latency(&client, &run, a.lookups).await?;
+                    notes.push(format!(
+                        "lookup of a {}-block chain ({} resident blocks, {} lookups, one request each): p50 {} us, p99 {} us",
+                        LOOKUP_CHAIN, l.resident, l.count, l.p50_us, l.p99_us
+                    ));
+                    lookup = Some(l);
+                }
             }
             "redis" => {
                 let srv = RedisServer::start().await?;
@@ -511,6 +676,8 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
     for n in &notes {
         println!("{n}");
     }
+    let goals = goals(&rows, lookup.as_ref());
+    print_goals(&goals);
 
     if let Some(path) = &a.plot {
         let mut points: Vec<plot::Point> = rows
@@ -550,6 +717,8 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                 .unwrap_or(0),
             quic: notes.join("\n"),
             rows,
+            lookup,
+            goals,
         };
         std::fs::write(path, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", path.display()))?;

@@ -159,3 +159,98 @@ fn server_binary() -> Result<PathBuf> {
         exe.display()
     )
 }
+
+/// kvpool over the same-host transport, zero-copy: values live in shared buffers, as a
+/// connector's KV blocks would, and the server copies between them and its segment.
+pub struct KvpoolShmTarget {
+    client: Client,
+    /// The harness's value pool, copied once into a shared buffer; puts name parts of it.
+    source: kvpool_client::Buffer,
+    pool_addr: usize,
+    /// Destination buffers for gets, one per worker in flight.
+    dests: std::sync::Mutex<Vec<kvpool_client::Buffer>>,
+}
+
+impl KvpoolShmTarget {
+    /// `workers` destination buffers of `dest_len` bytes are made (and touched) up front, as a
+    /// connector registers its KV memory once, so that no timed get pays for their page faults.
+    pub async fn connect(cfg: ClientConfig, pool: &[u8], workers: usize, dest_len: usize) -> Result<Self> {
+        let client = Client::connect(cfg).await.context("connecting to kvpool over shm")?;
+        if client.transport_in_use() != "shm" {
+            bail!("the server did not offer shared memory");
+        }
+        let mut source = client.alloc_buffer(pool.len())?;
+        source.as_mut_slice().copy_from_slice(pool);
+        let mut dests = Vec::with_capacity(workers);
+        for _ in 0..workers {
+            let mut d = client.alloc_buffer(dest_len)?;
+            d.as_mut_slice().fill(0);
+            dests.push(d);
+        }
+        Ok(KvpoolShmTarget { client, source, pool_addr: pool.as_ptr() as usize, dests: std::sync::Mutex::new(dests) })
+    }
+
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+}
+
+impl Target for KvpoolShmTarget {
+    fn name(&self) -> String {
+        "kvpool-shm".into()
+    }
+
+    fn put_batch<'a>(&'a self, keys: &'a [Vec<u8>], values: &'a [&'a [u8]]) -> BoxFut<'a, Result<()>> {
+        Box::pin(async move {
+            let mut entries = Vec::with_capacity(keys.len());
+            for (k, v) in keys.iter().zip(values) {
+                let offset = (v.as_ptr() as usize).checked_sub(self.pool_addr).context("value outside the pool")?;
+                entries.push((k, self.source.slice(offset, v.len())?, kvpool_client::PutOptions::default()));
+            }
+            let st = self.client.put_from_batch(&entries, PutMode::Insert).await?;
+            if let Some((i, c)) = st.iter().enumerate().find(|(_, c)| **c != ErrorCode::Ok) {
+                bail!("put of item {i} failed: {c}");
+            }
+            Ok(())
+        })
+    }
+
+    /// Values land in shared buffers (zero-copy); `bufs` only give their sizes.
+    fn get_batch<'a, 'b: 'a>(&'a self, keys: &'a [Vec<u8>], bufs: &'a mut [&'b mut [u8]]) -> BoxFut<'a, Result<u64>> {
+        Box::pin(async move {
+            let need: usize = bufs.iter().map(|b| b.len()).sum();
+            let taken = self.dests.lock().unwrap_or_else(|p| p.into_inner()).pop().filter(|b| b.len() >= need);
+            let dest = match taken {
+                Some(b) => b,
+                None => self.client.alloc_buffer(need)?,
+            };
+            let mut at = 0;
+            let mut slices = Vec::with_capacity(bufs.len());
+            for b in bufs.iter() {
+                slices.push(dest.slice(at, b.len())?);
+                at += b.len();
+            }
+            let r = self.client.get_into_batch(keys, &slices).await;
+            drop(slices);
+            self.dests.lock().unwrap_or_else(|p| p.into_inner()).push(dest);
+            let mut total = 0;
+            for (i, item) in r?.iter().enumerate() {
+                if item.status != ErrorCode::Ok {
+                    bail!("get of item {i} failed: {}", item.status);
+                }
+                total += item.size;
+            }
+            Ok(total)
+        })
+    }
+
+    fn cleanup<'a>(&'a self, keys: &'a [Vec<u8>]) -> BoxFut<'a, Result<()>> {
+        Box::pin(async move {
+            let chunk = self.client.limits().max_batch.max(1) as usize;
+            for part in keys.chunks(chunk) {
+                self.client.remove_batch(part, true).await?;
+            }
+            Ok(())
+        })
+    }
+}

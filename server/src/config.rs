@@ -213,11 +213,14 @@ pub struct DramSection {
     pub high_watermark: f64,
     /// ... and frees down to this one.
     pub low_watermark: f64,
+    /// Fault every page of the segment in at start: the memory is committed up front (as
+    /// memory registered with a transport must be) and no put pays for first-touch page faults.
+    pub populate: bool,
 }
 
 impl Default for DramSection {
     fn default() -> Self {
-        DramSection { size: Size(1 << 30), high_watermark: 0.95, low_watermark: 0.85 }
+        DramSection { size: Size(1 << 30), high_watermark: 0.95, low_watermark: 0.85, populate: true }
     }
 }
 

@@ -222,6 +222,7 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         dram_bytes: cfg.dram.size.0,
         dram_high: cfg.dram.high_watermark,
         dram_low: cfg.dram.low_watermark,
+        dram_populate: cfg.dram.populate,
         ssd_dir: (cfg.ssd.capacity.0 > 0).then(|| cfg.ssd_dir()),
         ssd_bytes: cfg.ssd.capacity.0,
         ssd_high: cfg.ssd.high_watermark,

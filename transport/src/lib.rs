@@ -142,14 +142,21 @@ pub trait Transport: Send + Sync {
     /// Stop a batch: descriptors not started are skipped; the batch reports `Failed(Cancelled)`
     /// once the ones already running have finished.
     fn cancel(&self, xfer: XferId);
+
+    /// A signal raised when the batch settles, for backends that can give one ([`wait`] polls
+    /// the others).
+    fn completion(&self, _xfer: XferId) -> Option<std::sync::Arc<tokio::sync::Notify>> {
+        None
+    }
 }
 
 /// Await a batch, polling with backoff; on timeout it is cancelled, and this returns once it
 /// has settled (so the caller may then release the memory).
 pub async fn wait(t: &dyn Transport, xfer: XferId, timeout: Duration) -> Result<(), TransportError> {
     let deadline = tokio::time::Instant::now() + timeout;
-    let mut pause = Duration::from_micros(5);
+    let mut pause = Duration::from_micros(50);
     let mut cancelled = false;
+    let signal = t.completion(xfer);
     loop {
         match t.status(xfer)? {
             XferStatus::Done => return if cancelled { Err(TransportError::Timeout(timeout)) } else { Ok(()) },
@@ -161,8 +168,16 @@ pub async fn wait(t: &dyn Transport, xfer: XferId, timeout: Duration) -> Result<
             t.cancel(xfer);
             cancelled = true;
         }
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(Duration::from_millis(1));
+        match &signal {
+            // The signal keeps a permit when it fires before this wait begins.
+            Some(n) if !cancelled => {
+                let _ = tokio::time::timeout_at(deadline, n.notified()).await;
+            }
+            _ => {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(1));
+            }
+        }
     }
 }
 

@@ -31,7 +31,21 @@ struct XferState {
     remaining: AtomicUsize,
     cancelled: AtomicBool,
     failed: Mutex<Option<TransportError>>,
+    /// Signalled when the last piece is done (a waiter finds the permit if it comes late).
+    done: Arc<tokio::sync::Notify>,
 }
+
+impl XferState {
+    fn piece_done(&self) {
+        if self.remaining.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.done.notify_one();
+        }
+    }
+}
+
+/// Batches of at most this many bytes are copied at once by the poster instead of the pool:
+/// handing them to a thread costs more than the copy.
+const INLINE: u64 = 256 << 10;
 
 struct Job {
     src: usize,
@@ -78,7 +92,7 @@ impl LocalTransport {
                             // Local and peer memory are distinct allocations, so they never overlap.
                             unsafe { std::ptr::copy_nonoverlapping(job.src as *const u8, job.dst as *mut u8, job.len) };
                         }
-                        job.state.remaining.fetch_sub(1, Ordering::AcqRel);
+                        job.state.piece_done();
                     })
                     .expect("spawn copy thread")
             })
@@ -207,19 +221,28 @@ impl Transport for LocalTransport {
             }
         }
         let id = self.next();
+        let inline = pieces.iter().map(|p| p.2 as u64).sum::<u64>() <= INLINE;
         let state = Arc::new(XferState {
-            remaining: AtomicUsize::new(pieces.len()),
+            remaining: AtomicUsize::new(if inline { 0 } else { pieces.len() }),
             cancelled: AtomicBool::new(false),
             failed: Mutex::new(None),
+            done: Arc::new(tokio::sync::Notify::new()),
         });
         self.inner.xfers.lock().insert(id, state.clone());
+        if inline {
+            for (src, dst, len, _keep) in pieces {
+                // SAFETY: as for the copy threads (checked bounds, owners held, distinct memory).
+                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
+            }
+            return Ok(XferId(id));
+        }
         let jobs = self.jobs.lock();
         let tx = jobs.as_ref().ok_or_else(|| TransportError::Io("transport is shut down".into()))?;
         for (src, dst, len, keep) in pieces {
             if tx.send(Job { src, dst, len, state: state.clone(), _keep: keep }).is_err() {
-                // No thread will run it: count it as done, and fail the batch.
-                state.remaining.fetch_sub(1, Ordering::AcqRel);
+                // No thread will run it: fail the batch, and count the piece as done.
                 *state.failed.lock() = Some(TransportError::Io("copy threads are gone".into()));
+                state.piece_done();
             }
         }
         Ok(XferId(id))
@@ -246,6 +269,10 @@ impl Transport for LocalTransport {
         if let Some(s) = self.inner.xfers.lock().get(&xfer.0) {
             s.cancelled.store(true, Ordering::Relaxed);
         }
+    }
+
+    fn completion(&self, xfer: XferId) -> Option<Arc<tokio::sync::Notify>> {
+        self.inner.xfers.lock().get(&xfer.0).map(|s| s.done.clone())
     }
 }
 

@@ -1,7 +1,7 @@
 //! In-memory stream halves for running the request handler without QUIC: the fuzz driver and
 //! unit tests feed a request as bytes and read back what the server wrote.
 
-use super::{RequestRecv, RequestSend};
+use super::{BoxFuture, RequestRecv, RequestSend};
 use bytes::Bytes;
 use std::io;
 use std::pin::Pin;
@@ -98,6 +98,9 @@ impl AsyncWrite for MemSend {
 }
 
 impl RequestSend for MemSend {
+    fn write_owned(&mut self, bytes: Bytes) -> BoxFuture<'_, io::Result<()>> {
+        Box::pin(async move { tokio::io::AsyncWriteExt::write_all(self, &bytes).await })
+    }
     fn finish(&mut self) {
         self.finished = true;
     }

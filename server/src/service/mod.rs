@@ -33,6 +33,9 @@ mod v2;
 pub use session::Session;
 pub use v2::DataPath;
 
+/// A boxed future that can move between threads.
+pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T> + Send + 'a>>;
+
 /// The receiving half of a request stream.
 pub trait RequestRecv: AsyncRead + Unpin + Send {
     /// Stop reading: the peer's further writes fail (QUIC STOP_SENDING with `code`).
@@ -41,6 +44,8 @@ pub trait RequestRecv: AsyncRead + Unpin + Send {
 
 /// The sending half of a request stream.
 pub trait RequestSend: AsyncWrite + Unpin + Send {
+    /// Send bytes the stream may keep (QUIC sends them from where they are, without a copy).
+    fn write_owned(&mut self, bytes: bytes::Bytes) -> BoxFuture<'_, std::io::Result<()>>;
     /// End the response (QUIC FIN).
     fn finish(&mut self);
     /// Abandon the response; bytes not yet delivered are dropped (QUIC RESET_STREAM).
@@ -54,6 +59,9 @@ impl RequestRecv for quinn::RecvStream {
 }
 
 impl RequestSend for quinn::SendStream {
+    fn write_owned(&mut self, bytes: bytes::Bytes) -> BoxFuture<'_, std::io::Result<()>> {
+        Box::pin(async move { self.write_chunk(bytes).await.map_err(std::io::Error::from) })
+    }
     fn finish(&mut self) {
         let _ = quinn::SendStream::finish(self);
     }
@@ -269,6 +277,14 @@ async fn expect_end<R: RequestRecv>(r: &mut R, deadline: Deadline) -> Result<(),
              bytes (put, policy load), then the end of the stream",
         )),
         Ok(Err(e)) => Err(read_fail(e, "the end of the stream")),
+    }
+}
+
+async fn write_owned_by<W: RequestSend>(w: &mut W, bytes: bytes::Bytes, deadline: Deadline) -> Result<(), Fail> {
+    match tokio::time::timeout_at(deadline, w.write_owned(bytes)).await {
+        Err(_) => Err(Fail::Stalled),
+        Ok(Err(_)) => Err(Fail::Cancelled),
+        Ok(Ok(())) => Ok(()),
     }
 }
 
@@ -725,8 +741,9 @@ async fn get_items<W: RequestSend>(keys: &[Vec<u8>], send: &mut W, tenant: u32, 
     let frame = encode_frame(&Response::Get(GetResponse { items }))
         .map_err(|e| Fail::Reply(error(ErrorCode::Internal, e.to_string())))?;
     write_by(send, &frame, by).await?;
-    for sv in &served {
-        write_by(send, sv.bytes(), by).await?;
+    for sv in served {
+        // DRAM blocks go out from the segment itself; the chunk keeps the block alive until sent.
+        write_owned_by(send, sv.into_bytes(), by).await?;
     }
     send.finish();
     Ok(())

@@ -222,6 +222,11 @@ async fn copy<H: Holds>(
             return Err(invalid(format!("transfer refused: {e}")));
         }
     };
+    // Small batches are copied during the post: nothing to wait for.
+    if let Ok(kvpool_transport::XferStatus::Done) = t.status(id) {
+        unregister(&t, &held);
+        return Ok(held);
+    }
     let task = tokio::spawn(async move {
         let r = kvpool_transport::wait(&*t, id, timeout).await;
         unregister(&t, &held);

@@ -54,7 +54,9 @@ pub struct DramTier {
 pub struct SegmentAllocError(pub u64);
 
 impl DramTier {
-    pub fn new(capacity: u64) -> Result<Arc<DramTier>, SegmentAllocError> {
+    /// A segment of `capacity` bytes. With `populate`, every page is faulted in now (as memory
+    /// registered for a transport must be), so that no put pays for first-touch page faults.
+    pub fn new(capacity: u64, populate: bool) -> Result<Arc<DramTier>, SegmentAllocError> {
         let units = (capacity / UNIT).min(u32::MAX as u64) as u32;
         let capacity = units as u64 * UNIT;
         use rustix::mm::{MapFlags, ProtFlags};
@@ -64,7 +66,7 @@ impl DramTier {
                 std::ptr::null_mut(),
                 capacity as usize,
                 ProtFlags::READ | ProtFlags::WRITE,
-                MapFlags::PRIVATE | MapFlags::NORESERVE,
+                if populate { MapFlags::PRIVATE | MapFlags::POPULATE } else { MapFlags::PRIVATE | MapFlags::NORESERVE },
             )
         }
         .map_err(|_| SegmentAllocError(capacity))?;
@@ -172,7 +174,7 @@ mod tests {
 
     #[test]
     fn allocates_within_capacity_and_frees_on_drop() {
-        let t = DramTier::new(1 << 20).unwrap();
+        let t = DramTier::new(1 << 20, false).unwrap();
         let mut blocks = Vec::new();
         while let Some(mut b) = t.allocate(100_000) {
             b.bytes_mut().fill(7);

@@ -49,6 +49,8 @@ pub struct StoreConfig {
     pub dram_bytes: u64,
     pub dram_high: f64,
     pub dram_low: f64,
+    /// Fault every page of the segment in at start.
+    pub dram_populate: bool,
     pub ssd_dir: Option<PathBuf>,
     pub ssd_bytes: u64,
     pub ssd_high: f64,
@@ -104,7 +106,24 @@ pub enum Served {
     Owned(Vec<u8>, u64, Tier),
 }
 
+/// A DRAM block as bytes that may be sent without copying: it stays allocated while they live.
+struct BlockBytes(Arc<DramBlock>);
+
+impl AsRef<[u8]> for BlockBytes {
+    fn as_ref(&self) -> &[u8] {
+        self.0.bytes()
+    }
+}
+
 impl Served {
+    /// The value as an owned, cheaply cloned buffer (no copy for DRAM blocks).
+    pub fn into_bytes(self) -> bytes::Bytes {
+        match self {
+            Served::Dram(b, _, _) => bytes::Bytes::from_owner(BlockBytes(b)),
+            Served::Owned(v, _, _) => bytes::Bytes::from(v),
+        }
+    }
+
     pub fn bytes(&self) -> &[u8] {
         match self {
             Served::Dram(b, _, _) => b.bytes(),
@@ -184,7 +203,7 @@ impl Store {
     /// Open the tiers and sled, and rebuild the index from sled (SSD copies survive a restart).
     pub fn open(cfg: StoreConfig, metrics: Arc<Metrics>, policies: Policies) -> Result<Arc<Store>, StoreError> {
         let meta = Meta::open(&cfg.data_dir.join("meta"))?;
-        let dram = DramTier::new(cfg.dram_bytes)?;
+        let dram = DramTier::new(cfg.dram_bytes, cfg.dram_populate)?;
         let (ssd, files) = match (&cfg.ssd_dir, cfg.ssd_bytes) {
             (Some(dir), cap) if cap > 0 => {
                 let (t, files) = SsdTier::open(dir, cap, cfg.ssd_fsync)?;
