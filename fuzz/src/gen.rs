@@ -3,8 +3,9 @@
 
 use kvpool_proto::frame::encode_frame;
 use kvpool_proto::{
-    KeysRequest, LookupRequest, PinSpec, Ping, PolicyKind, PolicyLoadRequest, PolicyRollbackRequest, PutItem, PutMode,
-    PutRequest, RemoveAllRequest, RemoveRequest, Request,
+    BufSlice, GetIntoRequest, KeysRequest, LookupRequest, PinSpec, Ping, PolicyKind, PolicyLoadRequest,
+    PolicyRollbackRequest, PutDoneRequest, PutFromRequest, PutIntentRequest, PutItem, PutMode, PutRequest, ReadRequest,
+    ReleaseRequest, RemoveAllRequest, RemoveRequest, Request, WriteRequest,
 };
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -54,27 +55,101 @@ fn value_size(rng: &mut StdRng) -> u64 {
     }
 }
 
-/// A well-formed request and the value bytes it declares.
-pub fn request(rng: &mut StdRng) -> (Request, Vec<u8>) {
-    let req = match rng.gen_range(0..24) {
-        0..=7 => {
-            let items: Vec<PutItem> = (0..rng.gen_range(0..6))
-                .map(|_| PutItem {
-                    key: key(rng),
-                    size: value_size(rng),
-                    parent: rng.gen_bool(0.4).then(|| key(rng)),
-                    tokens: rng.gen(),
-                    seq_tokens: rng.gen_range(0..4096),
-                    pin: match rng.gen_range(0..6) {
-                        0 => PinSpec::Soft { ttl_ms: rng.gen_range(0..2000) },
-                        1 => PinSpec::Hard,
-                        _ => PinSpec::None,
-                    },
+fn put_items(rng: &mut StdRng) -> Vec<PutItem> {
+    (0..rng.gen_range(0..6))
+        .map(|_| PutItem {
+            key: key(rng),
+            size: value_size(rng),
+            parent: rng.gen_bool(0.4).then(|| key(rng)),
+            tokens: rng.gen(),
+            seq_tokens: rng.gen_range(0..4096),
+            pin: match rng.gen_range(0..6) {
+                0 => PinSpec::Soft { ttl_ms: rng.gen_range(0..2000) },
+                1 => PinSpec::Hard,
+                _ => PinSpec::None,
+            },
+        })
+        .collect()
+}
+
+fn mode(rng: &mut StdRng) -> PutMode {
+    if rng.gen_bool(0.3) {
+        PutMode::Upsert
+    } else {
+        PutMode::Insert
+    }
+}
+
+/// A part of a shared buffer: the driver shares regions 1 and 2 (0 and 3 do not exist).
+fn slice(rng: &mut StdRng, len: u64) -> BufSlice {
+    let len = if rng.gen_bool(0.9) { len } else { rng.gen() };
+    BufSlice {
+        region: rng.gen_range(0..4),
+        offset: if rng.gen_bool(0.8) { rng.gen_range(0..(2 << 20)) } else { rng.gen() },
+        len,
+    }
+}
+
+thread_local! {
+    /// Reservation and lease names the fuzzed sessions hold now (set by the driver).
+    pub static HELD: std::cell::RefCell<Vec<u64>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
+/// A reservation or lease name: mostly ones a session really holds.
+fn small_id(rng: &mut StdRng) -> u64 {
+    let held = HELD.with(|h| h.borrow().clone());
+    match rng.gen_range(0..10) {
+        0..=6 if !held.is_empty() => held[rng.gen_range(0..held.len())],
+        7 => rng.gen(),
+        _ => rng.gen_range(0..12),
+    }
+}
+
+/// A well-formed version 2 request.
+fn request_v2(rng: &mut StdRng) -> Request {
+    match rng.gen_range(0..10) {
+        0 => Request::ShmAttach,
+        1 => Request::PutIntent(PutIntentRequest { mode: mode(rng), items: put_items(rng) }),
+        2 => {
+            Request::PutDone(PutDoneRequest { reservations: (0..rng.gen_range(0..5)).map(|_| small_id(rng)).collect() })
+        }
+        3 => Request::Write(WriteRequest {
+            reservation: small_id(rng),
+            offset: rng.gen_range(0..10_000),
+            size: rng.gen_range(0..20_000),
+        }),
+        4 => Request::GetLocate(KeysRequest { keys: keys(rng) }),
+        5 => Request::Read(ReadRequest {
+            lease: small_id(rng),
+            index: rng.gen_range(0..6),
+            offset: rng.gen_range(0..2_000),
+            size: if rng.gen_bool(0.9) { rng.gen_range(0..4_000) } else { rng.gen() },
+        }),
+        6 => Request::Release(ReleaseRequest { lease: small_id(rng) }),
+        7 | 8 => {
+            let items = put_items(rng);
+            let sources = items.iter().map(|i| slice(rng, i.size)).collect();
+            Request::PutFrom(PutFromRequest { mode: mode(rng), items, sources })
+        }
+        _ => {
+            let keys = keys(rng);
+            let dests = keys
+                .iter()
+                .map(|_| {
+                    let room = rng.gen_range(0..(3 << 20));
+                    slice(rng, room)
                 })
                 .collect();
-            let mode = if rng.gen_bool(0.3) { PutMode::Upsert } else { PutMode::Insert };
-            Request::Put(PutRequest { mode, items })
+            Request::GetInto(GetIntoRequest { keys, dests })
         }
+    }
+}
+
+/// A well-formed request and the value bytes it declares.
+pub fn request(rng: &mut StdRng) -> (Request, Vec<u8>) {
+    let req = match rng.gen_range(0..32) {
+        24..=31 => request_v2(rng),
+        0..=7 => Request::Put(PutRequest { mode: mode(rng), items: put_items(rng) }),
         8..=12 => Request::Get(KeysRequest { keys: keys(rng) }),
         13..=14 => Request::Lookup(LookupRequest { chain: keys(rng) }),
         15 => Request::Exists(KeysRequest { keys: keys(rng) }),
@@ -94,6 +169,7 @@ pub fn request(rng: &mut StdRng) -> (Request, Vec<u8>) {
     let declared: u64 = match &req {
         Request::Put(p) => p.items.iter().map(|i| i.size.min(4 << 20)).sum(),
         Request::PolicyLoad(l) => l.module_size,
+        Request::Write(w) => w.size,
         _ => 0,
     };
     // Content does not steer the handler (only sizes do): a cheap fill keeps big values cheap.
@@ -138,7 +214,7 @@ pub fn mutate(rng: &mut StdRng, bytes: &mut Vec<u8>, other: &[u8]) {
                 bytes[i..i + 8].copy_from_slice(&v.to_le_bytes());
             }
             // The enum tag of the request.
-            6 if len >= 8 => bytes[4..8].copy_from_slice(&rng.gen_range(0u32..16).to_le_bytes()),
+            6 if len >= 8 => bytes[4..8].copy_from_slice(&rng.gen_range(0u32..24).to_le_bytes()),
             7 if !other.is_empty() => {
                 let cut = rng.gen_range(0..=len);
                 let from = rng.gen_range(0..other.len());

@@ -16,8 +16,11 @@ use kvpool_proto::{codec, ErrorCode, KeysRequest, PinSpec, PutItem, PutMode, Put
 use kvpool_server::config::{ApiKeyEntry, Config, Size};
 use kvpool_server::service::memory::{MemRecv, MemSend};
 use kvpool_server::service::{handle_stream, Session, Shared};
+use kvpool_transport::memfd::SharedBuffer;
+use kvpool_transport::shm::ShmClient;
+use kvpool_transport::RegionId;
 use rand::rngs::StdRng;
-use rand::SeedableRng;
+use rand::{Rng, SeedableRng};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -37,6 +40,9 @@ struct Args {
     /// Independent workers, each with its own node and seed.
     #[arg(long, default_value_t = 1)]
     threads: u64,
+    /// Connections to the shm socket fuzzed per thread (each is a real socket and server thread).
+    #[arg(long, default_value_t = 2000)]
+    socket_inputs: u64,
     /// Where a crashing input is written.
     #[arg(long, default_value = "fuzz-crashes")]
     crash_dir: PathBuf,
@@ -59,6 +65,7 @@ fn config(dir: &std::path::Path) -> Config {
     c.cache.put_wait_ms = 50;
     c.cache.lease_ttl_ms = 20;
     c.policy.max_module_size = Size(1024);
+    c.transport.shm_socket = Some(dir.join("s.sock"));
     let entry = |tenant: &str, key: &str, admin| ApiKeyEntry {
         tenant: tenant.into(),
         sha256: hex::encode(kvpool_server::auth::hash_key(key)),
@@ -77,6 +84,7 @@ fn config(dir: &std::path::Path) -> Config {
 struct Tally {
     handler_inputs: u64,
     decoder_inputs: u64,
+    shm_socket_inputs: u64,
     by_answer: BTreeMap<String, u64>,
 }
 
@@ -84,6 +92,48 @@ struct Worker {
     shared: Arc<Shared>,
     principals: Vec<kvpool_server::auth::Principal>,
     canary: kvpool_server::auth::Principal,
+    /// One connection per fuzzed key, kept across inputs so that reservations, leases and the
+    /// shm attachment of earlier inputs meet later ones.
+    sessions: Vec<Conn>,
+}
+
+/// A fuzzed connection: its session, and the shm link and buffers its client shares (regions 1
+/// and 2).
+struct Conn {
+    session: Arc<Session>,
+    _link: Option<ShmClient>,
+    _buffers: Vec<SharedBuffer>,
+}
+
+impl Worker {
+    /// Fresh connections (dropping the old ones releases everything they held).
+    async fn reconnect(&mut self) -> Result<()> {
+        self.sessions.clear();
+        for p in self.principals.clone() {
+            let session = Session::new(p, kvpool_proto::PROTOCOL_VERSION);
+            let (link, buffers) = attach(self, &session).await?;
+            self.sessions.push(Conn { session, _link: Some(link), _buffers: buffers });
+        }
+        Ok(())
+    }
+}
+
+/// Attach a session's client over the real shm socket and share two buffers with the server.
+async fn attach(w: &Worker, session: &Arc<Session>) -> Result<(ShmClient, Vec<SharedBuffer>)> {
+    let frame = encode_frame(&Request::ShmAttach)?;
+    let (_, send) =
+        run_on(w, session.clone(), MemRecv::new(frame), MemSend::default()).await.map_err(anyhow::Error::msg)?;
+    let len = u32::from_le_bytes(send.written[..4].try_into()?) as usize;
+    let Response::ShmOffer(offer) = codec::decode::<Response>(&send.written[4..4 + len])? else {
+        bail!("no shm offer: is the fuzz node's shm socket up?")
+    };
+    let link = ShmClient::connect(std::path::Path::new(&offer.socket_path), &offer.token)?;
+    let mut buffers = vec![SharedBuffer::new(1 << 20, "fuzz")?, SharedBuffer::new(2 << 20, "fuzz")?];
+    for (i, b) in buffers.iter_mut().enumerate() {
+        b.as_mut_slice().fill(i as u8 + 1);
+    }
+    link.add(&[(RegionId(1), &buffers[0]), (RegionId(2), &buffers[1])])?;
+    Ok((link, buffers))
 }
 
 /// Run one stream through the handler in its own task; `Err` carries a panic message.
@@ -93,7 +143,22 @@ async fn run(
     recv: MemRecv,
     send: MemSend,
 ) -> std::result::Result<(MemRecv, MemSend), String> {
-    let (shared, session) = (w.shared.clone(), Session::new(principal.clone(), kvpool_proto::PROTOCOL_VERSION));
+    let session = w
+        .sessions
+        .iter()
+        .find(|c| c.session.principal == *principal)
+        .map(|c| c.session.clone())
+        .unwrap_or_else(|| Session::new(principal.clone(), kvpool_proto::PROTOCOL_VERSION));
+    run_on(w, session, recv, send).await
+}
+
+async fn run_on(
+    w: &Worker,
+    session: Arc<Session>,
+    recv: MemRecv,
+    send: MemSend,
+) -> std::result::Result<(MemRecv, MemSend), String> {
+    let shared = w.shared.clone();
     let task = tokio::spawn(async move {
         let (mut recv, mut send) = (recv, send);
         handle_stream(&mut recv, &mut send, &session, &shared).await;
@@ -132,6 +197,19 @@ fn check_response(input: &Input, sent_any: bool, send: &MemSend) -> std::result:
                 rest = &rest[n..];
             }
             "get".to_string()
+        }
+        Response::Data(h) => {
+            if rest.len() as u64 != h.size {
+                return Err(format!("read answered {} bytes, announced {}", rest.len(), h.size));
+            }
+            rest = &[];
+            "data".to_string()
+        }
+        Response::Filled(g) => {
+            if g.items.iter().any(|i| i.status == ErrorCode::Ok && i.size > 3 << 20) {
+                return Err("filled more than any destination holds".into());
+            }
+            "filled".to_string()
         }
         Response::Error(e) => format!("error:{}", e.code),
         other => format!("{other:?}").split(['(', ' ', '{']).next().unwrap_or("?").to_lowercase(),
@@ -185,9 +263,10 @@ async fn check_canaries(w: &Worker) -> Result<()> {
     Ok(())
 }
 
-/// With every fuzzed block removed, DRAM holds exactly the canaries again: no reservation,
-/// lease or in-flight copy leaked.
-async fn check_no_leak(w: &Worker, canary_dram: u64) -> Result<()> {
+/// With every fuzzed block removed and the fuzzed connections closed, DRAM holds exactly the
+/// canaries again: no reservation, lease or in-flight copy leaked.
+async fn check_no_leak(w: &mut Worker, canary_dram: u64) -> Result<()> {
+    w.sessions.clear();
     for p in &w.principals {
         w.shared.store.remove_all(p.tenant_id, true);
     }
@@ -200,17 +279,105 @@ async fn check_no_leak(w: &Worker, canary_dram: u64) -> Result<()> {
     Ok(())
 }
 
+/// Connections to the shm socket with broken or hostile handshakes: noise, bad framing, wrong
+/// tokens, unsealed, short or oversized files, descriptors that do not match the message.
+async fn fuzz_socket(w: &Worker, rng: &mut StdRng, n: u64) -> Result<u64> {
+    use rustix::fd::AsFd;
+    use std::io::{IoSlice, Read, Write};
+    use std::os::unix::net::UnixStream;
+    let path = w.shared.data_path.as_ref().and_then(|d| d.shm.as_ref()).context("shm socket")?.path().to_owned();
+    let frame = |body: &[u8]| {
+        let mut f = (body.len() as u32).to_le_bytes().to_vec();
+        f.extend_from_slice(body);
+        f
+    };
+    for i in 0..n {
+        // Half the time a genuine token, so that the messages after the attach are reached.
+        let token: Vec<u8> = if rng.gen_bool(0.5) {
+            let throwaway = Session::new(w.principals[0].clone(), kvpool_proto::PROTOCOL_VERSION);
+            let (_, send) =
+                run_on(w, throwaway.clone(), MemRecv::new(encode_frame(&Request::ShmAttach)?), MemSend::default())
+                    .await
+                    .map_err(anyhow::Error::msg)?;
+            let len = u32::from_le_bytes(send.written[..4].try_into()?) as usize;
+            match codec::decode::<Response>(&send.written[4..4 + len])? {
+                Response::ShmOffer(o) => o.token,
+                other => bail!("no offer: {other:?}"),
+            }
+        } else {
+            (0..rng.gen_range(0..40)).map(|_| rng.gen()).collect()
+        };
+        let conn = UnixStream::connect(&path)?;
+        conn.set_read_timeout(Some(Duration::from_millis(200)))?;
+        conn.set_write_timeout(Some(Duration::from_millis(200)))?;
+        let attach = codec::encode(&kvpool_transport::shm::ShmMsg::Attach { token })?;
+        let mut msgs: Vec<Vec<u8>> = vec![frame(&attach)];
+        for _ in 0..rng.gen_range(0..4) {
+            let regions: Vec<(u64, u64)> = (0..rng.gen_range(0..4))
+                .map(|_| (rng.gen_range(0..6), [0, 1, 4096, 1 << 20, u64::MAX, 1 << 41][rng.gen_range(0..6)]))
+                .collect();
+            let msg = match rng.gen_range(0..4) {
+                0 => kvpool_transport::shm::ShmMsg::Remove { ids: regions.iter().map(|r| r.0).collect() },
+                1 => kvpool_transport::shm::ShmMsg::Attach { token: vec![1; 32] },
+                _ => kvpool_transport::shm::ShmMsg::Add { regions },
+            };
+            msgs.push(frame(&codec::encode(&msg)?));
+        }
+        if rng.gen_bool(0.3) {
+            let k = rng.gen_range(0..msgs.len());
+            gen::mutate(rng, &mut msgs[k], &[]);
+        }
+        for m in &msgs {
+            // Descriptors: none, sealed, unsealed, or too short, in a number that may not match.
+            let mut fds: Vec<rustix::fd::OwnedFd> = Vec::new();
+            for _ in 0..rng.gen_range(0..3) {
+                let f = rustix::fs::memfd_create(
+                    "fz",
+                    rustix::fs::MemfdFlags::CLOEXEC | rustix::fs::MemfdFlags::ALLOW_SEALING,
+                )?;
+                rustix::fs::ftruncate(&f, [0u64, 4096, 1 << 20][rng.gen_range(0..3)])?;
+                if rng.gen_bool(0.6) {
+                    rustix::fs::fcntl_add_seals(&f, rustix::fs::SealFlags::SHRINK | rustix::fs::SealFlags::GROW)?;
+                }
+                fds.push(f);
+            }
+            let borrowed: Vec<_> = fds.iter().map(|f| f.as_fd()).collect();
+            let mut space = [std::mem::MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+            let mut anc = rustix::net::SendAncillaryBuffer::new(&mut space);
+            if !borrowed.is_empty() {
+                anc.push(rustix::net::SendAncillaryMessage::ScmRights(&borrowed));
+            }
+            let cut = if rng.gen_bool(0.05) { rng.gen_range(0..=m.len()) } else { m.len() };
+            if rustix::net::sendmsg(&conn, &[IoSlice::new(&m[..cut])], &mut anc, rustix::net::SendFlags::NOSIGNAL)
+                .is_err()
+            {
+                break;
+            }
+            let mut reply = [0u8; 512];
+            if (&conn).read(&mut reply).map_or(true, |n| n == 0) {
+                break;
+            }
+        }
+        if i % 2 == 0 {
+            let _ = (&conn).write_all(&[0xff; 3]);
+        }
+    }
+    Ok(n)
+}
+
 fn worker(args: &Args, index: u64, deadline: Instant) -> Result<Tally> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build()?;
     rt.block_on(async {
         let dir = tempfile::tempdir()?;
         let node = kvpool_server::open_node(&config(dir.path())).await?;
         let principal = |k: &str| node.shared.auth.check(k).context("fuzz key");
-        let w = Worker {
+        let mut w = Worker {
             principals: KEYS.iter().map(|k| principal(k)).collect::<Result<_>>()?,
             canary: principal(CANARY_KEY)?,
             shared: node.shared.clone(),
+            sessions: Vec::new(),
         };
+        w.reconnect().await?;
         let (_, send) = run(&w, &w.canary, MemRecv::new(put_bytes(&canaries())), MemSend::default())
             .await
             .map_err(anyhow::Error::msg)?;
@@ -230,9 +397,12 @@ fn worker(args: &Args, index: u64, deadline: Instant) -> Result<Tally> {
                 check_canaries(&w).await?;
                 w.shared.store.maintain().await;
                 if tally.handler_inputs % 8192 == 0 {
-                    check_no_leak(&w, canary_dram).await?;
+                    check_no_leak(&mut w, canary_dram).await?;
+                    w.reconnect().await?;
                 }
             }
+            let held: Vec<u64> = w.sessions.iter().flat_map(|c| c.session.held()).collect();
+            gen::HELD.with(|h| *h.borrow_mut() = held);
             let mut input = gen::input(&mut rng, w.principals.len(), &last);
             // The decoder on its own, on the same bytes and on the body alone.
             for body in [&input.bytes[..], input.bytes.get(4..).unwrap_or(&[])] {
@@ -264,7 +434,11 @@ fn worker(args: &Args, index: u64, deadline: Instant) -> Result<Tally> {
             last = data;
         }
         check_canaries(&w).await?;
-        check_no_leak(&w, canary_dram).await?;
+        tally.shm_socket_inputs += fuzz_socket(&w, &mut rng, args.socket_inputs).await?;
+        // The socket fuzz left the server serving: a real attach still works, the canaries hold.
+        w.reconnect().await?;
+        check_canaries(&w).await?;
+        check_no_leak(&mut w, canary_dram).await?;
         Ok(tally)
     })
 }
@@ -285,16 +459,19 @@ fn main() -> Result<()> {
         let t = r?;
         total.handler_inputs += t.handler_inputs;
         total.decoder_inputs += t.decoder_inputs;
+        total.shm_socket_inputs += t.shm_socket_inputs;
         for (k, v) in t.by_answer {
             *total.by_answer.entry(k).or_default() += v;
         }
     }
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "kvpool-fuzz: {} handler inputs and {} decoder inputs in {secs:.1} s ({:.0} handler inputs/s), 0 panics, \
-         0 protocol violations, canaries intact, no DRAM leaked",
+        "kvpool-fuzz: {} handler inputs (protocol versions 1 and 2), {} decoder inputs and {} shm socket \
+         connections in {secs:.1} s ({:.0} handler inputs/s), 0 panics, 0 protocol violations, canaries intact, \
+         no DRAM leaked",
         total.handler_inputs,
         total.decoder_inputs,
+        total.shm_socket_inputs,
         total.handler_inputs as f64 / secs
     );
     println!("answers: {:?}", total.by_answer);

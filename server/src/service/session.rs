@@ -100,6 +100,13 @@ impl Session {
         self.leases.lock().get(&id).cloned()
     }
 
+    /// Names of the reservations and leases held now (for tests and the fuzz driver).
+    pub fn held(&self) -> Vec<u64> {
+        let mut ids: Vec<u64> = self.grants.lock().keys().copied().collect();
+        ids.extend(self.leases.lock().keys().copied());
+        ids
+    }
+
     pub fn release(&self, id: u64) -> bool {
         self.leases.lock().remove(&id).is_some()
     }
