@@ -677,6 +677,42 @@ mod tests {
         );
     }
 
+    /// The hex dumps of a section of docs/PROTOCOL.md, in order: every ``` block under the heading.
+    fn doc_dumps(heading: &str) -> Vec<Vec<u8>> {
+        let doc = include_str!("../../docs/PROTOCOL.md");
+        let start = doc.find(heading).expect("section in PROTOCOL.md");
+        let section = &doc[start..];
+        let end = section[heading.len()..].find("\n## ").map_or(section.len(), |e| e + heading.len());
+        section[..end].split("```").skip(1).step_by(2).map(dump).collect()
+    }
+
+    #[test]
+    fn documented_v2_examples() {
+        let dumps = doc_dumps("### 11.5 Annotated example (version 2)");
+        assert_eq!(dumps.len(), 3);
+        assert_eq!(dumps[0], crate::frame::encode_frame(&Request::ShmAttach).unwrap());
+        let offer = Response::ShmOffer(ShmOffer { socket_path: "/s".into(), token: vec![1, 2] });
+        assert_eq!(dumps[1], crate::frame::encode_frame(&offer).unwrap());
+        let put = Request::PutFrom(PutFromRequest {
+            mode: PutMode::Insert,
+            items: vec![PutItem {
+                key: b"k1".to_vec(),
+                size: 3,
+                parent: None,
+                tokens: 0,
+                seq_tokens: 0,
+                pin: PinSpec::None,
+            }],
+            sources: vec![BufSlice { region: 1, offset: 4096, len: 3 }],
+        });
+        assert_eq!(dumps[2], crate::frame::encode_frame(&put).unwrap());
+        // The tags the tables give.
+        assert_eq!(crate::message_tag(&codec::encode(&Request::Read(ReadRequest { lease: 0, index: 0, offset: 0, size: 0 })).unwrap()), Some(20));
+        assert_eq!(REQUEST_TAGS, 21);
+        assert_eq!(codec::encode(&Response::Done).unwrap(), vec![15, 0, 0, 0]);
+        assert_eq!(codec::encode(&ErrorCode::Expired).unwrap(), vec![23, 0, 0, 0]);
+    }
+
     #[test]
     fn documented_encoding_rules() {
         // Option: u8 0/1 then the value; bool: u8; unit variant: tag only; f64: IEEE LE.
