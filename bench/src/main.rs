@@ -828,7 +828,11 @@ fn main() -> Result<()> {
         .with_writer(std::io::stderr)
         .init();
     let cli = Cli::parse();
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if let Some(n) = std::env::var("KVPOOL_BENCH_THREADS").ok().and_then(|v| v.parse::<usize>().ok()) {
+        rt.worker_threads(n.max(1));
+    }
+    let rt = rt.enable_all().build()?;
     match cli.cmd {
         Cmd::Throughput(a) => rt.block_on(throughput(a)),
         Cmd::Replay(a) => replay::replay(a),

@@ -215,7 +215,8 @@ pub struct Recovered {
 
 /// The block index.
 pub struct Index<D> {
-    by_key: HashMap<(u32, Box<[u8]>), u64>,
+    /// Keyed with SipHash (std's randomly keyed hasher): keys are chosen by clients.
+    by_key: hashbrown::HashMap<ScopedKey, u64, std::hash::RandomState>,
     pub(crate) blocks: HashMap<u64, Block<D>>,
     next_id: u64,
     /// Ids with a lease that may still be running (expired ones are pruned lazily).
@@ -231,15 +232,35 @@ pub struct Index<D> {
     has_ssd: bool,
 }
 
-/// Scratch key for lookups without allocating a boxed key per probe.
-fn probe(tenant: u32, key: &[u8]) -> (u32, Box<[u8]>) {
-    (tenant, key.into())
+/// A tenant-scoped key as stored in the index.
+type ScopedKey = (u32, Box<[u8]>);
+
+/// A borrowed scoped key: looks up a [`ScopedKey`] without allocating one. It hashes exactly as
+/// the tuple does (the tenant, then the key with its length).
+#[derive(Clone, Copy)]
+struct KeyRef<'a>(u32, &'a [u8]);
+
+impl std::hash::Hash for KeyRef<'_> {
+    fn hash<H: std::hash::Hasher>(&self, h: &mut H) {
+        self.0.hash(h);
+        self.1.hash(h);
+    }
+}
+
+impl hashbrown::Equivalent<ScopedKey> for KeyRef<'_> {
+    fn equivalent(&self, k: &ScopedKey) -> bool {
+        self.0 == k.0 && *self.1 == *k.1
+    }
+}
+
+fn probe(tenant: u32, key: &[u8]) -> KeyRef<'_> {
+    KeyRef(tenant, key)
 }
 
 impl<D: CopyHandle> Index<D> {
     pub fn new(gran: Granularity, has_ssd: bool) -> Index<D> {
         Index {
-            by_key: HashMap::new(),
+            by_key: hashbrown::HashMap::with_hasher(std::hash::RandomState::new()),
             blocks: HashMap::new(),
             next_id: 1,
             leased: BTreeSet::new(),
@@ -370,7 +391,7 @@ impl<D: CopyHandle> Index<D> {
             .iter()
             .filter_map(|(&id, b)| {
                 let pk = b.parent_key.as_ref()?;
-                let pid = *self.by_key.get(&(b.tenant, pk.clone()))?;
+                let pid = *self.by_key.get(&probe(b.tenant, pk))?;
                 Some((id, pid))
             })
             .collect();
@@ -532,7 +553,7 @@ impl<D: CopyHandle> Index<D> {
     /// Take a block out of the index: its copies for the caller to free, and the sled removal.
     fn drop_block(&mut self, id: u64) -> Option<(Dropped<D>, MetaOp)> {
         let b = self.blocks.remove(&id)?;
-        self.by_key.remove(&(b.tenant, b.key.clone()));
+        self.by_key.remove(&probe(b.tenant, &b.key));
         self.tenant_mut(b.tenant).resident -= 1;
         self.leased.remove(&id);
         self.moving.remove(&id);

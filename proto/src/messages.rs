@@ -707,7 +707,12 @@ mod tests {
         });
         assert_eq!(dumps[2], crate::frame::encode_frame(&put).unwrap());
         // The tags the tables give.
-        assert_eq!(crate::message_tag(&codec::encode(&Request::Read(ReadRequest { lease: 0, index: 0, offset: 0, size: 0 })).unwrap()), Some(20));
+        assert_eq!(
+            crate::message_tag(
+                &codec::encode(&Request::Read(ReadRequest { lease: 0, index: 0, offset: 0, size: 0 })).unwrap()
+            ),
+            Some(20)
+        );
         assert_eq!(REQUEST_TAGS, 21);
         assert_eq!(codec::encode(&Response::Done).unwrap(), vec![15, 0, 0, 0]);
         assert_eq!(codec::encode(&ErrorCode::Expired).unwrap(), vec![23, 0, 0, 0]);

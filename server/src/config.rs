@@ -155,6 +155,10 @@ pub struct ServerSection {
     pub max_connections: u32,
     /// Host other nodes reach us at (Mooncake's `local_hostname`); informational for now.
     pub advertise_host: Option<String>,
+    /// Threads serving requests; 0 = one per core. On a host shared with inference engines,
+    /// fewer threads mean fewer cross-thread wake-ups per request (lower latency) and cores left
+    /// to the engines; copies to same-host clients run on `transport.copy_threads` besides.
+    pub worker_threads: u32,
 }
 
 impl Default for ServerSection {
@@ -170,6 +174,7 @@ impl Default for ServerSection {
             max_streams_per_connection: 256,
             max_connections: 4096,
             advertise_host: None,
+            worker_threads: 0,
         }
     }
 }

@@ -91,7 +91,11 @@ fn main() -> anyhow::Result<()> {
         print!("# effective kvpool config; sources: {}\n{}", loaded.sources.join(", "), loaded.config.to_toml());
         return Ok(());
     }
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build()?;
+    let mut rt = tokio::runtime::Builder::new_multi_thread();
+    if loaded.config.server.worker_threads > 0 {
+        rt.worker_threads(loaded.config.server.worker_threads as usize);
+    }
+    let rt = rt.enable_all().build()?;
     rt.block_on(async move {
         let handle = kvpool_server::start(loaded.config).await?;
         if let Some(k) = &handle.api_key_file {
