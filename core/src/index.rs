@@ -206,8 +206,6 @@ pub enum Demoted<D> {
 pub struct Recovered {
     pub kept: u64,
     pub dropped: u64,
-    /// SSD locators the index uses; every other file is garbage.
-    pub files: HashSet<u64>,
     pub meta: Vec<MetaOp>,
     /// The recovered block set, parents first, for the policies.
     pub snapshot: Events,
@@ -328,19 +326,19 @@ impl<D: CopyHandle> Index<D> {
 
     // ---- recovery -----------------------------------------------------------------------
 
-    /// Rebuild from persisted records. Only SSD copies survive a restart, and only when their
-    /// file is present with the right length (`ssd_files`: locator -> length on disk).
+    /// Rebuild from persisted records. Only SSD copies survive a restart, and only those whose
+    /// extent the SSD tier lets `adopt` claim (locator, size): pass records newest first, so that
+    /// when a crash left two records naming one extent, the newer keeps it. Their bytes are
+    /// verified when first read, as every SSD read is.
     pub fn recover(
         &mut self,
         records: impl IntoIterator<Item = (u32, Vec<u8>, Option<BlockRecord>)>,
-        ssd_files: &HashMap<u64, u64>,
+        mut adopt: impl FnMut(u64, u64) -> bool,
         wall_ms: u64,
     ) -> Recovered {
         let mut out = Recovered::default();
         for (tenant, key, rec) in records {
-            let usable = rec
-                .as_ref()
-                .is_some_and(|r| self.has_ssd && r.ssd_file.is_some_and(|f| ssd_files.get(&f) == Some(&r.size)));
+            let usable = rec.as_ref().is_some_and(|r| self.has_ssd && r.ssd_file.is_some_and(|f| adopt(f, r.size)));
             let Some(r) = rec.filter(|_| usable) else {
                 out.meta.push(MetaOp::Remove { tenant, key: key.into() });
                 out.dropped += 1;
@@ -349,7 +347,6 @@ impl<D: CopyHandle> Index<D> {
             let id = self.next_id;
             self.next_id += 1;
             let file = r.ssd_file.expect("checked usable");
-            out.files.insert(file);
             let pin = match Pin::from_u8(r.pin).unwrap_or(Pin::None) {
                 Pin::Soft if r.pin_until_ms <= wall_ms => Pin::None,
                 p => p,
@@ -781,7 +778,9 @@ impl<D: CopyHandle> Index<D> {
 
     /// A demotion finished: `written` is the SSD locator of the copy, or `None` when there was
     /// no room or the write failed (the block is then simply evicted).
-    pub fn finish_demotion(&mut self, id: u64, written: Option<u64>) -> Demoted<D> {
+    /// The record's time becomes the write's (`wall_ms`): recovery gives a contested extent to
+    /// the newest record.
+    pub fn finish_demotion(&mut self, id: u64, written: Option<u64>, wall_ms: u64) -> Demoted<D> {
         self.moving.remove(&id);
         let Some(b) = self.blocks.get_mut(&id).filter(|b| b.moving) else {
             return Demoted::Vanished;
@@ -796,6 +795,7 @@ impl<D: CopyHandle> Index<D> {
         let (tenant, size) = (b.tenant, b.size);
         let dram = b.dram.take();
         b.ssd = Some(file);
+        b.created_ms = b.created_ms.max(wall_ms);
         let removed = b.event(id, EventKind::Removed, Tier::Dram);
         let inserted = b.event(id, EventKind::Inserted, Tier::Ssd);
         let meta = MetaOp::Put { tenant, key: b.key.clone(), record: b.record() };

@@ -3,7 +3,6 @@
 use super::*;
 use kvpool_policies::{LeafLru, ThresholdAdmission};
 use kvpool_policy_sdk::{EventKind, Tier};
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
@@ -139,14 +138,14 @@ fn demotion_moves_blocks_to_ssd_and_survives_races() {
     assert_eq!(out.demotions.len(), 2, "admission (threshold 0) sends both to SSD");
     assert_eq!(p.index.evict(&[a], Tier::Dram, &[Admit::Into(Tier::Ssd)], now).demotions.len(), 0, "in flight");
     // a: written; b: removed while moving.
-    match p.index.finish_demotion(a, Some(41)) {
+    match p.index.finish_demotion(a, Some(41), 0) {
         Demoted::Moved { dram: Some(_), meta: MetaOp::Put { record, .. } } => {
             assert_eq!((record.ssd_file, record.in_dram), (Some(41), false))
         }
         other => panic!("{other:?}"),
     }
     p.index.remove(T1, &keys(&["b"]), true, now);
-    assert!(matches!(p.index.finish_demotion(b, Some(42)), Demoted::Vanished));
+    assert!(matches!(p.index.finish_demotion(b, Some(42), 0), Demoted::Vanished));
     let c = p.index.tenant_counters(T1);
     assert_eq!((c.blocks, c.demotions, c.evictions[0]), ([0, 1], 1, 2));
     assert!(matches!(p.index.plan_get(T1, &keys(&["a"]), now).remove(0), Located::Ssd { locator: 41, .. }));
@@ -166,7 +165,7 @@ fn failed_demotion_evicts_and_leased_ssd_blocks_stay() {
     let a = put(&mut p, T1, PutSpec { seq_tokens: 2_000_000, ..spec(b"a", 300, None) }, now).unwrap();
     let out = p.evict(Tier::Dram, 300, true, now);
     assert_eq!(out.demotions.len(), 1);
-    assert!(matches!(p.index.finish_demotion(a, None), Demoted::Evicted { .. }));
+    assert!(matches!(p.index.finish_demotion(a, None, 0), Demoted::Evicted { .. }));
     assert_eq!(p.index.counts(), (0, 0, 0));
     // Admission rejects the demotion (threshold): the block is dropped, not demoted.
     let b = put(&mut p, T1, PutSpec { seq_tokens: 2_000_000, ..spec(b"b", 300, None) }, now);
@@ -221,11 +220,19 @@ fn recovery_keeps_complete_ssd_copies_and_relinks_chains() {
         (T1, b"short-file".to_vec(), Some(rec(None, Some(3), false))),
         (T1, b"garbage".to_vec(), None),
     ];
-    let files: HashMap<u64, u64> = [(1, 100), (2, 100), (3, 50), (9, 100)].into_iter().collect();
+    // Extents 1 and 2 are claimable; 3 is not (say, it overlaps a newer record's).
+    let mut claimed = Vec::new();
     let mut ix: Index<Copy> = Index::new(GRAN, true);
-    let r = ix.recover(records, &files, 0);
+    let r = ix.recover(
+        records,
+        |loc, size| {
+            claimed.push((loc, size));
+            loc != 3
+        },
+        0,
+    );
     assert_eq!((r.kept, r.dropped), (2, 3));
-    assert_eq!(r.files, [1, 2].into_iter().collect());
+    assert_eq!(claimed, vec![(2, 100), (1, 100), (3, 100)]);
     assert_eq!(r.meta.iter().filter(|m| matches!(m, MetaOp::Remove { .. })).count(), 3);
     assert_eq!(r.meta.iter().filter(|m| matches!(m, MetaOp::Put { record, .. } if !record.in_dram)).count(), 1);
     // Parents first in the snapshot, with the link restored.

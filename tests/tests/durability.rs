@@ -117,18 +117,18 @@ async fn a_corrupted_ssd_byte_is_detected_and_never_served() {
         c.put(k, &value_for(k, 1 << 20)).await.unwrap();
     }
     tokio::time::sleep(Duration::from_millis(100)).await;
-    // flip one byte in the middle of every SSD block file
+    // Flip one byte in the middle of every block in the SSD segment file (all values are 1 MiB,
+    // so their extents are the written 1 MiB stretches of the file).
+    let seg = srv.data_dir().join("ssd").join("blocks.kvs");
+    let mut data = std::fs::read(&seg).unwrap();
     let mut flipped = 0;
-    for e in std::fs::read_dir(srv.data_dir().join("ssd")).unwrap() {
-        let p = e.unwrap().path();
-        if p.extension().is_some_and(|x| x == "blk") {
-            let mut data = std::fs::read(&p).unwrap();
-            let mid = data.len() / 2;
-            data[mid] ^= 0x5a;
-            std::fs::write(&p, data).unwrap();
+    for chunk in data.chunks_mut(1 << 20) {
+        if chunk.iter().any(|b| *b != 0) {
+            chunk[chunk.len() / 2] ^= 0x5a;
             flipped += 1;
         }
     }
+    std::fs::write(&seg, data).unwrap();
     assert!(flipped > 0);
     let mut misses = 0;
     for k in &keys {

@@ -31,7 +31,18 @@ pub struct Meta {
     db: sled::Db,
     blocks: sled::Tree,
     pub kv: sled::Tree,
-    queue: mpsc::Sender<Msg>,
+    queue: Option<mpsc::Sender<Msg>>,
+    writer: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Drop for Meta {
+    /// Let the writer apply what is queued and release sled (its lock) before returning.
+    fn drop(&mut self) {
+        self.queue.take();
+        if let Some(w) = self.writer.take() {
+            let _ = w.join();
+        }
+    }
 }
 
 /// Scoped key: tenant id (4 bytes big endian) then the client's key bytes.
@@ -61,7 +72,7 @@ impl Meta {
         let kv = db.open_tree("kv")?;
         let (tx, rx) = mpsc::channel::<Msg>();
         let (wdb, wblocks) = (db.clone(), blocks.clone());
-        std::thread::Builder::new()
+        let writer = std::thread::Builder::new()
             .name("kvpool-meta".into())
             .spawn(move || {
                 for msg in rx {
@@ -80,7 +91,7 @@ impl Meta {
                 }
             })
             .map_err(|e| MetaError::Sled(sled::Error::Io(e)))?;
-        Ok(Meta { db, blocks, kv, queue: tx })
+        Ok(Meta { db, blocks, kv, queue: Some(tx), writer: Some(writer) })
     }
 
     /// Queue changes for the writer. Call while still holding the lock under which the index
@@ -89,9 +100,21 @@ impl Meta {
         if ops.is_empty() {
             return;
         }
-        if self.queue.send(Msg::Ops(ops)).is_err() {
+        if self.queue.as_ref().is_none_or(|q| q.send(Msg::Ops(ops)).is_err()) {
             tracing::error!("metadata writer thread is gone; changes are not persisted");
         }
+    }
+
+    /// Write a record at once, bypassing the queue (before the store serves, e.g. a migration).
+    pub fn put_now(&self, tenant: u32, key: &[u8], record: &BlockRecord) -> Result<(), MetaError> {
+        self.blocks.insert(scoped(tenant, key), codec::encode(record)?)?;
+        Ok(())
+    }
+
+    /// Remove a record at once, bypassing the queue (before the store serves).
+    pub fn remove_now(&self, tenant: u32, key: &[u8]) -> Result<(), MetaError> {
+        self.blocks.remove(scoped(tenant, key))?;
+        Ok(())
     }
 
     /// Every record: (tenant, key, record). Undecodable records come back as `None`.
@@ -114,7 +137,7 @@ impl Meta {
     /// Wait until every queued change is in sled, then flush sled to disk.
     pub fn flush(&self) -> Result<(), MetaError> {
         let (tx, rx) = mpsc::channel();
-        self.queue.send(Msg::Flush(tx)).map_err(|_| MetaError::WriterGone)?;
+        self.queue.as_ref().ok_or(MetaError::WriterGone)?.send(Msg::Flush(tx)).map_err(|_| MetaError::WriterGone)?;
         rx.recv().map_err(|_| MetaError::WriterGone)?.map_err(|e| MetaError::Sled(sled::Error::Unsupported(e)))
     }
 }

@@ -13,6 +13,8 @@
 pub mod dram;
 pub mod meta;
 pub mod ssd;
+#[cfg(test)]
+mod tests;
 
 pub use dram::DramBlock;
 
@@ -142,6 +144,69 @@ impl Served {
     }
 }
 
+/// Move an SSD tier of the earlier layout (one `<id>.blk` file per block) into the segment file:
+/// each record's block is copied into an extent and its record updated; records whose file is
+/// missing or short are dropped. Done once; sled remembers the layout.
+fn migrate_legacy_ssd(meta: &Meta, ssd: &SsdTier, dir: &std::path::Path) -> Result<(), StoreError> {
+    const LAYOUT_KEY: &str = "ssd-layout";
+    const LAYOUT: &[u8] = b"segment-v1";
+    if meta.kv.get(LAYOUT_KEY).ok().flatten().is_some_and(|v| v.as_ref() == LAYOUT) {
+        return Ok(());
+    }
+    let files: std::collections::HashMap<u64, (u64, PathBuf)> =
+        ssd::legacy_files(dir).into_iter().map(|(id, len, p)| (id, (len, p))).collect();
+    if !files.is_empty() {
+        tracing::info!(files = files.len(), dir = %dir.display(), "migrating the SSD tier to a segment file");
+    }
+    let (mut moved, mut dropped) = (0u64, 0u64);
+    let mut placed = Vec::new();
+    for (tenant, key, rec) in meta.all() {
+        let Some(mut r) = rec else { continue };
+        let Some(file) = r.ssd_file else { continue };
+        let copied = files.get(&file).filter(|(len, _)| *len == r.size).and_then(|(_, path)| {
+            let data = std::fs::read(path).ok()?;
+            let extent = ssd.try_reserve(r.size)?;
+            match ssd.write(extent, &data) {
+                Ok(()) => Some(extent),
+                Err(_) => {
+                    ssd.free(extent, r.size);
+                    None
+                }
+            }
+        });
+        match copied {
+            Some(extent) => {
+                r.ssd_file = Some(extent);
+                meta.put_now(tenant, &key, &r)?;
+                placed.push((extent, r.size));
+                moved += 1;
+            }
+            None => {
+                meta.remove_now(tenant, &key)?;
+                dropped += 1;
+            }
+        }
+    }
+    // Recovery claims the extents again from the records.
+    for (extent, size) in placed {
+        ssd.free(extent, size);
+    }
+    meta.kv.insert(LAYOUT_KEY, LAYOUT).map_err(meta::MetaError::from)?;
+    meta.flush()?;
+    for (_, (_, path)) in files {
+        let _ = std::fs::remove_file(path);
+    }
+    for entry in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        if entry.file_name().to_string_lossy().ends_with(".tmp") {
+            let _ = std::fs::remove_file(entry.path());
+        }
+    }
+    if moved + dropped > 0 {
+        tracing::info!(moved, dropped, "SSD tier migrated");
+    }
+    Ok(())
+}
+
 /// The wire answer for a put item's outcome.
 fn put_code(s: PutStatus) -> ErrorCode {
     match s {
@@ -204,26 +269,22 @@ impl Store {
     pub fn open(cfg: StoreConfig, metrics: Arc<Metrics>, policies: Policies) -> Result<Arc<Store>, StoreError> {
         let meta = Meta::open(&cfg.data_dir.join("meta"))?;
         let dram = DramTier::new(cfg.dram_bytes, cfg.dram_populate)?;
-        let (ssd, files) = match (&cfg.ssd_dir, cfg.ssd_bytes) {
+        let ssd = match (&cfg.ssd_dir, cfg.ssd_bytes) {
             (Some(dir), cap) if cap > 0 => {
-                let (t, files) = SsdTier::open(dir, cap, cfg.ssd_fsync)?;
-                (Some(Arc::new(t)), files)
+                let t = SsdTier::open(dir, cap, cfg.ssd_fsync)?;
+                migrate_legacy_ssd(&meta, &t, dir)?;
+                Some(Arc::new(t))
             }
-            _ => (None, Vec::new()),
+            _ => None,
         };
         let gran = Granularity { dram: dram::UNIT, ssd: ssd::SSD_UNIT };
         let mut index = Index::new(gran, ssd.is_some());
-        let files: std::collections::HashMap<u64, u64> = files.into_iter().collect();
-        let rec = index.recover(meta.all(), &files, wall_ms());
-        if let Some(s) = &ssd {
-            for (f, len) in &files {
-                if rec.files.contains(f) {
-                    s.adopt(*len);
-                } else {
-                    s.delete(*f);
-                }
-            }
-        }
+        // Newest first: an extent two records name (a crash between a reuse and the older
+        // record's removal) belongs to the newer one.
+        let started = Instant::now();
+        let mut records = meta.all();
+        records.sort_by_key(|(_, _, r)| std::cmp::Reverse(r.as_ref().map_or(0, |r| r.created_ms)));
+        let rec = index.recover(records, |loc, size| ssd.as_ref().is_some_and(|s| s.adopt(loc, size)), wall_ms());
         meta.enqueue(rec.meta);
         let mut policies = policies;
         // The same parents-first snapshot a policy swap replays.
@@ -232,7 +293,8 @@ impl Store {
             tracing::info!(
                 kept = rec.kept,
                 dropped = rec.dropped,
-                "recovered block index from sled (SSD copies kept, DRAM copies dropped)"
+                ms = started.elapsed().as_millis() as u64,
+                "recovered block index from sled (SSD copies kept and verified on first read, DRAM copies dropped)"
             );
         }
         let store = Arc::new(Store {
@@ -294,13 +356,12 @@ impl Store {
         v
     }
 
-    /// Free what the index let go of: DRAM copies drop here, SSD copies are released and deleted.
+    /// Free what the index let go of: DRAM copies drop here, SSD extents go back to the tier.
     fn release(&self, dropped: impl IntoIterator<Item = Dropped<DramCopy>>) {
         for d in dropped {
             drop(d.dram);
-            if let (Some((file, size)), Some(s)) = (d.ssd, &self.ssd) {
-                s.release(size);
-                s.delete(file);
+            if let (Some((extent, size)), Some(s)) = (d.ssd, &self.ssd) {
+                s.free(extent, size);
             }
         }
     }
@@ -431,23 +492,20 @@ impl Store {
         data: Vec<u8>,
     ) -> ErrorCode {
         let Some(ssd) = self.ssd.clone() else { return ErrorCode::NoSpace };
-        if !self.reserve_ssd(item.size).await {
+        let Some(extent) = self.reserve_ssd(item.size).await else {
             return self.no_space(tenant);
-        }
-        let file = ssd.new_file_id();
+        };
         let sum = checksum(&data);
         let s2 = ssd.clone();
-        let written = tokio::task::spawn_blocking(move || s2.write(file, &data)).await;
+        let written = tokio::task::spawn_blocking(move || s2.write(extent, &data)).await;
         if !matches!(written, Ok(Ok(()))) {
             warn!(?written, "ssd write failed");
-            ssd.release(item.size);
-            ssd.delete(file);
+            ssd.free(extent, item.size);
             return ErrorCode::Internal;
         }
-        let code = self.commit_copy(tenant, id, item, mode, sum, None, Some(file));
+        let code = self.commit_copy(tenant, id, item, mode, sum, None, Some(extent));
         if code != ErrorCode::Ok {
-            ssd.release(item.size);
-            ssd.delete(file);
+            ssd.free(extent, item.size);
         }
         code
     }
@@ -497,18 +555,19 @@ impl Store {
         gone
     }
 
-    async fn reserve_ssd(&self, len: u64) -> bool {
-        let Some(ssd) = &self.ssd else { return false };
+    /// An SSD extent for `len` bytes, evicting from the SSD tier to make room.
+    async fn reserve_ssd(&self, len: u64) -> Option<u64> {
+        let ssd = self.ssd.as_ref()?;
         for _ in 0..4 {
-            if ssd.try_reserve(len) {
-                return true;
+            if let Some(extent) = ssd.try_reserve(len) {
+                return Some(extent);
             }
             let need = ssd::SsdTier::footprint(len).max(ssd.capacity() / 64);
             if Box::pin(self.evict(Tier::Ssd, need)).await == 0 {
                 break;
             }
         }
-        false
+        None
     }
 
     /// Copy a DRAM victim to SSD, then drop its DRAM copy. When SSD has no room the block is
@@ -516,24 +575,23 @@ impl Store {
     async fn demote(&self, id: u64, copy: DramCopy) -> bool {
         let Some(ssd) = self.ssd.clone() else { return false };
         let size = copy.0.len();
-        let file = ssd.new_file_id();
-        let written = if self.reserve_ssd(size).await {
-            let (s2, data) = (ssd.clone(), copy.0.clone());
-            match tokio::task::spawn_blocking(move || s2.write(file, data.bytes())).await {
-                Ok(Ok(())) => Some(file),
-                r => {
-                    warn!(?r, "demotion write failed; block evicted instead");
-                    ssd.release(size);
-                    ssd.delete(file);
-                    None
+        let written = match self.reserve_ssd(size).await {
+            Some(extent) => {
+                let (s2, data) = (ssd.clone(), copy.0.clone());
+                match tokio::task::spawn_blocking(move || s2.write(extent, data.bytes())).await {
+                    Ok(Ok(())) => Some(extent),
+                    r => {
+                        warn!(?r, "demotion write failed; block evicted instead");
+                        ssd.free(extent, size);
+                        None
+                    }
                 }
             }
-        } else {
-            None
+            None => None,
         };
         drop(copy);
         let mut ix = self.index.lock();
-        match ix.finish_demotion(id, written) {
+        match ix.finish_demotion(id, written, wall_ms()) {
             Demoted::Moved { dram, meta } => {
                 self.meta.enqueue(vec![meta]);
                 drop(ix);
@@ -547,9 +605,8 @@ impl Store {
             }
             Demoted::Vanished => {
                 drop(ix);
-                if written.is_some() {
-                    ssd.release(size);
-                    ssd.delete(file);
+                if let Some(extent) = written {
+                    ssd.free(extent, size);
                 }
             }
         }

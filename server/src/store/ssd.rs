@@ -1,71 +1,125 @@
-//! The SSD tier: one file per block copy in a directory, with byte accounting against a
-//! capacity. A file per block keeps crash recovery trivial (the file system is the allocator's
-//! state: a committed block is a renamed, complete file; anything else is garbage at start-up).
-//! Every read is verified against the block's checksum by the caller.
+//! The SSD tier: one segment file carved into 4 KiB-aligned extents, read and written with
+//! positioned I/O. A block copy is an extent; its locator is the extent's byte offset.
+//!
+//! Crash safety comes from the order of operations and from the metadata, not from the file:
+//! an extent's bytes are complete before any record names it (the record is written after the
+//! write returns, and with `ssd.fsync` after the data reached the disk), every read is checked
+//! against the block's checksum, and at start the free space is rebuilt from the records that
+//! survived (newest first, so a record whose extent was reused by a newer block loses it).
+//!
+//! Free space is a best-fit map of free ranges, hand-written because recovery must claim the
+//! exact extents records name, which the offset-allocator crate (used for DRAM) cannot do.
 
+use parking_lot::Mutex;
+use std::collections::BTreeSet;
 use std::fs::{self, File, OpenOptions};
-use std::io::{Read, Write};
+use std::io;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicU64, Ordering};
 
-/// Space accounting granularity (a file system block).
+/// Allocation granularity and alignment (a file-system block).
 pub const SSD_UNIT: u64 = 4096;
+/// Name of the segment file in the tier's directory.
+pub const SEGMENT_FILE: &str = "blocks.kvs";
 
 #[derive(Debug, thiserror::Error)]
 pub enum SsdError {
     #[error("ssd tier i/o on {path}: {source}")]
-    Io { path: PathBuf, source: std::io::Error },
-    #[error("ssd file {path} holds {actual} bytes, expected {expected}")]
-    ShortFile { path: PathBuf, expected: u64, actual: u64 },
+    Io { path: PathBuf, source: io::Error },
+    #[error("ssd extent at {offset} of {len} bytes lies outside the segment ({capacity} bytes)")]
+    OutOfRange { offset: u64, len: u64, capacity: u64 },
+}
+
+/// Free ranges, by offset and by size (for best fit).
+#[derive(Debug, Default)]
+struct FreeMap {
+    by_offset: BTreeSet<(u64, u64)>,
+    by_size: BTreeSet<(u64, u64)>,
+    free: u64,
+}
+
+impl FreeMap {
+    fn insert(&mut self, offset: u64, len: u64) {
+        if len == 0 {
+            return;
+        }
+        let (mut offset, mut len) = (offset, len);
+        // Merge with the free range before and after.
+        if let Some(&(po, pl)) = self.by_offset.range(..(offset, 0)).next_back() {
+            if po + pl == offset {
+                self.take(po, pl);
+                offset = po;
+                len += pl;
+            }
+        }
+        if let Some(&(no, nl)) = self.by_offset.range((offset + len, 0)..).next() {
+            if no == offset + len {
+                self.take(no, nl);
+                len += nl;
+            }
+        }
+        self.by_offset.insert((offset, len));
+        self.by_size.insert((len, offset));
+        self.free += len;
+    }
+
+    fn take(&mut self, offset: u64, len: u64) {
+        self.by_offset.remove(&(offset, len));
+        self.by_size.remove(&(len, offset));
+        self.free -= len;
+    }
+
+    /// Best fit: the smallest free range that holds `len`.
+    fn allocate(&mut self, len: u64) -> Option<u64> {
+        let &(flen, foff) = self.by_size.range((len, 0)..).next()?;
+        self.take(foff, flen);
+        if flen > len {
+            self.insert(foff + len, flen - len);
+        }
+        Some(foff)
+    }
+
+    /// Claim exactly `offset .. offset + len`; false when any of it is not free.
+    fn claim(&mut self, offset: u64, len: u64) -> bool {
+        let Some(&(fo, fl)) = self.by_offset.range(..=(offset, u64::MAX)).next_back() else { return false };
+        if fo > offset || fo + fl < offset + len {
+            return false;
+        }
+        self.take(fo, fl);
+        self.insert(fo, offset - fo);
+        self.insert(offset + len, fo + fl - offset - len);
+        true
+    }
 }
 
 pub struct SsdTier {
-    dir: PathBuf,
+    path: PathBuf,
+    file: File,
     capacity: u64,
-    used: AtomicU64,
     fsync: bool,
-    next_file: AtomicU64,
-}
-
-fn io(path: &Path) -> impl FnOnce(std::io::Error) -> SsdError + '_ {
-    move |source| SsdError::Io { path: path.to_owned(), source }
+    free: Mutex<FreeMap>,
 }
 
 impl SsdTier {
-    /// Open the directory, creating it; returns the tier and the ids of the block files found
-    /// there (with their lengths). Partial files from an interrupted write are deleted.
-    pub fn open(dir: &Path, capacity: u64, fsync: bool) -> Result<(SsdTier, Vec<(u64, u64)>), SsdError> {
-        fs::create_dir_all(dir).map_err(io(dir))?;
-        let mut found = Vec::new();
-        let mut max_id = 0;
-        for entry in fs::read_dir(dir).map_err(io(dir))? {
-            let entry = entry.map_err(io(dir))?;
-            let path = entry.path();
-            let name = entry.file_name();
-            let name = name.to_string_lossy();
-            if let Some(stem) = name.strip_suffix(".blk") {
-                if let Ok(id) = u64::from_str_radix(stem, 16) {
-                    let len = entry.metadata().map_err(io(&path))?.len();
-                    max_id = max_id.max(id);
-                    found.push((id, len));
-                    continue;
-                }
-            }
-            if name.ends_with(".tmp") {
-                let _ = fs::remove_file(&path);
-                if let Some(id) = name.strip_suffix(".tmp").and_then(|s| u64::from_str_radix(s, 16).ok()) {
-                    max_id = max_id.max(id);
-                }
-            }
-        }
-        let tier = SsdTier {
-            dir: dir.to_owned(),
-            capacity,
-            used: AtomicU64::new(0),
-            fsync,
-            next_file: AtomicU64::new(max_id + 1),
-        };
-        Ok((tier, found))
+    /// Open (or create) the segment file of `capacity` bytes in `dir`. All space starts free;
+    /// recovery claims the extents that records name with [`SsdTier::adopt`].
+    pub fn open(dir: &Path, capacity: u64, fsync: bool) -> Result<SsdTier, SsdError> {
+        let io = |source| SsdError::Io { path: dir.to_owned(), source };
+        fs::create_dir_all(dir).map_err(io)?;
+        let capacity = capacity / SSD_UNIT * SSD_UNIT;
+        let path = dir.join(SEGMENT_FILE);
+        let file = OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+            .map_err(|source| SsdError::Io { path: path.clone(), source })?;
+        // Sparse: space is only taken on disk as blocks are written.
+        file.set_len(capacity).map_err(|source| SsdError::Io { path: path.clone(), source })?;
+        let mut free = FreeMap::default();
+        free.insert(0, capacity);
+        Ok(SsdTier { path, file, capacity, fsync, free: Mutex::new(free) })
     }
 
     pub fn capacity(&self) -> u64 {
@@ -73,86 +127,129 @@ impl SsdTier {
     }
 
     pub fn used(&self) -> u64 {
-        self.used.load(Ordering::Relaxed)
+        self.capacity - self.free.lock().free
     }
 
     pub fn footprint(len: u64) -> u64 {
         len.max(1).div_ceil(SSD_UNIT) * SSD_UNIT
     }
 
-    /// Account for a file that survived a restart.
-    pub fn adopt(&self, len: u64) {
-        self.used.fetch_add(Self::footprint(len), Ordering::Relaxed);
+    /// Reserve an extent for `len` bytes; `None` when no free range is large enough.
+    pub fn try_reserve(&self, len: u64) -> Option<u64> {
+        self.free.lock().allocate(Self::footprint(len))
     }
 
-    /// Claim space for a new copy; `false` when it does not fit under the capacity.
-    pub fn try_reserve(&self, len: u64) -> bool {
-        let need = Self::footprint(len);
-        self.used
-            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |u| (u + need <= self.capacity).then_some(u + need))
-            .is_ok()
+    /// Give an extent back.
+    pub fn free(&self, offset: u64, len: u64) {
+        self.free.lock().insert(offset, Self::footprint(len));
     }
 
-    pub fn release(&self, len: u64) {
-        self.used.fetch_sub(Self::footprint(len), Ordering::Relaxed);
+    /// Claim the extent a recovered record names; false when it lies outside the segment or
+    /// overlaps an extent claimed before (recovery claims newest records first).
+    pub fn adopt(&self, offset: u64, len: u64) -> bool {
+        let fp = Self::footprint(len);
+        offset % SSD_UNIT == 0
+            && offset.checked_add(fp).is_some_and(|e| e <= self.capacity)
+            && self.free.lock().claim(offset, fp)
     }
 
-    pub fn new_file_id(&self) -> u64 {
-        self.next_file.fetch_add(1, Ordering::Relaxed)
+    fn check(&self, offset: u64, len: u64) -> Result<(), SsdError> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.capacity => Ok(()),
+            _ => Err(SsdError::OutOfRange { offset, len, capacity: self.capacity }),
+        }
     }
 
-    fn path(&self, id: u64) -> PathBuf {
-        self.dir.join(format!("{id:016x}.blk"))
+    fn io(&self) -> impl FnOnce(io::Error) -> SsdError + '_ {
+        move |source| SsdError::Io { path: self.path.clone(), source }
     }
 
-    /// Write a complete block file (temp file, then rename: a crash leaves no half file under
-    /// a committed name). Space must have been reserved.
-    pub fn write(&self, id: u64, data: &[u8]) -> Result<(), SsdError> {
-        let tmp = self.dir.join(format!("{id:016x}.tmp"));
-        let mut f = OpenOptions::new().create(true).write(true).truncate(true).open(&tmp).map_err(io(&tmp))?;
-        f.write_all(data).map_err(io(&tmp))?;
+    /// Write a block's bytes into its reserved extent (and sync them with `ssd.fsync`).
+    pub fn write(&self, offset: u64, data: &[u8]) -> Result<(), SsdError> {
+        self.check(offset, data.len() as u64)?;
+        self.file.write_all_at(data, offset).map_err(self.io())?;
         if self.fsync {
-            f.sync_data().map_err(io(&tmp))?;
+            self.file.sync_data().map_err(self.io())?;
         }
-        drop(f);
-        let path = self.path(id);
-        fs::rename(&tmp, &path).map_err(io(&path))
+        Ok(())
     }
 
-    /// Read a block file of the expected length.
-    pub fn read(&self, id: u64, len: u64) -> Result<Vec<u8>, SsdError> {
-        let path = self.path(id);
-        let mut f = File::open(&path).map_err(io(&path))?;
-        let actual = f.metadata().map_err(io(&path))?.len();
-        if actual != len {
-            return Err(SsdError::ShortFile { path, expected: len, actual });
-        }
+    /// Read a block's bytes (the caller checks them against the block's checksum).
+    pub fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, SsdError> {
         let mut buf = vec![0u8; len as usize];
-        f.read_exact(&mut buf).map_err(io(&path))?;
+        self.read_into(offset, &mut buf)?;
         Ok(buf)
     }
 
-    /// Read into a caller buffer of exactly the block's length.
-    pub fn read_into(&self, id: u64, buf: &mut [u8]) -> Result<(), SsdError> {
-        let path = self.path(id);
-        let mut f = File::open(&path).map_err(io(&path))?;
-        let actual = f.metadata().map_err(io(&path))?.len();
-        if actual != buf.len() as u64 {
-            return Err(SsdError::ShortFile { path, expected: buf.len() as u64, actual });
-        }
-        f.read_exact(buf).map_err(io(&path))
+    /// Read into a buffer of exactly the block's length.
+    pub fn read_into(&self, offset: u64, buf: &mut [u8]) -> Result<(), SsdError> {
+        self.check(offset, buf.len() as u64)?;
+        self.file.read_exact_at(buf, offset).map_err(self.io())
     }
 
-    pub fn delete(&self, id: u64) {
-        let path = self.path(id);
-        if let Err(e) = fs::remove_file(&path) {
-            if e.kind() != std::io::ErrorKind::NotFound {
-                tracing::warn!(path = %path.display(), error = %e, "cannot delete ssd block file");
-            }
-        }
+    /// The segment file (tests flip bytes in it).
+    pub fn file_path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Files of the earlier layout (one file per block, `<id hex>.blk`) in `dir`: (id, length).
+pub fn legacy_files(dir: &Path) -> Vec<(u64, u64, PathBuf)> {
+    let Ok(entries) = fs::read_dir(dir) else { return Vec::new() };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| {
+            let name = e.file_name().into_string().ok()?;
+            let id = u64::from_str_radix(name.strip_suffix(".blk")?, 16).ok()?;
+            Some((id, e.metadata().ok()?.len(), e.path()))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn best_fit_merges_and_claims_exact_extents() {
+        let mut f = FreeMap::default();
+        f.insert(0, 100 * SSD_UNIT);
+        let a = f.allocate(10 * SSD_UNIT).unwrap();
+        let b = f.allocate(20 * SSD_UNIT).unwrap();
+        let c = f.allocate(10 * SSD_UNIT).unwrap();
+        assert_eq!((a, b, c), (0, 10 * SSD_UNIT, 30 * SSD_UNIT));
+        f.insert(b, 20 * SSD_UNIT);
+        // Best fit: the 20-unit hole, not the 60-unit tail.
+        assert_eq!(f.allocate(15 * SSD_UNIT), Some(b));
+        f.insert(b, 15 * SSD_UNIT);
+        f.insert(a, 10 * SSD_UNIT);
+        f.insert(c, 10 * SSD_UNIT);
+        // Everything merged back into one range.
+        assert_eq!(f.by_offset.len(), 1);
+        assert_eq!(f.free, 100 * SSD_UNIT);
+        assert!(f.claim(40 * SSD_UNIT, 5 * SSD_UNIT));
+        assert!(!f.claim(42 * SSD_UNIT, SSD_UNIT), "already claimed");
+        assert!(!f.claim(99 * SSD_UNIT, 2 * SSD_UNIT), "past the end");
+        assert_eq!(f.free, 95 * SSD_UNIT);
     }
 
-    pub fn file_path(&self, id: u64) -> PathBuf {
-        self.path(id)
+    #[test]
+    fn extents_hold_bytes_and_space_is_accounted() {
+        let dir = tempfile::tempdir().unwrap();
+        let t = SsdTier::open(dir.path(), 1 << 20, false).unwrap();
+        let e = t.try_reserve(5000).unwrap();
+        assert_eq!(t.used(), 8192);
+        t.write(e, &[7u8; 5000]).unwrap();
+        assert_eq!(t.read(e, 5000).unwrap(), vec![7u8; 5000]);
+        t.free(e, 5000);
+        assert_eq!(t.used(), 0);
+        assert!(t.try_reserve(2 << 20).is_none());
+        assert!(t.write(1 << 20, &[1]).is_err());
+        // Recovery claims what records name, once.
+        let t = SsdTier::open(dir.path(), 1 << 20, false).unwrap();
+        assert!(t.adopt(e, 5000));
+        assert!(!t.adopt(e + 4096, 10), "overlaps");
+        assert!(!t.adopt(7, 10), "unaligned");
+        assert_eq!(t.read(e, 5000).unwrap(), vec![7u8; 5000]);
     }
 }
