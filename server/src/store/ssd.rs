@@ -148,7 +148,7 @@ impl SsdTier {
     /// overlaps an extent claimed before (recovery claims newest records first).
     pub fn adopt(&self, offset: u64, len: u64) -> bool {
         let fp = Self::footprint(len);
-        offset % SSD_UNIT == 0
+        offset.is_multiple_of(SSD_UNIT)
             && offset.checked_add(fp).is_some_and(|e| e <= self.capacity)
             && self.free.lock().claim(offset, fp)
     }
