@@ -196,7 +196,7 @@ pub enum Demoted<D> {
     /// The block now lives on SSD; its DRAM copy is to be freed.
     Moved { dram: Option<D>, meta: MetaOp },
     /// No SSD copy could be written: the block was evicted instead.
-    Evicted { dropped: Dropped<D>, meta: MetaOp },
+    Evicted { dropped: Dropped<D>, meta: Option<MetaOp> },
     /// The block was removed or replaced meanwhile: the written copy is garbage.
     Vanished,
 }
@@ -373,10 +373,6 @@ impl<D: CopyHandle> Index<D> {
                 moving: false,
                 last_access: 0,
             };
-            if r.in_dram {
-                // The DRAM copy is gone with the old process.
-                out.meta.push(MetaOp::Put { tenant, key: key.clone(), record: b.record() });
-            }
             self.copy_added(tenant, Tier::Ssd, b.size);
             self.tenant_mut(tenant).resident += 1;
             self.by_key.insert((tenant, key), id);
@@ -500,7 +496,7 @@ impl<D: CopyHandle> Index<D> {
             }
             let (d, m) = self.drop_block(old).expect("indexed block exists");
             replaced = Some(d);
-            meta.push(m);
+            meta.extend(m);
         }
         let parent = spec.parent.and_then(|p| self.by_key.get(&probe(tenant, p)).copied()).unwrap_or(NO_PARENT);
         let (pin, pin_until_ms) = match spec.pin {
@@ -530,7 +526,10 @@ impl<D: CopyHandle> Index<D> {
             moving: false,
             last_access: self.tick,
         };
-        meta.push(MetaOp::Put { tenant, key: key.clone(), record: block.record() });
+        // Only blocks with an SSD copy are persisted: a DRAM copy does not survive a restart.
+        if block.ssd.is_some() {
+            meta.push(MetaOp::Put { tenant, key: key.clone(), record: block.record() });
+        }
         for tier in [Tier::Dram, Tier::Ssd] {
             if block.has(tier) {
                 self.copy_added(tenant, tier, spec.size);
@@ -547,8 +546,9 @@ impl<D: CopyHandle> Index<D> {
         Ok((replaced, meta))
     }
 
-    /// Take a block out of the index: its copies for the caller to free, and the sled removal.
-    fn drop_block(&mut self, id: u64) -> Option<(Dropped<D>, MetaOp)> {
+    /// Take a block out of the index: its copies for the caller to free, and the removal of its
+    /// record when it had one (only blocks with an SSD copy have one).
+    fn drop_block(&mut self, id: u64) -> Option<(Dropped<D>, Option<MetaOp>)> {
         let b = self.blocks.remove(&id)?;
         self.by_key.remove(&probe(b.tenant, &b.key));
         self.tenant_mut(b.tenant).resident -= 1;
@@ -563,7 +563,7 @@ impl<D: CopyHandle> Index<D> {
                 self.emit(b.event(id, EventKind::Removed, tier));
             }
         }
-        let meta = MetaOp::Remove { tenant: b.tenant, key: b.key };
+        let meta = b.ssd.is_some().then(|| MetaOp::Remove { tenant: b.tenant, key: b.key });
         Some((Dropped { dram: b.dram, ssd: b.ssd.map(|f| (f, b.size)) }, meta))
     }
 
@@ -643,7 +643,7 @@ impl<D: CopyHandle> Index<D> {
                 }
                 let (d, m) = self.drop_block(id).expect("indexed block exists");
                 dropped.push(d);
-                meta.push(m);
+                meta.extend(m);
                 RemoveStatus::Ok
             })
             .collect();
@@ -663,7 +663,7 @@ impl<D: CopyHandle> Index<D> {
             }
             let (d, m) = self.drop_block(id).expect("listed block exists");
             dropped.push(d);
-            meta.push(m);
+            meta.extend(m);
             removed += 1;
         }
         (removed, skipped, dropped, meta)
@@ -759,16 +759,19 @@ impl<D: CopyHandle> Index<D> {
             if !other_copy {
                 let (d, m) = self.drop_block(id).expect("exists");
                 out.dropped.push(d);
-                out.meta.push(m);
+                out.meta.extend(m);
                 continue;
             }
             let b = self.blocks.get_mut(&id).expect("exists");
             let dropped = match tier {
                 Tier::Dram => Dropped { dram: b.dram.take(), ssd: None },
-                _ => Dropped { dram: None, ssd: b.ssd.take().map(|f| (f, size)) },
+                _ => {
+                    // The SSD copy was the persisted one.
+                    out.meta.push(MetaOp::Remove { tenant, key: b.key.clone() });
+                    Dropped { dram: None, ssd: b.ssd.take().map(|f| (f, size)) }
+                }
             };
             let ev = b.event(id, EventKind::Removed, tier);
-            out.meta.push(MetaOp::Put { tenant, key: b.key.clone(), record: b.record() });
             out.dropped.push(dropped);
             self.copy_removed(tenant, tier, size);
             self.emit(ev);
@@ -809,23 +812,22 @@ impl<D: CopyHandle> Index<D> {
 
     /// An SSD copy was read back into DRAM: keep the DRAM copy when the block still has that
     /// SSD copy and no DRAM copy. `Err` gives the copy back (nothing changed).
-    pub fn install_promoted(&mut self, id: u64, locator: u64, copy: D) -> Result<MetaOp, D> {
+    pub fn install_promoted(&mut self, id: u64, locator: u64, copy: D) -> Result<(), D> {
         let Some(b) = self.blocks.get_mut(&id).filter(|b| b.dram.is_none() && b.ssd == Some(locator)) else {
             return Err(copy);
         };
         b.dram = Some(copy);
         let (tenant, size) = (b.tenant, b.size);
         let ev = b.event(id, EventKind::Inserted, Tier::Dram);
-        let meta = MetaOp::Put { tenant, key: b.key.clone(), record: b.record() };
         self.copy_added(tenant, Tier::Dram, size);
         self.tenant_mut(tenant).promotions += 1;
         self.emit(ev);
-        Ok(meta)
+        Ok(())
     }
 
     /// Drop an SSD copy whose bytes cannot be trusted (read error or checksum mismatch); the
     /// block goes with it unless it still has a DRAM copy. Never served again.
-    pub fn drop_corrupt(&mut self, id: u64, locator: u64) -> Option<(Dropped<D>, MetaOp)> {
+    pub fn drop_corrupt(&mut self, id: u64, locator: u64) -> Option<(Dropped<D>, Option<MetaOp>)> {
         let b = self.blocks.get_mut(&id).filter(|b| b.ssd == Some(locator))?;
         let (tenant, size) = (b.tenant, b.size);
         self.tenant_mut(tenant).corrupt += 1;
@@ -835,10 +837,10 @@ impl<D: CopyHandle> Index<D> {
         }
         b.ssd = None;
         let ev = b.event(id, EventKind::Removed, Tier::Ssd);
-        let meta = MetaOp::Put { tenant, key: b.key.clone(), record: b.record() };
+        let meta = MetaOp::Remove { tenant, key: b.key.clone() };
         self.copy_removed(tenant, Tier::Ssd, size);
         self.emit(ev);
-        Some((Dropped { dram: None, ssd: Some((locator, size)) }, meta))
+        Some((Dropped { dram: None, ssd: Some((locator, size)) }, Some(meta)))
     }
 
     /// Soft pins whose time is up become no pin.

@@ -73,8 +73,26 @@ fn put_get_lookup_remove_and_tenants_are_apart() {
     let (st, dropped, meta) = p.index.remove(T1, &keys(&["a", "q"]), false, now + Duration::from_secs(6));
     assert_eq!(st, vec![RemoveStatus::Ok, RemoveStatus::NotFound]);
     assert_eq!(dropped.len(), 1);
-    assert!(matches!(&meta[0], MetaOp::Remove { tenant: T1, key } if &key[..] == b"a"));
+    assert!(meta.is_empty(), "a DRAM-only block has no record to remove");
     assert_eq!(p.index.counts(), (1, 1, 0));
+}
+
+#[test]
+fn only_blocks_with_an_ssd_copy_are_persisted() {
+    let mut p = pool(true, 0);
+    let now = Instant::now();
+    let s = spec(b"on-ssd", 100, None);
+    let plans = p.plan_put(T1, &[s], false, 1 << 30, &NodeSet::default());
+    let PutPlan::Store { id, .. } = plans[0] else { panic!() };
+    let (_, meta) = p.index.commit(T1, id, &s, false, 5, None, Some(8192), now, 0, 0).unwrap();
+    assert!(matches!(&meta[..], [MetaOp::Put { record, .. }] if record.ssd_file == Some(8192)));
+    // A DRAM block gets a record when it is demoted, and loses it with its SSD copy.
+    let d = put(&mut p, T1, spec(b"dram", 100, None), now).unwrap();
+    assert_eq!(p.index.evict(&[d], Tier::Dram, &[Admit::Into(Tier::Ssd)], now).demotions.len(), 1);
+    let Demoted::Moved { meta: MetaOp::Put { .. }, .. } = p.index.finish_demotion(d, Some(4096), 1) else { panic!() };
+    let (_, dropped, meta) = p.index.remove(T1, &keys(&["dram", "on-ssd"]), true, now);
+    assert_eq!(dropped.len(), 2);
+    assert_eq!(meta.iter().filter(|m| matches!(m, MetaOp::Remove { .. })).count(), 2);
 }
 
 #[test]
@@ -89,7 +107,7 @@ fn upsert_replaces_unless_leased() {
     let later = now + Duration::from_secs(2);
     let (replaced, meta) = p.index.commit(T1, id + 100, &s, true, 9, Some(copy(0)), None, later, 0, 0).unwrap();
     assert!(replaced.unwrap().dram.is_some(), "the old copy comes back to be freed");
-    assert_eq!(meta.len(), 2, "remove the old record, put the new");
+    assert!(meta.is_empty(), "DRAM-only blocks have no records");
     assert_eq!(p.index.tenant_counters(T1).bytes[0], 256);
 }
 
@@ -234,7 +252,7 @@ fn recovery_keeps_complete_ssd_copies_and_relinks_chains() {
     assert_eq!((r.kept, r.dropped), (2, 3));
     assert_eq!(claimed, vec![(2, 100), (1, 100), (3, 100)]);
     assert_eq!(r.meta.iter().filter(|m| matches!(m, MetaOp::Remove { .. })).count(), 3);
-    assert_eq!(r.meta.iter().filter(|m| matches!(m, MetaOp::Put { record, .. } if !record.in_dram)).count(), 1);
+    assert_eq!(r.meta.iter().filter(|m| matches!(m, MetaOp::Put { .. })).count(), 0, "records stay as they are");
     // Parents first in the snapshot, with the link restored.
     let ev: Vec<_> = r.snapshot.iter().collect();
     assert_eq!(ev.len(), 2);

@@ -21,10 +21,10 @@ pub use dram::DramBlock;
 use crate::metrics::Metrics;
 use dram::DramTier;
 use kvpool_core::{
-    placed_tiers, placement_batch, CopyHandle, Demoted, Dropped, Granularity, Index, IndexView, Located, NewSlot,
-    PinRequest, Policies, PutSpec, PutStatus, RemoveStatus, TenantCounters,
+    placed_tiers, placement_batch, CopyHandle, Demoted, Dropped, Granularity, Index, Located, NewSlot, PinRequest,
+    Policies, PutSpec, PutStatus, RemoveStatus, TenantCounters,
 };
-use kvpool_policy_sdk::{Admit, Events, NodeSet, Pin, Tier};
+use kvpool_policy_sdk::{Admit, Events, NodeSet, Tier};
 use kvpool_proto::{ErrorCode, PinSpec, PutMode};
 use meta::Meta;
 use parking_lot::Mutex;
@@ -243,25 +243,6 @@ pub struct Store {
     metrics: Arc<Metrics>,
     /// Wakes the background evictor early (a put pushed usage past the high watermark).
     pub kick: tokio::sync::Notify,
-}
-
-/// The index seen by a policy's guard during victim selection: each question takes the index
-/// lock briefly (the policy itself runs unlocked).
-struct LockedIndex<'a>(&'a Mutex<Index<DramCopy>>);
-
-impl IndexView for LockedIndex<'_> {
-    fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
-        self.0.lock().size_in_tier(id, tier)
-    }
-    fn pin(&self, id: u64) -> Pin {
-        IndexView::pin(&*self.0.lock(), id)
-    }
-    fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64 {
-        self.0.lock().evictable_bytes(tier, exclude)
-    }
-    fn snapshot(&self) -> Events {
-        self.0.lock().snapshot()
-    }
 }
 
 impl Store {
@@ -519,19 +500,22 @@ impl Store {
         let has_ssd = self.ssd.is_some();
         let (victims, decisions) = {
             let mut pol = self.policies.lock();
-            self.feed(&mut pol);
-            let exclude = self.index.lock().excluded(now, tier);
-            let proposed = pol.eviction.victims(&LockedIndex(&self.index), tier, bytes, &exclude);
-            let victims = self.index.lock().valid_victims(&proposed, tier, bytes, &exclude);
+            // The index stays locked while the policy chooses: its guard checks the answer
+            // against the index, which must hold exactly the blocks the policy was told of (a
+            // put committed mid-call would make a truthful policy look like one that hides
+            // victims).
+            let mut ix = self.index.lock();
+            let ev = ix.take_events();
+            pol.feed(&ev);
+            let exclude = ix.excluded(now, tier);
+            let proposed = pol.eviction.victims(&*ix, tier, bytes, &exclude);
+            let victims = ix.valid_victims(&proposed, tier, bytes, &exclude);
             if victims.is_empty() && !proposed.is_empty() {
                 tracing::debug!(proposed = proposed.len(), "eviction policy proposed only ineligible victims");
             }
-            let decisions: Vec<Admit> = if tier == Tier::Dram && has_ssd && !victims.is_empty() {
-                let batch = self.index.lock().demotion_batch(&victims);
-                pol.admission.admit(&batch)
-            } else {
-                Vec::new()
-            };
+            let batch = (tier == Tier::Dram && has_ssd && !victims.is_empty()).then(|| ix.demotion_batch(&victims));
+            drop(ix);
+            let decisions: Vec<Admit> = batch.map(|b| pol.admission.admit(&b)).unwrap_or_default();
             (victims, decisions)
         };
         if victims.is_empty() {
@@ -599,7 +583,7 @@ impl Store {
                 self.metrics.demotions.inc();
             }
             Demoted::Evicted { dropped, meta } => {
-                self.meta.enqueue(vec![meta]);
+                self.meta.enqueue(meta.into_iter().collect());
                 drop(ix);
                 self.release([dropped]);
             }
@@ -728,8 +712,7 @@ impl Store {
 
     fn install_promoted(&self, id: u64, file: u64, blk: Arc<DramBlock>) {
         let mut ix = self.index.lock();
-        if let Ok(meta) = ix.install_promoted(id, file, DramCopy(blk)) {
-            self.meta.enqueue(vec![meta]);
+        if ix.install_promoted(id, file, DramCopy(blk)).is_ok() {
             self.metrics.promotions.inc();
         }
     }
@@ -737,7 +720,7 @@ impl Store {
     fn drop_corrupt(&self, id: u64, file: u64) {
         let mut ix = self.index.lock();
         if let Some((dropped, meta)) = ix.drop_corrupt(id, file) {
-            self.meta.enqueue(vec![meta]);
+            self.meta.enqueue(meta.into_iter().collect());
             drop(ix);
             self.release([dropped]);
         }
