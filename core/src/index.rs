@@ -563,7 +563,7 @@ impl<D: CopyHandle> Index<D> {
                 self.emit(b.event(id, EventKind::Removed, tier));
             }
         }
-        let meta = b.ssd.is_some().then(|| MetaOp::Remove { tenant: b.tenant, key: b.key });
+        let meta = b.ssd.is_some().then_some(MetaOp::Remove { tenant: b.tenant, key: b.key });
         Some((Dropped { dram: b.dram, ssd: b.ssd.map(|f| (f, b.size)) }, meta))
     }
 
