@@ -9,6 +9,7 @@ mod target;
 mod hitplot;
 mod pooled;
 mod replay;
+mod scale;
 mod sim;
 mod trace;
 mod ttft;
@@ -44,6 +45,8 @@ enum Cmd {
     Pooled(pooled::PooledArgs),
     /// Time-to-first-token model without a cache, with node-local caches, with the pool
     Ttft(ttft::TtftArgs),
+    /// Fill one server to growing block counts: RSS per block, lookup latency, restart time
+    Scale(scale::ScaleArgs),
 }
 
 #[derive(Debug, Args)]
@@ -838,6 +841,7 @@ fn main() -> Result<()> {
         Cmd::Replay(a) => replay::replay(a),
         Cmd::Pooled(a) => pooled::pooled(a),
         Cmd::Ttft(a) => ttft::ttft(a),
+        Cmd::Scale(a) => scale::scale(a),
     }
 }
 

@@ -137,3 +137,63 @@ pub fn write_png(path: &Path, points: &[Point], title: &str) -> Result<(), PlotE
     root.present().map_err(draw_err)?;
     Ok(())
 }
+
+/// `scale` results: bytes per block (left) and lookup latency (right) against the block count,
+/// both on log-log axes.
+pub fn scale_plot(path: &Path, r: &crate::scale::ScaleReport) -> Result<(), PlotError> {
+    if !font() {
+        return Err(PlotError::NoFont);
+    }
+    if r.rows.is_empty() {
+        return Err(PlotError::Empty);
+    }
+    let root = BitMapBackend::new(path, (1400, 600)).into_drawing_area();
+    root.fill(&WHITE).map_err(draw_err)?;
+    let (left, right) = root.split_horizontally(700);
+    let x = |b: u64| b as f64;
+    let bytes: Vec<(f64, f64)> = r.rows.iter().map(|w| (x(w.blocks), w.bytes_per_block.max(1.0))).collect();
+    let p50: Vec<(f64, f64)> = r.rows.iter().map(|w| (x(w.blocks), w.lookup_p50_us.max(1) as f64)).collect();
+    let p99: Vec<(f64, f64)> = r.rows.iter().map(|w| (x(w.blocks), w.lookup_p99_us.max(1) as f64)).collect();
+    let goal_bytes: Vec<(f64, f64)> = bytes.iter().map(|p| (p.0, 200.0)).collect();
+    let goal_p99: Vec<(f64, f64)> = p99.iter().map(|p| (p.0, 200.0)).collect();
+    type Series<'a> = Vec<(&'a str, Vec<(f64, f64)>)>;
+    let panels: [(&DrawingArea<BitMapBackend<'_>, _>, &str, &str, Series<'_>); 2] = [
+        (&left, "server RSS per block", "bytes per block", vec![("measured", bytes), ("goal 200 B", goal_bytes)]),
+        (
+            &right,
+            "lookup of a 64-block chain (client-side)",
+            "microseconds",
+            vec![("p50", p50), ("p99", p99), ("goal p99 200 us", goal_p99)],
+        ),
+    ];
+    for (area, title, ylabel, series) in panels {
+        let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.1.iter().copied()).collect();
+        let (xmin, xmax) = all.iter().fold((f64::MAX, 0.0f64), |(a, b), p| (a.min(p.0), b.max(p.0)));
+        let (ymin, ymax) = all.iter().fold((f64::MAX, 0.0f64), |(a, b), p| (a.min(p.1), b.max(p.1)));
+        let mut chart = ChartBuilder::on(area)
+            .margin(20)
+            .caption(title, ("sans-serif", 22))
+            .x_label_area_size(40)
+            .y_label_area_size(70)
+            .build_cartesian_2d((xmin / 1.5..xmax * 1.5).log_scale(), (ymin / 2.0..ymax * 2.0).log_scale())
+            .map_err(draw_err)?;
+        chart.configure_mesh().x_desc("resident blocks").y_desc(ylabel).draw().map_err(draw_err)?;
+        for (i, (label, pts)) in series.into_iter().enumerate() {
+            let color = COLORS[i % COLORS.len()];
+            chart
+                .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+                .map_err(draw_err)?
+                .label(label)
+                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        }
+        chart
+            .configure_series_labels()
+            .position(SeriesLabelPosition::UpperLeft)
+            .background_style(WHITE.mix(0.8))
+            .border_style(BLACK)
+            .draw()
+            .map_err(draw_err)?;
+    }
+    root.present().map_err(draw_err)?;
+    Ok(())
+}

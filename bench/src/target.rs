@@ -85,28 +85,54 @@ impl Target for KvpoolTarget {
 pub struct LocalServer {
     child: Child,
     pub data_dir: tempfile::TempDir,
+    args: Vec<String>,
 }
 
 impl LocalServer {
     /// Start the server binary that sits next to this executable (same cargo target dir).
     pub fn start(dram: &str, extra: &[String]) -> Result<Self> {
-        let bin = server_binary()?;
+        let mut args: Vec<String> =
+            ["--listen", "127.0.0.1:0", "--metrics-listen", "off", "--dram-size", dram].map(String::from).to_vec();
+        // No SSD tier unless the caller asks for one.
+        if !extra.iter().any(|a| a == "--ssd-capacity") {
+            args.extend(["--ssd-capacity".to_string(), "0".to_string()]);
+        }
+        args.extend_from_slice(extra);
         let data_dir = tempfile::Builder::new().prefix("kvpool-bench-").tempdir()?;
-        let log = std::fs::File::create(data_dir.path().join("server.log"))?;
-        let child = Command::new(&bin)
+        let child = Self::spawn(data_dir.path(), &args)?;
+        let mut s = LocalServer { child, data_dir, args };
+        s.wait_ready(Duration::from_secs(60))?;
+        Ok(s)
+    }
+
+    fn spawn(dir: &Path, args: &[String]) -> Result<Child> {
+        let bin = server_binary()?;
+        let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("server.log"))?;
+        Command::new(&bin)
             .arg("--data-dir")
-            .arg(data_dir.path())
-            .args(["--listen", "127.0.0.1:0", "--metrics-listen", "off", "--dram-size", dram, "--ssd-capacity", "0"])
-            .args(extra)
-            .env("RUST_LOG", "warn")
+            .arg(dir)
+            .args(args)
+            .env("RUST_LOG", std::env::var("KVPOOL_BENCH_SERVER_LOG").unwrap_or_else(|_| "warn".into()))
             .stdin(Stdio::null())
             .stdout(log.try_clone()?)
             .stderr(log)
             .spawn()
-            .with_context(|| format!("starting {}", bin.display()))?;
-        let mut s = LocalServer { child, data_dir };
-        s.wait_ready(Duration::from_secs(60))?;
-        Ok(s)
+            .with_context(|| format!("starting {}", bin.display()))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// SIGKILL the process (no shutdown path runs) and start it again on the same data
+    /// directory; returns once it has written its endpoint file again.
+    pub fn kill_and_restart(&mut self, limit: Duration) -> Result<()> {
+        self.child.kill()?;
+        self.child.wait()?;
+        // The endpoint file is the readiness signal: remove the stale one first.
+        let _ = std::fs::remove_file(self.path().join("endpoint.json"));
+        self.child = Self::spawn(self.data_dir.path(), &self.args)?;
+        self.wait_ready(limit)
     }
 
     pub fn path(&self) -> &Path {
@@ -124,7 +150,7 @@ impl LocalServer {
             if ep.exists() {
                 return Ok(());
             }
-            std::thread::sleep(Duration::from_millis(50));
+            std::thread::sleep(Duration::from_millis(2));
         }
         bail!("kvpool-server not ready after {limit:?}:\n{}", self.log_tail())
     }

@@ -337,6 +337,11 @@ impl<D: CopyHandle> Index<D> {
         wall_ms: u64,
     ) -> Recovered {
         let mut out = Recovered::default();
+        let records = records.into_iter();
+        // One allocation for the whole set instead of a rehash at every doubling.
+        let (n, _) = records.size_hint();
+        self.blocks.reserve(n);
+        self.by_key.reserve(n);
         for (tenant, key, rec) in records {
             let usable = rec.as_ref().is_some_and(|r| self.has_ssd && r.ssd_file.is_some_and(|f| adopt(f, r.size)));
             let Some(r) = rec.filter(|_| usable) else {

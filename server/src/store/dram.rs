@@ -16,7 +16,13 @@ use tokio::sync::Notify;
 pub const UNIT: u64 = 256;
 /// Largest segment: u32::MAX units.
 pub const MAX_SEGMENT: u64 = UNIT * (u32::MAX as u64);
-const MAX_ALLOCS: u32 = 1 << 22;
+/// The allocator keeps a 32-byte node per possible allocation, all allocated and touched up
+/// front: size the table to the segment (every unit its own block, plus the free ranges
+/// between them) instead of a fixed count, so a small segment does not pay for a large table
+/// and a large one is never short of nodes.
+fn max_allocs(units: u32) -> u32 {
+    units.saturating_add(2).clamp(1024, u32::MAX - 2)
+}
 
 /// The raw segment memory: an anonymous private mapping, so pages are zero and cost nothing
 /// until first written (a heap allocation of this alignment would be zeroed up front, touching
@@ -74,7 +80,7 @@ impl DramTier {
         Ok(Arc::new(DramTier {
             seg: Segment { ptr, len: capacity as usize },
             capacity,
-            alloc: Mutex::new(Allocator::with_max_allocs(units, MAX_ALLOCS)),
+            alloc: Mutex::new(Allocator::with_max_allocs(units, max_allocs(units))),
             used: AtomicU64::new(0),
             freed: Notify::new(),
         }))

@@ -264,17 +264,25 @@ impl Store {
         // record's removal) belongs to the newer one.
         let started = Instant::now();
         let mut records = meta.all();
+        let read_ms = started.elapsed().as_millis() as u64;
         records.sort_by_key(|(_, _, r)| std::cmp::Reverse(r.as_ref().map_or(0, |r| r.created_ms)));
+        let t = Instant::now();
         let rec = index.recover(records, |loc, size| ssd.as_ref().is_some_and(|s| s.adopt(loc, size)), wall_ms());
+        let index_ms = t.elapsed().as_millis() as u64;
         meta.enqueue(rec.meta);
         let mut policies = policies;
         // The same parents-first snapshot a policy swap replays.
+        let t = Instant::now();
         policies.feed(&rec.snapshot);
+        let policy_ms = t.elapsed().as_millis() as u64;
         if rec.kept + rec.dropped > 0 {
             tracing::info!(
                 kept = rec.kept,
                 dropped = rec.dropped,
                 ms = started.elapsed().as_millis() as u64,
+                read_ms,
+                index_ms,
+                policy_ms,
                 "recovered block index from sled (SSD copies kept and verified on first read, DRAM copies dropped)"
             );
         }

@@ -1,0 +1,395 @@
+//! `kvpool-bench scale`: how one node's cost grows with its block count. One server is filled
+//! through a sequence of block counts; at each it reports resident memory per block and the
+//! latency of a 64-block `lookup`. A second server with an SSD tier is filled, killed with
+//! SIGKILL and restarted, timing how long until its blocks serve again.
+
+use crate::target::LocalServer;
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvpool_client::{Client, ClientConfig, PutEntry, PutMode, PutOptions, TransportChoice};
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+#[derive(Debug, Args)]
+pub struct ScaleArgs {
+    /// Block counts to fill one server to, in increasing order (1K, 100K, 1M, 10M, ...)
+    #[arg(long, value_delimiter = ',', default_value = "1K,100K,1M")]
+    counts: Vec<String>,
+    /// Value bytes per block (small, so that metadata dominates)
+    #[arg(long, default_value_t = 64)]
+    value_size: usize,
+    /// Key length in bytes (vLLM-style keys are a model tag plus a 64-bit hash or more)
+    #[arg(long, default_value_t = 40)]
+    key_len: usize,
+    /// Blocks per prefix chain (each block's parent is the one before it)
+    #[arg(long, default_value_t = 64)]
+    chain: usize,
+    /// Timed lookups of a whole resident chain at each count
+    #[arg(long, default_value_t = 3000)]
+    lookups: usize,
+    /// Blocks on the SSD tier for the restart measurement ("0" skips it)
+    #[arg(long, default_value = "1M")]
+    restart_blocks: String,
+    /// Put requests in flight while filling
+    #[arg(long, default_value_t = 4)]
+    fill_concurrency: usize,
+    /// Transport of the measuring client (quic or shm): lookups carry no bulk bytes, so QUIC is
+    /// what a remote connector sees
+    #[arg(long, default_value = "quic")]
+    transport: String,
+    /// Also write the results as JSON to this file
+    #[arg(long)]
+    json: Option<PathBuf>,
+    /// Also draw bytes per block and lookup p99 against the block count into this PNG file
+    #[arg(long)]
+    plot: Option<PathBuf>,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ScaleRow {
+    pub blocks: u64,
+    pub rss_bytes: u64,
+    /// (RSS at this count - RSS of the empty server) / blocks.
+    pub bytes_per_block: f64,
+    pub lookup_p50_us: u64,
+    pub lookup_p99_us: u64,
+    pub fill_seconds: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RestartResult {
+    pub ssd_blocks: u64,
+    /// SIGKILL to the endpoint file written again (recovery done, listening).
+    pub ready_ms: u64,
+    /// SIGKILL to a full-chain lookup answered by a fresh client.
+    pub serving_ms: u64,
+    /// Blocks the restarted server reports on its SSD tier.
+    pub recovered: u64,
+    pub rss_after_restart: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ScaleReport {
+    pub value_size: usize,
+    pub key_len: usize,
+    pub chain: usize,
+    pub dram_segment: u64,
+    pub empty_rss: u64,
+    pub rows: Vec<ScaleRow>,
+    pub restart: Option<RestartResult>,
+    pub goals: Vec<String>,
+}
+
+fn parse_count(s: &str) -> Result<u64> {
+    let t = s.trim().to_ascii_uppercase();
+    let (num, mul) = match t.chars().last() {
+        Some('K') => (&t[..t.len() - 1], 1_000),
+        Some('M') => (&t[..t.len() - 1], 1_000_000),
+        Some('G') => (&t[..t.len() - 1], 1_000_000_000),
+        _ => (&t[..], 1),
+    };
+    let n: f64 = num.parse().with_context(|| format!("bad count {s:?}"))?;
+    Ok((n * mul as f64) as u64)
+}
+
+/// Resident set of a process, from /proc (bytes).
+fn rss(pid: u32) -> Result<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
+    let line = status.lines().find(|l| l.starts_with("VmRSS:")).context("no VmRSS in /proc status")?;
+    let kb: u64 = line[6..].trim().trim_end_matches("kB").trim().parse()?;
+    Ok(kb * 1024)
+}
+
+/// Key of block `pos` of chain `chain`, exactly `len` bytes.
+fn key(chain: u64, pos: usize, len: usize) -> Vec<u8> {
+    let mut k = format!("{chain:x}/{pos:x}/").into_bytes();
+    k.resize(len.max(k.len()), b'k');
+    k
+}
+
+async fn connect(dir: &std::path::Path, transport: &str) -> Result<Client> {
+    let mut cfg = ClientConfig::from_data_dir(dir)?;
+    cfg.client_name = "kvpool-bench-scale".into();
+    cfg.request_timeout = Duration::from_secs(120);
+    cfg.transport = match transport {
+        "shm" => TransportChoice::Shm,
+        "quic" => TransportChoice::Quic,
+        other => bail!("unknown transport {other} (quic or shm)"),
+    };
+    Ok(Client::connect(cfg).await?)
+}
+
+/// Put chains `from..to` (whole chains of `a.chain` blocks), `fill_concurrency` requests in flight.
+async fn fill(client: &Client, a: &ScaleArgs, from: u64, to: u64) -> Result<()> {
+    let value = Arc::new(vec![0x5au8; a.value_size]);
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(from));
+    let (chain, key_len) = (a.chain, a.key_len);
+    let mut tasks = Vec::new();
+    for _ in 0..a.fill_concurrency.max(1) {
+        let (client, value, next) = (client.clone(), value.clone(), next.clone());
+        tasks.push(tokio::spawn(async move {
+            loop {
+                let c = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                if c >= to {
+                    return anyhow::Ok(());
+                }
+                let keys: Vec<Vec<u8>> = (0..chain).map(|p| key(c, p, key_len)).collect();
+                let entries: Vec<PutEntry<'_>> = keys
+                    .iter()
+                    .enumerate()
+                    .map(|(p, k)| PutEntry {
+                        key: k,
+                        value: &value,
+                        opts: PutOptions {
+                            parent: (p > 0).then(|| keys[p - 1].clone()),
+                            tokens: 512,
+                            seq_tokens: 512 * (p as u64 + 1),
+                            ..Default::default()
+                        },
+                    })
+                    .collect();
+                let codes = client.put_batch(&entries, PutMode::Insert).await?;
+                if let Some(bad) = codes.iter().find(|c| **c != kvpool_client::ErrorCode::Ok) {
+                    bail!("put of chain {c} answered {bad}");
+                }
+            }
+        }));
+    }
+    for t in tasks {
+        t.await??;
+    }
+    Ok(())
+}
+
+/// Lookups of random resident chains (one request each, one at a time): p50 and p99 in µs.
+async fn lookups(client: &Client, a: &ScaleArgs, chains: u64) -> Result<(u64, u64)> {
+    let mut rng = rand::rngs::StdRng::seed_from_u64(chains);
+    let mut h = hdrhistogram::Histogram::<u64>::new(3)?;
+    // A few untimed rounds first: connection and caches warm, as in a running pool.
+    for i in 0..a.lookups + 100 {
+        let c = rng.gen_range(0..chains);
+        let keys: Vec<Vec<u8>> = (0..a.chain).map(|p| key(c, p, a.key_len)).collect();
+        let t = Instant::now();
+        let n = client.lookup(&keys).await?;
+        let us = t.elapsed().as_micros() as u64;
+        if n != a.chain {
+            bail!("lookup of chain {c} found {n} of {} blocks (evicted? the DRAM segment is too small)", a.chain);
+        }
+        if i >= 100 {
+            h.record(us.max(1))?;
+        }
+    }
+    Ok((h.value_at_quantile(0.5), h.value_at_quantile(0.99)))
+}
+
+pub fn scale(a: ScaleArgs) -> Result<()> {
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    rt.block_on(run(a))
+}
+
+async fn run(a: ScaleArgs) -> Result<()> {
+    let mut counts: Vec<u64> = a.counts.iter().map(|s| parse_count(s)).collect::<Result<_>>()?;
+    counts.sort_unstable();
+    counts.dedup();
+    let chain = a.chain.max(1) as u64;
+    let max = *counts.last().context("no counts")?;
+    // Room for every block at the DRAM tier's 256-byte granularity, plus slack: nothing may be
+    // evicted, or the per-block figures would be wrong.
+    let per_block = (a.value_size as u64).div_ceil(256).max(1) * 256;
+    let dram = (max.div_ceil(chain) * chain * per_block * 5 / 4).max(64 << 20);
+    let server = LocalServer::start(&dram.to_string(), &[])?;
+    let client = connect(server.path(), &a.transport).await?;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let empty_rss = rss(server.pid())?;
+    println!(
+        "scale: {} B values, {} B keys, chains of {}, DRAM segment {} MiB; empty server RSS {:.1} MiB",
+        a.value_size,
+        a.key_len,
+        a.chain,
+        dram >> 20,
+        empty_rss as f64 / (1 << 20) as f64
+    );
+    println!(
+        "{:>12} {:>12} {:>12} {:>12} {:>12} {:>10}",
+        "blocks", "RSS MiB", "B/block", "lookup p50", "lookup p99", "fill s"
+    );
+    let mut rows = Vec::new();
+    let mut have = 0u64;
+    for &n in &counts {
+        let chains = n.div_ceil(chain);
+        let t = Instant::now();
+        fill(&client, &a, have, chains).await?;
+        let fill_seconds = t.elapsed().as_secs_f64();
+        have = chains;
+        let blocks = chains * chain;
+        let stats = client.stats().await?;
+        if stats.blocks != blocks {
+            bail!("the server holds {} blocks, expected {blocks}", stats.blocks);
+        }
+        let (p50, p99) = lookups(&client, &a, chains).await?;
+        let r = rss(server.pid())?;
+        let row = ScaleRow {
+            blocks,
+            rss_bytes: r,
+            bytes_per_block: r.saturating_sub(empty_rss) as f64 / blocks as f64,
+            lookup_p50_us: p50,
+            lookup_p99_us: p99,
+            fill_seconds,
+        };
+        println!(
+            "{:>12} {:>12.1} {:>12.0} {:>9} us {:>9} us {:>10.1}",
+            row.blocks,
+            r as f64 / (1 << 20) as f64,
+            row.bytes_per_block,
+            p50,
+            p99,
+            fill_seconds
+        );
+        rows.push(row);
+    }
+    client.close().await;
+    drop(server);
+
+    let restart_blocks = parse_count(&a.restart_blocks)?;
+    let restart = if restart_blocks > 0 { Some(restart(&a, restart_blocks).await?) } else { None };
+
+    let mut goals = Vec::new();
+    if let Some(last) = rows.last() {
+        goals.push(goal(
+            &format!("bytes per resident block at {} blocks <= 200", last.blocks),
+            last.bytes_per_block,
+            200.0,
+        ));
+        goals.push(goal(&format!("lookup p99 at {} blocks <= 200 us", last.blocks), last.lookup_p99_us as f64, 200.0));
+        if let Some(first) = rows.first().filter(|f| f.blocks < last.blocks) {
+            goals.push(goal(
+                &format!("lookup p99 at {} blocks within 2x of {} blocks", last.blocks, first.blocks),
+                last.lookup_p99_us as f64 / first.lookup_p99_us.max(1) as f64,
+                2.0,
+            ));
+        }
+    }
+    if let Some(r) = &restart {
+        goals.push(goal(
+            &format!("restart with {} SSD blocks serving within 5 s (ms)", r.ssd_blocks),
+            r.serving_ms as f64,
+            5000.0,
+        ));
+    }
+    for g in &goals {
+        println!("goal: {g}");
+    }
+    let report = ScaleReport {
+        value_size: a.value_size,
+        key_len: a.key_len,
+        chain: a.chain,
+        dram_segment: dram,
+        empty_rss,
+        rows,
+        restart,
+        goals,
+    };
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&report)?)?;
+        println!("json: {}", p.display());
+    }
+    if let Some(p) = &a.plot {
+        match crate::plot::scale_plot(p, &report) {
+            Ok(()) => println!("plot: {}", p.display()),
+            Err(e) => tracing::warn!("no plot written: {e:#}"),
+        }
+    }
+    Ok(())
+}
+
+fn goal(what: &str, value: f64, limit: f64) -> String {
+    let verdict = if value <= limit { "met" } else { "MISSED" };
+    format!("{what}: {value:.1} -> {verdict}")
+}
+
+/// Fill an SSD-backed server whose DRAM is small (blocks are demoted to the SSD tier), SIGKILL
+/// it and restart it on the same directory.
+async fn restart(a: &ScaleArgs, n: u64) -> Result<RestartResult> {
+    let chain = a.chain.max(1) as u64;
+    let chains = n.div_ceil(chain);
+    let blocks = chains * chain;
+    // SSD extents are 4 KiB: room for every block plus slack.
+    let ssd = blocks * (a.value_size as u64).div_ceil(4096).max(1) * 4096 * 5 / 4 + (64 << 20);
+    let mut server = LocalServer::start("1MiB", &["--ssd-capacity".into(), ssd.to_string()])?;
+    let client = connect(server.path(), &a.transport).await?;
+    let t = Instant::now();
+    fill(&client, a, 0, chains).await?;
+    // Demotions run in the background: wait until the SSD tier stops growing. The blocks that
+    // still fit in DRAM stay there only (a restart drops DRAM copies by design).
+    let ssd_blocks = |s: &kvpool_client::StatsReport| s.tiers.iter().find(|t| t.tier == "ssd").map_or(0, |t| t.blocks);
+    let mut last = u64::MAX;
+    loop {
+        let now = ssd_blocks(&client.stats().await?);
+        if now == last {
+            break;
+        }
+        last = now;
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
+    let on_ssd = last;
+    if on_ssd < chain {
+        let s = client.stats().await?;
+        bail!("only {on_ssd} of {blocks} blocks reached the SSD tier: {:?}\n{}", s.tiers, server.log_tail());
+    }
+    println!("restart: {on_ssd} of {blocks} blocks on the SSD tier after {:.1} s of puts", t.elapsed().as_secs_f64());
+    client.close().await;
+    // Recovery only trusts what sled has made durable; give its periodic flush a moment (a
+    // crash loses at most that window, by design).
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+
+    let killed = Instant::now();
+    server.kill_and_restart(Duration::from_secs(120))?;
+    let ready_ms = killed.elapsed().as_millis() as u64;
+    let client = connect(server.path(), &a.transport).await?;
+    // A chain whose blocks all live on SSD (the first ones were demoted first).
+    let keys: Vec<Vec<u8>> = (0..a.chain).map(|p| key(0, p, a.key_len)).collect();
+    let found = client.lookup(&keys).await?;
+    let serving_ms = killed.elapsed().as_millis() as u64;
+    if found != a.chain {
+        bail!("after the restart a lookup of chain 0 found {found} of {} blocks", a.chain);
+    }
+    // First reads verify checksums lazily: a get must return the exact bytes.
+    let v = client.get(&keys[0]).await?.context("block 0 missing after the restart")?;
+    if v != vec![0x5au8; a.value_size] {
+        bail!("block 0 read back wrong after the restart");
+    }
+    let s = client.stats().await?;
+    let recovered = ssd_blocks(&s);
+    let rss_after_restart = rss(server.pid())?;
+    println!(
+        "restart after SIGKILL with {on_ssd} SSD blocks: ready in {ready_ms} ms, serving (full-chain lookup) in {serving_ms} ms, {recovered} blocks recovered, RSS {:.1} MiB",
+        rss_after_restart as f64 / (1 << 20) as f64
+    );
+    client.close().await;
+    if let Ok(log) = std::fs::read_to_string(server.path().join("server.log")) {
+        for l in log.lines().filter(|l| l.contains("recovered")) {
+            println!("server: {l}");
+        }
+    }
+    Ok(RestartResult { ssd_blocks: on_ssd, ready_ms, serving_ms, recovered, rss_after_restart })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn counts_and_keys() {
+        assert_eq!(parse_count("1K").unwrap(), 1000);
+        assert_eq!(parse_count("2.5m").unwrap(), 2_500_000);
+        assert_eq!(parse_count("10M").unwrap(), 10_000_000);
+        assert_eq!(parse_count("17").unwrap(), 17);
+        assert!(parse_count("lots").is_err());
+        assert_eq!(key(0xab, 3, 40).len(), 40);
+        assert_ne!(key(1, 2, 40), key(2, 1, 40));
+        assert_ne!(key(0x12, 3, 8), key(0x1, 0x23, 8));
+    }
+}
