@@ -457,8 +457,10 @@ class _Worker:
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
         with self.lock:
-            self.finished_waiting |= finished_req_ids
-            done = {r for r in self.finished_waiting if all(f.done() for f in self.saves.get(r, []))}
+            # Only requests with saves: for those alone the scheduler kept the blocks allocated
+            # (request_finished answered True); vLLM has already dropped the others.
+            self.finished_waiting |= {r for r in finished_req_ids if r in self.saves}
+            done = {r for r in self.finished_waiting if all(f.done() for f in self.saves[r])}
             self.finished_waiting -= done
             for r in done:
                 self.saves.pop(r, None)
