@@ -3,7 +3,9 @@
 //! is safe to share between threads (the Python binding releases the GIL around every call, so
 //! many threads may be in calls at once).
 
-use crate::{BufSlice, Buffer, ClientConfig, GetIntoResult, GetResult, Located, PathReport, PutEntry, PutOptions, Result};
+use crate::{
+    BufSlice, Buffer, ClientConfig, GetIntoResult, GetResult, Located, PathReport, PutEntry, PutOptions, Result,
+};
 use kvpool_proto::{ErrorCode, HelloOk, Limits, PolicyInfo, PolicyKind, PutMode, RemoveAllResponse, StatsReport};
 use std::future::Future;
 use std::sync::Arc;
