@@ -13,7 +13,10 @@ call, checks the bytes, and removes the keys. Targets:
 - ``mooncake-tcp``: Mooncake Store's Python client (``mooncake-transfer-engine-non-cuda``),
   ``protocol="tcp"``, with a ``mooncake_master`` and a storage process on loopback.
 
-Prints one line per target and operation (GB/s, median and best round); ``--json`` writes them.
+Prints one line per target (GB/s, median and best round), then each kvpool target's ratio to
+Mooncake's median; ``--json`` writes them. Mooncake is required unless ``--skip-mooncake``.
+
+    cargo build --release -p kvpool-server && python3 python/bench/throughput.py
 """
 
 from __future__ import annotations
@@ -208,18 +211,28 @@ def main() -> int:
             try:
                 import mooncake.store  # noqa: F401  # type: ignore[import-not-found]
             except ImportError:
-                print("mooncake not installed (bench/peers/setup.sh mooncake): skipped", file=sys.stderr)
-            else:
-                results.update(bench_mooncake(procs, args.size, args.batch, args.rounds))
+                raise SystemExit("mooncake is not installed (bench/peers/setup.sh mooncake); "
+                                 "--skip-mooncake runs kvpool alone") from None
+            results.update(bench_mooncake(procs, args.size, args.batch, args.rounds))
     finally:
         procs.stop()
     fmt: Callable[[list[float]], str] = lambda xs: f"median {statistics.median(xs):6.2f}  best {max(xs):6.2f}"
     print(f"{args.batch} x {args.size >> 10} KiB per call, {args.rounds} rounds, GB/s")
     for name, r in results.items():
         print(f"{name:18s} put {fmt(r['put_gbps'])}   get {fmt(r['get_gbps'])}   ({r['transport']})")
+    ratios: dict[str, dict[str, float]] = {}
+    base = results.get("mooncake-tcp")
+    if base:
+        print("ratio to mooncake-tcp (median GB/s over median GB/s; > 1 is faster than Mooncake)")
+        for name, r in results.items():
+            if name == "mooncake-tcp":
+                continue
+            ratios[name] = {op: statistics.median(r[f"{op}_gbps"]) / statistics.median(base[f"{op}_gbps"])
+                            for op in ("put", "get")}
+            print(f"{name:18s} put x{ratios[name]['put']:5.2f}   get x{ratios[name]['get']:5.2f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"size": args.size, "batch": args.batch, "rounds": args.rounds,
-                                               "results": results}, indent=2))
+                                               "results": results, "ratio_to_mooncake": ratios}, indent=2))
     return 0
 
 
