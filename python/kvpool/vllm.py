@@ -43,6 +43,18 @@ How it works:
   form one value. Loads start in ``start_load_kv`` on a background thread and are awaited by the
   first ``wait_for_layer_load``, so they overlap the work before the first attention layer; saves
   of a step are submitted in ``wait_for_save`` and overlap the next steps (``async_save``).
+
+Where it differs from vLLM's Mooncake store connector on purpose:
+
+- The scheduler asks ``lookup`` (the resident prefix, counted by the server in one request) where
+  Mooncake's connector calls ``batch_is_exist`` over the whole chain and counts on the client;
+  neither grants a lease here, so lookups never hold blocks against eviction.
+- Saves do not ask ``batch_is_exist`` first: a put of a block that is already stored answers
+  ``already-exists`` and keeps the stored value (counted as ``save_skipped``): one request
+  instead of two.
+- Each saved block carries its parent key and prefix length, so the server's prefix-aware
+  policies (leaf-first eviction, ``store_threshold`` admission) see the chain.
+- A full pool (``no-space``) skips that step's saves and is logged; later steps try again.
 """
 
 from __future__ import annotations
