@@ -54,7 +54,8 @@ Where it differs from vLLM's Mooncake store connector on purpose:
   instead of two.
 - Each saved block carries its parent key and prefix length, so the server's prefix-aware
   policies (leaf-first eviction, ``store_threshold`` admission) see the chain.
-- A full pool (``no-space``) skips that step's saves and is logged; later steps try again.
+- A full pool (``no-space``) leaves that step's blocks unsaved (logged, not retried); later steps
+  still try theirs (vLLM's Mooncake connector skips saves after a -200).
 """
 
 from __future__ import annotations
