@@ -34,7 +34,7 @@ def vllm_installed() -> None:
 def test_prefix_reuse_across_two_engines(tmp_path: Path) -> None:
     out = tmp_path / "e2e.json"
     r = subprocess.run(
-        [PY, str(EXAMPLE / "run.py"), "--check", "--trials", "3", "--json", str(out),
+        [PY, str(EXAMPLE / "run.py"), "--check", "--trials", "5", "--json", str(out),
          "--workdir", str(tmp_path / "work"), "--server-bin", str(server_binary())],
         capture_output=True, text=True, timeout=1800,
     )
