@@ -3,7 +3,9 @@
 //! is safe to share between threads (the Python binding releases the GIL around every call, so
 //! many threads may be in calls at once).
 
-use crate::{BufSlice, Buffer, ClientConfig, GetIntoResult, GetResult, PathReport, PutEntry, PutOptions, Result};
+use crate::{
+    BufSlice, Buffer, ClientConfig, GetIntoResult, GetResult, Located, PathReport, PutEntry, PutOptions, Result,
+};
 use kvpool_proto::{ErrorCode, HelloOk, Limits, PolicyInfo, PolicyKind, PutMode, RemoveAllResponse, StatsReport};
 use std::future::Future;
 use std::sync::Arc;
@@ -130,6 +132,15 @@ impl Client {
     }
     pub fn get_into_batch<K: AsRef<[u8]>>(&self, keys: &[K], dests: &[BufSlice<'_>]) -> Result<Vec<GetIntoResult>> {
         self.run(self.inner.get_into_batch(keys, dests))
+    }
+
+    /// Locate blocks and lease them in place (sizes, tiers, checksums); end with [`Self::release`].
+    pub fn get_locate<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Located> {
+        self.run(self.inner.get_locate(keys))
+    }
+    /// End a lease of [`Self::get_locate`].
+    pub fn release(&self, lease: u64) -> Result<()> {
+        self.run(self.inner.release(lease))
     }
 
     pub fn policy_load(

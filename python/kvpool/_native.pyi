@@ -1,0 +1,91 @@
+"""Type stubs of the Rust extension ``kvpool._native`` (see ``python/src/lib.rs``)."""
+
+from typing import Any, Optional, Sequence, Union
+
+Key = Union[str, bytes]
+__version__: str
+
+class KvpoolError(Exception):
+    """A kvpool call failed; ``args == (message, code)``."""
+
+    code: str
+
+class SharedBuffer:
+    """Memory shared with a same-host server; supports the writable buffer protocol."""
+
+    @property
+    def address(self) -> int: ...
+    @property
+    def size(self) -> int: ...
+    def __len__(self) -> int: ...
+    def __buffer__(self, flags: int) -> memoryview: ...
+
+class Client:
+    def __init__(
+        self,
+        server: Optional[str] = None,
+        api_key: Optional[str] = None,
+        *,
+        fingerprint: Optional[str] = None,
+        ca_file: Optional[str] = None,
+        data_dir: Optional[str] = None,
+        server_name: Optional[str] = None,
+        transport: str = "auto",
+        timeout: float = 30.0,
+        client_name: Optional[str] = None,
+    ) -> None: ...
+    @property
+    def transport(self) -> str: ...
+    @property
+    def tenant(self) -> str: ...
+    @property
+    def limits(self) -> dict[str, int]: ...
+    def ping(self) -> float: ...
+    def close(self) -> None: ...
+    def put_batch(
+        self,
+        keys: Sequence[Key],
+        values: Sequence[Any],
+        upsert: bool = False,
+        parents: Optional[Sequence[Optional[Key]]] = None,
+        tokens: Optional[Sequence[int]] = None,
+        seq_tokens: Optional[Sequence[int]] = None,
+        pin: Optional[str] = None,
+    ) -> list[str]: ...
+    def get_batch(self, keys: Sequence[Key]) -> list[tuple[str, Optional[bytes]]]: ...
+    def get_size(self, keys: Sequence[Key]) -> list[tuple[str, int]]: ...
+    def exists(self, keys: Sequence[Key]) -> list[bool]: ...
+    def lookup(self, chain: Sequence[Key]) -> int: ...
+    def remove(self, keys: Sequence[Key], force: bool = False) -> list[str]: ...
+    def remove_all(self, force: bool = False) -> tuple[int, int]: ...
+    def stats(self) -> dict[str, Any]: ...
+    def alloc_buffer(self, size: int) -> SharedBuffer: ...
+    def register(self, ptr: int, size: int) -> bool: ...
+    def unregister(self, ptr: int) -> None: ...
+    def registered(self) -> list[tuple[int, int, bool]]: ...
+    def put_from(
+        self,
+        keys: Sequence[Key],
+        ptrs: Sequence[int],
+        sizes: Sequence[int],
+        upsert: bool = False,
+        parents: Optional[Sequence[Optional[Key]]] = None,
+        tokens: Optional[Sequence[int]] = None,
+        seq_tokens: Optional[Sequence[int]] = None,
+        pin: Optional[str] = None,
+    ) -> list[str]: ...
+    def put_from_multi(
+        self,
+        keys: Sequence[Key],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        upsert: bool = False,
+        parents: Optional[Sequence[Optional[Key]]] = None,
+        tokens: Optional[Sequence[int]] = None,
+        seq_tokens: Optional[Sequence[int]] = None,
+        pin: Optional[str] = None,
+    ) -> list[str]: ...
+    def get_into(self, keys: Sequence[Key], ptrs: Sequence[int], sizes: Sequence[int]) -> list[tuple[str, int]]: ...
+    def get_into_multi(
+        self, keys: Sequence[Key], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]
+    ) -> list[tuple[str, int]]: ...

@@ -1,0 +1,551 @@
+"""Mooncake Store's Python API on kvpool.
+
+Code written against ``mooncake.store.MooncakeDistributedStore`` switches to kvpool by changing
+the import::
+
+    from kvpool.mooncake import MooncakeDistributedStore   # was: from mooncake.store import ...
+
+Method names, arguments and return conventions are Mooncake's: ``0`` or a count for success,
+Mooncake's negative error codes for failures (table below), ``b''`` from ``get`` when a key is
+missing, ``1/0/-1`` from ``is_exist``. Calls never raise for an outcome Mooncake reports as a
+code; they raise ``TypeError`` for arguments of the wrong type, as pybind11 does.
+
+Where kvpool differs on purpose, the method's docstring says so. The main differences:
+
+- ``is_exist``/``batch_is_exist`` never grant or renew a lease (Mooncake's do, which starves
+  eviction); ``get``/``get_into`` lease a block for the duration of the read only.
+- A kvpool client does not contribute memory to the pool: ``global_segment_size`` and
+  ``local_buffer_size`` given to ``setup`` are accepted and ignored; the server's ``dram.size``
+  (mapped from the same field of ``mooncake_store_config.json``) is the pool's capacity.
+- ``lookup(keys)`` (kvpool's own) answers how many leading keys of a prefix chain are resident in
+  one request, where Mooncake's connectors call ``batch_is_exist`` over the whole chain.
+- Addresses given to ``put_from``/``get_into`` and their batch forms are checked against the
+  registered buffers: an address range not entirely inside one ``register_buffer`` range answers
+  ``-600`` (invalid params) and is never touched. Mooncake reads or writes it regardless.
+
+Error codes (kvpool code -> Mooncake code):
+
+================  ==========================================
+kvpool            Mooncake
+================  ==========================================
+not-found         -704 OBJECT_NOT_FOUND
+already-exists    -705 OBJECT_ALREADY_EXISTS
+leased            -706 OBJECT_HAS_LEASE
+no-space          -200 NO_AVAILABLE_HANDLE
+rejected          -200 NO_AVAILABLE_HANDLE (the admission policy refused the block, e.g.
+                  ``store_threshold``; Mooncake has no admission step)
+value-too-large   -10 BUFFER_OVERFLOW (a ``get_into`` buffer smaller than the value)
+key-too-long      -400 INVALID_KEY
+invalid-argument  -600 INVALID_PARAMS (also unregistered addresses, batch-too-large)
+corrupt           -701 INVALID_READ (checksum mismatch; the server drops the block)
+timeout, closed,  -900 RPC_FAIL
+connection errors
+anything else     -1 INTERNAL_ERROR
+================  ==========================================
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections.abc import Sequence
+from typing import Any, Optional, Union
+
+from kvpool._native import Client, KvpoolError, SharedBuffer
+
+log = logging.getLogger("kvpool.mooncake")
+
+Key = Union[str, bytes]
+
+OK = 0
+INTERNAL_ERROR = -1
+BUFFER_OVERFLOW = -10
+NO_AVAILABLE_HANDLE = -200
+INVALID_KEY = -400
+INVALID_PARAMS = -600
+INVALID_READ = -701
+OBJECT_NOT_FOUND = -704
+OBJECT_ALREADY_EXISTS = -705
+OBJECT_HAS_LEASE = -706
+RPC_FAIL = -900
+
+_CODES = {
+    "ok": OK,
+    "not-found": OBJECT_NOT_FOUND,
+    "already-exists": OBJECT_ALREADY_EXISTS,
+    "leased": OBJECT_HAS_LEASE,
+    "no-space": NO_AVAILABLE_HANDLE,
+    "rejected": NO_AVAILABLE_HANDLE,
+    "value-too-large": BUFFER_OVERFLOW,
+    "key-too-long": INVALID_KEY,
+    "invalid-argument": INVALID_PARAMS,
+    "batch-too-large": INVALID_PARAMS,
+    "frame-too-large": INVALID_PARAMS,
+    "corrupt": INVALID_READ,
+    "timeout": RPC_FAIL,
+    "closed": RPC_FAIL,
+    "shutting-down": RPC_FAIL,
+    "unauthorized": RPC_FAIL,
+}
+
+
+def to_mooncake_code(code: str) -> int:
+    """Mooncake's error code for a kvpool status name (see the module's table)."""
+    return _CODES.get(code, INTERNAL_ERROR)
+
+
+def _error_code(e: KvpoolError) -> int:
+    return to_mooncake_code(e.code)  # type: ignore[attr-defined]
+
+
+def _parse_size(v: Any) -> int:
+    """Sizes in Mooncake configs: integers (bytes) or strings such as ``"4GB"``/``"4GiB"``."""
+    if isinstance(v, int):
+        return v
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", str(v), re.IGNORECASE)
+    if not m:
+        raise ValueError(f"not a size: {v!r}")
+    unit = (m.group(2) or "").upper().rstrip("B")
+    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
+    return int(float(m.group(1)) * scale[unit])
+
+
+def _transport(protocol: str) -> str:
+    """Mooncake ``protocol`` -> kvpool transport, as the server maps it: ``tcp`` serves remote and
+    same-host clients alike, which in kvpool is QUIC plus shared memory on the same host."""
+    p = (protocol or "tcp").lower()
+    if p in ("tcp", "auto", ""):
+        return "auto"
+    if p in ("quic", "shm"):
+        return p
+    log.warning("protocol %r is not available in kvpool; using QUIC (shared memory on the same host)", protocol)
+    return "auto"
+
+
+def _pin(config: Any) -> Optional[str]:
+    """A Mooncake ``ReplicateConfig`` (or anything with its attributes) -> kvpool pin."""
+    if config is None:
+        return None
+    if getattr(config, "with_hard_pin", False):
+        return "hard"
+    if getattr(config, "with_soft_pin", False):
+        return "soft"
+    return None
+
+
+class ReplicateConfig:
+    """Mooncake's put options. kvpool is single-node: ``replica_num`` and the segment preferences
+    are accepted and ignored; ``with_soft_pin`` and ``with_hard_pin`` pin the block."""
+
+    def __init__(self) -> None:
+        self.replica_num = 1
+        self.with_soft_pin = False
+        self.with_hard_pin = False
+        self.preferred_segment = ""
+        self.preferred_segments: list[str] = []
+        self.prefer_alloc_in_same_node = False
+
+
+class MooncakeDistributedStore:
+    """``mooncake.store.MooncakeDistributedStore`` on kvpool (see the module docs).
+
+    Besides Mooncake's ``setup`` arguments, kvpool needs to know how to authenticate and trust
+    the server. ``setup`` takes them as keyword arguments (``api_key``, ``fingerprint``,
+    ``ca_file``, ``data_dir``) or from the environment: ``KVPOOL_DATA_DIR`` (a local server's data
+    directory: address, certificate fingerprint and API key), or ``KVPOOL_API_KEY`` /
+    ``KVPOOL_API_KEY_FILE`` with ``KVPOOL_FINGERPRINT`` or ``KVPOOL_CA``; ``KVPOOL_SERVER``
+    overrides the address.
+    """
+
+    def __init__(self) -> None:
+        self._client: Optional[Client] = None
+        self._closed = False
+
+    # ---- life cycle -------------------------------------------------------------------
+
+    def setup(
+        self,
+        local_hostname: Union[str, dict[str, Any], None] = None,
+        metadata_server: str = "",
+        global_segment_size: int = 0,
+        local_buffer_size: int = 0,
+        protocol: str = "tcp",
+        rdma_devices: str = "",
+        master_server_addr: str = "",
+        engine: Any = None,
+        *,
+        api_key: Optional[str] = None,
+        fingerprint: Optional[str] = None,
+        ca_file: Optional[str] = None,
+        data_dir: Optional[str] = None,
+        timeout: float = 30.0,
+        **unused: Any,
+    ) -> int:
+        """Connect. Accepts Mooncake's positional arguments, or one config dict (Mooncake's second
+        overload), or nothing: then ``MOONCAKE_CONFIG_PATH`` names a ``mooncake_store_config.json``.
+
+        Mapping (the server maps the same fields of that file the same way):
+        ``master_server_addr``/``master_server_address`` -> the kvpool server address (QUIC);
+        ``protocol`` ``tcp`` -> shared memory when the server is on this host, QUIC otherwise;
+        ``quic``/``shm`` force one. ``local_hostname``, ``metadata_server``, ``rdma_devices``,
+        ``engine``, ``global_segment_size`` and ``local_buffer_size`` are accepted and ignored (a
+        kvpool client lends no memory to the pool). Returns 0, or -600 for unusable arguments,
+        -900 when the server cannot be reached or refuses the key.
+        """
+        if isinstance(local_hostname, dict):
+            cfg: dict[str, Any] = dict(local_hostname)
+        elif local_hostname is None and not master_server_addr:
+            cfg = self._config_file()
+        else:
+            cfg = {
+                "local_hostname": local_hostname,
+                "metadata_server": metadata_server,
+                "global_segment_size": global_segment_size,
+                "local_buffer_size": local_buffer_size,
+                "protocol": protocol,
+                "rdma_devices": rdma_devices,
+                "master_server_addr": master_server_addr,
+            }
+        if unused:
+            log.debug("setup: ignoring %s", sorted(unused))
+        try:
+            for k in ("global_segment_size", "local_buffer_size"):
+                if cfg.get(k):
+                    _parse_size(cfg[k])
+        except ValueError as e:
+            log.error("setup: %s", e)
+            return INVALID_PARAMS
+        server = cfg.get("master_server_addr") or cfg.get("master_server_address") or None
+        server = os.environ.get("KVPOOL_SERVER") or server
+        data_dir = data_dir or os.environ.get("KVPOOL_DATA_DIR")
+        api_key = api_key or os.environ.get("KVPOOL_API_KEY")
+        key_file = os.environ.get("KVPOOL_API_KEY_FILE")
+        if api_key is None and key_file:
+            with open(key_file, encoding="utf-8") as f:
+                api_key = f.readline().strip()
+        fingerprint = fingerprint or os.environ.get("KVPOOL_FINGERPRINT")
+        ca_file = ca_file or os.environ.get("KVPOOL_CA")
+        try:
+            client = Client(
+                server,
+                api_key,
+                fingerprint=fingerprint,
+                ca_file=ca_file,
+                data_dir=data_dir,
+                transport=_transport(cfg.get("protocol", "tcp")),
+                timeout=timeout,
+                client_name="kvpool-mooncake",
+            )
+        except KvpoolError as e:
+            log.error("setup: %s", e)
+            return INVALID_PARAMS if e.code == "invalid-argument" else RPC_FAIL  # type: ignore[attr-defined]
+        if self._client is not None:
+            self._client.close()
+        self._client = client
+        self._closed = False
+        return OK
+
+    @staticmethod
+    def _config_file() -> dict[str, Any]:
+        path = os.environ.get("MOONCAKE_CONFIG_PATH")
+        if not path:
+            return {}
+        with open(path, encoding="utf-8") as f:
+            cfg: dict[str, Any] = json.load(f)
+        te = cfg.get("transfer_engine") or {}
+        if "backend" in te and "protocol" not in cfg:
+            cfg["protocol"] = te["backend"]
+        return cfg
+
+    def close(self) -> int:
+        """Close the connection. Returns 0."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+        self._closed = True
+        return OK
+
+    def health_check(self) -> int:
+        """0 when the server answers a ping, 1 when not set up or closed, 2 when unreachable."""
+        if self._client is None:
+            return 1
+        try:
+            self._client.ping()
+            return 0
+        except KvpoolError:
+            return 2
+
+    @property
+    def client(self) -> Client:
+        """The kvpool client underneath (kvpool's own API: ``stats``, ``lookup``, ...)."""
+        if self._client is None:
+            raise RuntimeError("MooncakeDistributedStore.setup() has not succeeded")
+        return self._client
+
+    def _c(self) -> Optional[Client]:
+        return self._client
+
+    # ---- bytes in, bytes out ----------------------------------------------------------
+
+    def put(self, key: Key, value: Any, config: Any = None) -> int:
+        """Store ``value`` (bytes or any buffer). Blocks are immutable: a key that exists answers
+        -705 and keeps its value (use ``upsert`` to replace)."""
+        return self._put([key], [value], False, config)[0]
+
+    def upsert(self, key: Key, value: Any, config: Any = None) -> int:
+        """Insert or replace. Replacing a value that is being read answers -706."""
+        return self._put([key], [value], True, config)[0]
+
+    def put_batch(self, keys: Sequence[Key], values: Sequence[Any], config: Any = None) -> int:
+        """Store many values in one request. Returns 0 when every item was stored, else the first
+        item's error code (as Mooncake's ``put_batch``)."""
+        return _first_error(self._put(keys, values, False, config))
+
+    def upsert_batch(self, keys: Sequence[Key], values: Sequence[Any], config: Any = None) -> int:
+        """Insert or replace many values; 0 or the first item's error code."""
+        return _first_error(self._put(keys, values, True, config))
+
+    def _put(self, keys: Sequence[Key], values: Sequence[Any], upsert: bool, config: Any) -> list[int]:
+        c = self._c()
+        if c is None:
+            return [INTERNAL_ERROR] * len(keys)
+        if len(keys) != len(values):
+            return [INVALID_PARAMS] * len(keys)
+        try:
+            return [to_mooncake_code(s) for s in c.put_batch(list(keys), list(values), upsert, pin=_pin(config))]
+        except KvpoolError as e:
+            return [_error_code(e)] * len(keys)
+
+    def get(self, key: Key) -> bytes:
+        """The value, or ``b''`` when the key is missing (or on any error, as Mooncake)."""
+        return self.get_batch([key])[0]
+
+    def get_batch(self, keys: Sequence[Key]) -> list[bytes]:
+        """Values of many keys in one request; ``b''`` for each missing one."""
+        c = self._c()
+        if c is None:
+            return [b""] * len(keys)
+        try:
+            return [v if (s == "ok" and v is not None) else b"" for s, v in c.get_batch(list(keys))]
+        except KvpoolError as e:
+            log.warning("get_batch: %s", e)
+            return [b""] * len(keys)
+
+    def get_size(self, key: Key) -> int:
+        """Size in bytes of the stored value, or -704. Like a read (and like Mooncake's, which asks
+        for the replica list), it leases the block: a ``remove`` right after needs ``force``."""
+        c = self._c()
+        if c is None:
+            return INTERNAL_ERROR
+        try:
+            status, size = c.get_size([key])[0]
+        except KvpoolError as e:
+            return _error_code(e)
+        return int(size) if status == "ok" else to_mooncake_code(status)
+
+    # ---- presence and removal ---------------------------------------------------------
+
+    def is_exist(self, key: Key) -> int:
+        """1 if stored, 0 if not, -1 on error. Never grants or renews a lease (Mooncake's does)."""
+        return self.batch_is_exist([key])[0]
+
+    def batch_is_exist(self, keys: Sequence[Key]) -> list[int]:
+        """1/0/-1 per key, in one request. Never grants or renews leases."""
+        c = self._c()
+        if c is None:
+            return [-1] * len(keys)
+        try:
+            return [1 if p else 0 for p in c.exists(list(keys))]
+        except KvpoolError:
+            return [-1] * len(keys)
+
+    def lookup(self, keys: Sequence[Key]) -> int:
+        """kvpool's own: how many leading keys of the prefix chain ``keys`` (root first) are
+        resident, in one request; no lease, no recency update. Negative code on error."""
+        c = self._c()
+        if c is None:
+            return INTERNAL_ERROR
+        try:
+            return int(c.lookup(list(keys)))
+        except KvpoolError as e:
+            return _error_code(e)
+
+    def remove(self, key: Key, force: bool = False) -> int:
+        """0, -704 when missing, -706 when leased (unless ``force``)."""
+        return self.batch_remove([key], force)[0]
+
+    def batch_remove(self, keys: Sequence[Key], force: bool = False) -> list[int]:
+        """One code per key (0, -704, -706)."""
+        c = self._c()
+        if c is None:
+            return [INTERNAL_ERROR] * len(keys)
+        try:
+            return [to_mooncake_code(s) for s in c.remove(list(keys), force)]
+        except KvpoolError as e:
+            return [_error_code(e)] * len(keys)
+
+    def remove_all(self, force: bool = False) -> int:
+        """Remove every block of this tenant; returns how many were removed (leased blocks are
+        kept unless ``force``), or a negative code."""
+        c = self._c()
+        if c is None:
+            return INTERNAL_ERROR
+        try:
+            removed, _kept = c.remove_all(force)
+            return int(removed)
+        except KvpoolError as e:
+            return _error_code(e)
+
+    # ---- registered memory ------------------------------------------------------------
+
+    def alloc_buffer(self, size: int) -> SharedBuffer:
+        """kvpool's own: memory shared with a same-host server (numpy-compatible through the buffer
+        protocol: ``numpy.frombuffer(buf, dtype=...)``). Register it (``register_buffer(
+        buf.address, buf.size)``) and ``put_from``/``get_into`` through it are zero-copy: the server
+        copies between its DRAM segment and this memory, no byte crosses a socket. Over QUIC
+        (another host) the same calls send the bytes in band."""
+        return self.client.alloc_buffer(size)
+
+    def register_buffer(self, buffer_ptr: int, size: int) -> int:
+        """Register ``[buffer_ptr, buffer_ptr + size)`` (a numpy ``ctypes.data``, torch
+        ``data_ptr()`` or a ``SharedBuffer.address``) for ``put_from``/``get_into``. 0, or -600
+        for an empty range or one that overlaps a registered range.
+
+        Path: a range inside an ``alloc_buffer`` buffer moves zero-copy (the server copies
+        directly); any other memory is copied once by the client into shared staging memory on
+        the same host (or sent in band over QUIC elsewhere)."""
+        c = self._c()
+        if c is None:
+            return INTERNAL_ERROR
+        try:
+            c.register(int(buffer_ptr), int(size))
+            return OK
+        except KvpoolError as e:
+            log.warning("register_buffer: %s", e)
+            return _error_code(e)
+
+    def unregister_buffer(self, buffer_ptr: int) -> int:
+        """0, or -600 when nothing is registered at ``buffer_ptr``. Waits for transfers using it."""
+        c = self._c()
+        if c is None:
+            return INTERNAL_ERROR
+        try:
+            c.unregister(int(buffer_ptr))
+            return OK
+        except KvpoolError as e:
+            return _error_code(e)
+
+    def put_from(self, key: Key, buffer_ptr: int, size: int, config: Any = None) -> int:
+        """Store ``size`` bytes at ``buffer_ptr`` (inside a registered buffer); 0 or a code."""
+        return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
+
+    def upsert_from(self, key: Key, buffer_ptr: int, size: int, config: Any = None) -> int:
+        """``put_from`` that replaces an existing value."""
+        return self._put_from([key], [[buffer_ptr]], [[size]], True, config)[0]
+
+    def get_into(self, key: Key, buffer_ptr: int, size: int) -> int:
+        """Read the value into ``[buffer_ptr, buffer_ptr + size)``; the number of bytes read, or a
+        negative code (-704 missing, -10 value larger than ``size``, -600 unregistered range)."""
+        return self.batch_get_into([key], [buffer_ptr], [size])[0]
+
+    def batch_put_from(
+        self, keys: Sequence[Key], buffer_ptrs: Sequence[int], sizes: Sequence[int], config: Any = None
+    ) -> list[int]:
+        """``put_from`` for many keys in one request; one code per key."""
+        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
+            return [INVALID_PARAMS] * len(keys)
+        return self._put_from(keys, [[p] for p in buffer_ptrs], [[s] for s in sizes], False, config)
+
+    def batch_upsert_from(
+        self, keys: Sequence[Key], buffer_ptrs: Sequence[int], sizes: Sequence[int], config: Any = None
+    ) -> list[int]:
+        """``upsert_from`` for many keys; one code per key."""
+        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
+            return [INVALID_PARAMS] * len(keys)
+        return self._put_from(keys, [[p] for p in buffer_ptrs], [[s] for s in sizes], True, config)
+
+    def batch_get_into(self, keys: Sequence[Key], buffer_ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
+        """``get_into`` for many keys in one request; bytes read or a negative code per key.
+        Destinations of one call may not overlap (-600 for all)."""
+        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
+            return [INVALID_PARAMS] * len(keys)
+        return self._get_into(keys, [[p] for p in buffer_ptrs], [[s] for s in sizes])
+
+    def batch_put_from_multi_buffers(
+        self,
+        keys: Sequence[Key],
+        all_buffer_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]],
+        config: Any = None,
+    ) -> list[int]:
+        """Each value is the concatenation of several registered ranges (e.g. one KV block's slice
+        of every layer). Ranges that follow each other in memory move as one; scattered pieces
+        are gathered by the client into shared staging memory (one copy), which the server reads
+        directly on the same host. One code per key."""
+        return self._put_from(keys, all_buffer_ptrs, all_sizes, False, config)
+
+    def batch_get_into_multi_buffers(
+        self,
+        keys: Sequence[Key],
+        all_buffer_ptrs: Sequence[Sequence[int]],
+        all_sizes: Sequence[Sequence[int]],
+        prefer_alloc_in_same_node: bool = False,
+    ) -> list[int]:
+        """Each value is split over several registered ranges, filled in order. Bytes read or a
+        negative code per key. ``prefer_alloc_in_same_node`` is accepted and ignored."""
+        return self._get_into(keys, all_buffer_ptrs, all_sizes)
+
+    def _put_from(
+        self,
+        keys: Sequence[Key],
+        ptrs: Sequence[Sequence[int]],
+        sizes: Sequence[Sequence[int]],
+        upsert: bool,
+        config: Any,
+    ) -> list[int]:
+        c = self._c()
+        if c is None:
+            return [INTERNAL_ERROR] * len(keys)
+        try:
+            st = c.put_from_multi(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes], upsert, pin=_pin(config))
+        except KvpoolError as e:
+            return [_error_code(e)] * len(keys)
+        return [to_mooncake_code(s) for s in st]
+
+    def _get_into(self, keys: Sequence[Key], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
+        c = self._c()
+        if c is None:
+            return [INTERNAL_ERROR] * len(keys)
+        try:
+            got = c.get_into_multi(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
+        except KvpoolError as e:
+            return [_error_code(e)] * len(keys)
+        return [int(n) if s == "ok" else to_mooncake_code(s) for s, n in got]
+
+
+def _first_error(codes: list[int]) -> int:
+    return next((c for c in codes if c != OK), OK)
+
+
+#: The same class under kvpool's name.
+KVPoolStore = MooncakeDistributedStore
+
+__all__ = [
+    "MooncakeDistributedStore",
+    "KVPoolStore",
+    "ReplicateConfig",
+    "to_mooncake_code",
+    "OK",
+    "INTERNAL_ERROR",
+    "BUFFER_OVERFLOW",
+    "NO_AVAILABLE_HANDLE",
+    "INVALID_KEY",
+    "INVALID_PARAMS",
+    "INVALID_READ",
+    "OBJECT_NOT_FOUND",
+    "OBJECT_ALREADY_EXISTS",
+    "OBJECT_HAS_LEASE",
+    "RPC_FAIL",
+]

@@ -1,0 +1,904 @@
+//! The extension module proper (built with the `extension` feature; see the crate docs).
+
+use crate::regions::{self, Place, RegionError, Regions};
+use kvpool_client::blocking::Client as Blocking;
+use kvpool_client::{
+    BufSlice, Buffer, ClientConfig, ClientError, ErrorCode, PinSpec, PutEntry, PutMode, PutOptions, TransportChoice,
+    Trust,
+};
+use parking_lot::{Mutex, RwLock};
+use pyo3::exceptions::{PyBufferError, PyException, PyTypeError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBytes, PyDict, PyList, PyString};
+use std::collections::BTreeMap;
+use std::ffi::c_int;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+
+pyo3::create_exception!(
+    _native,
+    KvpoolError,
+    PyException,
+    "A kvpool call failed. `args` is `(message, code)`; `code` is kvpool's error code name \
+     (`not-found`, `no-space`, `invalid-argument`, `timeout`, ...)."
+);
+
+/// What a binding call can fail with, before it becomes a Python exception.
+#[derive(Debug, thiserror::Error)]
+enum Error {
+    #[error(transparent)]
+    Client(#[from] ClientError),
+    #[error("invalid-argument: {0}")]
+    Region(#[from] RegionError),
+    #[error("invalid-argument: {0}")]
+    Argument(String),
+    #[error("closed: the client was closed")]
+    Closed,
+}
+
+impl Error {
+    fn code(&self) -> &'static str {
+        match self {
+            Error::Client(e) => e.code().name(),
+            Error::Region(_) | Error::Argument(_) => ErrorCode::InvalidArgument.name(),
+            Error::Closed => "closed",
+        }
+    }
+}
+
+impl From<Error> for PyErr {
+    fn from(e: Error) -> PyErr {
+        let code = e.code();
+        KvpoolError::new_err((e.to_string(), code))
+    }
+}
+
+type Res<T> = Result<T, Error>;
+
+/// A key given as `str` (its UTF-8 bytes) or `bytes`.
+fn key_bytes(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u8>> {
+    if let Ok(s) = obj.cast::<PyString>() {
+        return Ok(s.to_str()?.as_bytes().to_vec());
+    }
+    if let Ok(b) = obj.cast::<PyBytes>() {
+        return Ok(b.as_bytes().to_vec());
+    }
+    Err(PyTypeError::new_err(format!("a key is str or bytes, not {}", obj.get_type().name()?)))
+}
+
+fn keys_of(objs: &[Bound<'_, PyAny>]) -> PyResult<Vec<Vec<u8>>> {
+    objs.iter().map(key_bytes).collect()
+}
+
+/// Per-item put metadata given as optional parallel lists.
+fn put_options(
+    n: usize,
+    parents: Option<Vec<Option<Bound<'_, PyAny>>>>,
+    tokens: Option<Vec<u32>>,
+    seq_tokens: Option<Vec<u64>>,
+    pin: Option<&str>,
+) -> PyResult<Vec<PutOptions>> {
+    let pin = match pin {
+        None | Some("") | Some("none") => PinSpec::None,
+        Some("soft") => PinSpec::Soft { ttl_ms: 0 },
+        Some("hard") => PinSpec::Hard,
+        Some(other) => return Err(Error::Argument(format!("pin {other:?}: expected none, soft or hard")).into()),
+    };
+    let lens = [parents.as_ref().map(Vec::len), tokens.as_ref().map(Vec::len), seq_tokens.as_ref().map(Vec::len)];
+    if lens.iter().flatten().any(|&l| l != n) {
+        return Err(Error::Argument(format!("{n} keys but per-item metadata of lengths {lens:?}")).into());
+    }
+    (0..n)
+        .map(|i| {
+            let parent = match parents.as_ref().and_then(|p| p[i].as_ref()) {
+                Some(p) => Some(key_bytes(p)?),
+                None => None,
+            };
+            Ok(PutOptions {
+                parent,
+                tokens: tokens.as_ref().map_or(0, |t| t[i]),
+                seq_tokens: seq_tokens.as_ref().map_or(0, |t| t[i]),
+                pin,
+            })
+        })
+        .collect()
+}
+
+fn mode(upsert: bool) -> PutMode {
+    if upsert {
+        PutMode::Upsert
+    } else {
+        PutMode::Insert
+    }
+}
+
+/// A read-only view of a Python object's bytes, held while the GIL is released.
+struct ValueRef {
+    _buf: pyo3::buffer::PyUntypedBuffer,
+    ptr: usize,
+    len: usize,
+}
+
+fn value_ref(obj: &Bound<'_, PyAny>) -> PyResult<ValueRef> {
+    // Any element type: a value is the buffer's bytes (numpy float arrays included).
+    let buf = pyo3::buffer::PyUntypedBuffer::get(obj)?;
+    if !buf.is_c_contiguous() {
+        return Err(PyBufferError::new_err("a value must be a C-contiguous buffer"));
+    }
+    Ok(ValueRef { ptr: buf.buf_ptr() as usize, len: buf.len_bytes(), _buf: buf })
+}
+
+impl ValueRef {
+    fn bytes(&self) -> &[u8] {
+        if self.len == 0 {
+            return &[];
+        }
+        // SAFETY: the exporter keeps these bytes alive and in place while `_buf` holds the view.
+        unsafe { std::slice::from_raw_parts(self.ptr as *const u8, self.len) }
+    }
+}
+
+/// Shared buffers kept for multi-buffer transfers that must gather or scatter their pieces.
+#[derive(Default)]
+struct Stage {
+    pool: Mutex<Vec<Buffer>>,
+}
+
+/// Staging memory kept for reuse, in bytes.
+const STAGE_KEEP: usize = 256 << 20;
+
+impl Stage {
+    fn take(&self, client: &Blocking, len: usize) -> Res<Buffer> {
+        let mut pool = self.pool.lock();
+        if let Some(i) = pool.iter().position(|b| b.len() >= len) {
+            return Ok(pool.swap_remove(i));
+        }
+        drop(pool);
+        Ok(client.alloc_buffer(len.max(1 << 20).next_power_of_two())?)
+    }
+
+    fn give_back(&self, b: Buffer) {
+        let mut pool = self.pool.lock();
+        let held: usize = pool.iter().map(Buffer::len).sum();
+        if held + b.len() <= STAGE_KEEP {
+            pool.push(b);
+        }
+    }
+}
+
+/// One item of a raw-address transfer after its ranges were checked.
+enum Route {
+    /// Refused before any byte moved.
+    Refused(&'static str),
+    /// One range inside a kvpool shared buffer: the server copies directly (same host).
+    Shared(Arc<Buffer>, usize, usize),
+    /// One range of ordinary memory: `put_batch` / `get_batch_into` (staged through shared
+    /// memory by the client on the same host, in band over QUIC elsewhere).
+    Plain(usize, usize),
+    /// Several ranges: gathered into (or scattered from) a staging buffer.
+    Pieces(Vec<(usize, usize)>),
+}
+
+/// A kvpool connection (see the module docs).
+#[pyclass(module = "kvpool._native", frozen)]
+struct Client {
+    inner: Blocking,
+    regions: RwLock<Regions<Arc<Buffer>>>,
+    /// Shared buffers made by `alloc_buffer`, by start address, to recognise registrations
+    /// that lie inside one.
+    shared: Mutex<BTreeMap<usize, Weak<Buffer>>>,
+    stage: Stage,
+    closed: AtomicBool,
+}
+
+impl Client {
+    fn live(&self) -> Res<&Blocking> {
+        if self.closed.load(Ordering::Acquire) {
+            return Err(Error::Closed);
+        }
+        Ok(&self.inner)
+    }
+
+    fn max_batch(&self) -> usize {
+        (self.inner.limits().max_batch as usize).max(1)
+    }
+
+    /// Check every item's ranges against the registrations and choose its path.
+    fn route(regions: &Regions<Arc<Buffer>>, pieces: &[Vec<(usize, usize)>]) -> Vec<Route> {
+        pieces
+            .iter()
+            .map(|p| {
+                for &(ptr, len) in p {
+                    if regions.place(ptr, len).is_err() {
+                        return Route::Refused("invalid-argument");
+                    }
+                }
+                let joined = regions::coalesce(p);
+                match joined.as_slice() {
+                    [] => Route::Plain(0, 0),
+                    [(ptr, len)] => match regions.place(*ptr, *len) {
+                        Ok(Place::Shared(b, off)) => Route::Shared(b.clone(), off, *len),
+                        Ok(Place::Plain) => Route::Plain(*ptr, *len),
+                        // Adjacent registrations joined into one range: move the pieces apart.
+                        Err(_) => Route::Pieces(p.clone()),
+                    },
+                    _ => Route::Pieces(joined),
+                }
+            })
+            .collect()
+    }
+
+    /// Put values given as address ranges (one or more pieces per key, concatenated).
+    fn put_ranges(
+        &self,
+        keys: &[Vec<u8>],
+        pieces: &[Vec<(usize, usize)>],
+        opts: &[PutOptions],
+        mode: PutMode,
+    ) -> Res<Vec<&'static str>> {
+        let client = self.live()?;
+        let regions = self.regions.read();
+        let routes = Self::route(&regions, pieces);
+        let mut out: Vec<&'static str> = vec!["ok"; keys.len()];
+        let (mut shared, mut plain, mut gather) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, r) in routes.iter().enumerate() {
+            match r {
+                Route::Refused(code) => out[i] = code,
+                Route::Shared(..) => shared.push(i),
+                Route::Plain(..) => plain.push(i),
+                Route::Pieces(_) => gather.push(i),
+            }
+        }
+        let chunk = self.max_batch();
+        for part in shared.chunks(chunk) {
+            let entries: Vec<(&[u8], BufSlice<'_>, PutOptions)> = part
+                .iter()
+                .map(|&i| match &routes[i] {
+                    Route::Shared(b, off, len) => Ok((keys[i].as_slice(), b.slice(*off, *len)?, opts[i].clone())),
+                    _ => unreachable!("shared items only"),
+                })
+                .collect::<Res<_>>()?;
+            for (&i, st) in part.iter().zip(client.put_from_batch(&entries, mode)?) {
+                out[i] = st.name();
+            }
+        }
+        for part in plain.chunks(chunk) {
+            let entries: Vec<PutEntry<'_>> = part
+                .iter()
+                .map(|&i| match routes[i] {
+                    Route::Plain(ptr, len) => PutEntry { key: &keys[i], value: raw(ptr, len), opts: opts[i].clone() },
+                    _ => unreachable!("plain items only"),
+                })
+                .collect();
+            for (&i, st) in part.iter().zip(client.put_batch(&entries, mode)?) {
+                out[i] = st.name();
+            }
+        }
+        for part in gather.chunks(chunk) {
+            let lens: Vec<usize> = part
+                .iter()
+                .map(|&i| match &routes[i] {
+                    Route::Pieces(p) => p.iter().map(|x| x.1).sum(),
+                    _ => unreachable!("gathered items only"),
+                })
+                .collect();
+            let mut stage = self.stage.take(client, lens.iter().sum())?;
+            let mut at = 0;
+            for &i in part {
+                if let Route::Pieces(p) = &routes[i] {
+                    for &(ptr, len) in p {
+                        stage.as_mut_slice()[at..at + len].copy_from_slice(raw(ptr, len));
+                        at += len;
+                    }
+                }
+            }
+            let mut at = 0;
+            let mut entries = Vec::with_capacity(part.len());
+            for (&i, &len) in part.iter().zip(&lens) {
+                entries.push((keys[i].as_slice(), stage.slice(at, len)?, opts[i].clone()));
+                at += len;
+            }
+            let r = client.put_from_batch(&entries, mode);
+            drop(entries);
+            self.stage.give_back(stage);
+            for (&i, st) in part.iter().zip(r?) {
+                out[i] = st.name();
+            }
+        }
+        Ok(out)
+    }
+
+    /// Get values into address ranges (one or more pieces per key, filled in order).
+    fn get_ranges(&self, keys: &[Vec<u8>], pieces: &[Vec<(usize, usize)>]) -> Res<Vec<(&'static str, u64)>> {
+        let client = self.live()?;
+        let mut all: Vec<(usize, usize)> = pieces.iter().flatten().copied().collect();
+        regions::check_disjoint(&mut all)?;
+        let regions = self.regions.read();
+        let routes = Self::route(&regions, pieces);
+        let mut out: Vec<(&'static str, u64)> = vec![("ok", 0); keys.len()];
+        let (mut shared, mut plain, mut scatter) = (Vec::new(), Vec::new(), Vec::new());
+        for (i, r) in routes.iter().enumerate() {
+            match r {
+                Route::Refused(code) => out[i] = (code, 0),
+                Route::Shared(..) => shared.push(i),
+                Route::Plain(..) => plain.push(i),
+                Route::Pieces(_) => scatter.push(i),
+            }
+        }
+        let chunk = self.max_batch();
+        for part in shared.chunks(chunk) {
+            let dests: Vec<BufSlice<'_>> = part
+                .iter()
+                .map(|&i| match &routes[i] {
+                    Route::Shared(b, off, len) => Ok(b.slice(*off, *len)?),
+                    _ => unreachable!("shared items only"),
+                })
+                .collect::<Res<_>>()?;
+            let ks: Vec<&[u8]> = part.iter().map(|&i| keys[i].as_slice()).collect();
+            for (&i, r) in part.iter().zip(client.get_into_batch(&ks, &dests)?) {
+                out[i] = (r.status.name(), r.size);
+            }
+        }
+        for part in plain.chunks(chunk) {
+            let ks: Vec<&[u8]> = part.iter().map(|&i| keys[i].as_slice()).collect();
+            let mut bufs: Vec<&mut [u8]> = part
+                .iter()
+                .map(|&i| match routes[i] {
+                    Route::Plain(ptr, len) => raw_mut(ptr, len),
+                    _ => unreachable!("plain items only"),
+                })
+                .collect();
+            for (&i, r) in part.iter().zip(client.get_batch_into(&ks, &mut bufs)?) {
+                out[i] = (r.status.name(), r.size);
+            }
+        }
+        for part in scatter.chunks(chunk) {
+            let lens: Vec<usize> = part
+                .iter()
+                .map(|&i| match &routes[i] {
+                    Route::Pieces(p) => p.iter().map(|x| x.1).sum(),
+                    _ => unreachable!("scattered items only"),
+                })
+                .collect();
+            let stage = self.stage.take(client, lens.iter().sum())?;
+            let mut at = 0;
+            let mut dests = Vec::with_capacity(part.len());
+            for &len in &lens {
+                dests.push(stage.slice(at, len)?);
+                at += len;
+            }
+            let ks: Vec<&[u8]> = part.iter().map(|&i| keys[i].as_slice()).collect();
+            let r = client.get_into_batch(&ks, &dests);
+            if let Ok(items) = &r {
+                for ((&i, item), d) in part.iter().zip(items).zip(&dests) {
+                    if item.status != ErrorCode::Ok {
+                        continue;
+                    }
+                    let Route::Pieces(p) = &routes[i] else { unreachable!("scattered items only") };
+                    let src = &stage.as_slice()[d.offset..d.offset + item.size as usize];
+                    let mut from = 0;
+                    for &(ptr, len) in p {
+                        let n = len.min(src.len() - from);
+                        raw_mut(ptr, n).copy_from_slice(&src[from..from + n]);
+                        from += n;
+                    }
+                }
+            }
+            drop(dests);
+            self.stage.give_back(stage);
+            for (&i, item) in part.iter().zip(r?) {
+                out[i] = (item.status.name(), item.size);
+            }
+        }
+        Ok(out)
+    }
+}
+
+/// Bytes at a checked address range of registered memory.
+fn raw<'a>(ptr: usize, len: usize) -> &'a [u8] {
+    if len == 0 {
+        return &[];
+    }
+    // SAFETY: the range was checked to lie inside a registered range; the caller of
+    // `register` promised that memory stays valid until it is unregistered, and unregistering
+    // waits for transfers in flight (they hold the registry's read lock).
+    unsafe { std::slice::from_raw_parts(ptr as *const u8, len) }
+}
+
+/// Writable bytes at a checked address range of registered memory (see [`raw`]); the
+/// destinations of one call were checked not to overlap.
+fn raw_mut<'a>(ptr: usize, len: usize) -> &'a mut [u8] {
+    if len == 0 {
+        return &mut [];
+    }
+    // SAFETY: as for `raw`, plus `check_disjoint` on the call's destinations.
+    unsafe { std::slice::from_raw_parts_mut(ptr as *mut u8, len) }
+}
+
+fn pieces_of(ptrs: Vec<Vec<usize>>, sizes: Vec<Vec<usize>>, n: usize) -> PyResult<Vec<Vec<(usize, usize)>>> {
+    if ptrs.len() != n || sizes.len() != n {
+        return Err(Error::Argument(format!(
+            "{n} keys but {} address lists and {} size lists",
+            ptrs.len(),
+            sizes.len()
+        ))
+        .into());
+    }
+    ptrs.into_iter()
+        .zip(sizes)
+        .map(|(p, s)| {
+            if p.len() != s.len() {
+                return Err(Error::Argument(format!("{} addresses but {} sizes", p.len(), s.len())).into());
+            }
+            Ok(p.into_iter().zip(s).collect())
+        })
+        .collect()
+}
+
+fn single_pieces(ptrs: Vec<usize>, sizes: Vec<usize>, n: usize) -> PyResult<Vec<Vec<(usize, usize)>>> {
+    if ptrs.len() != n || sizes.len() != n {
+        return Err(Error::Argument(format!("{n} keys but {} addresses and {} sizes", ptrs.len(), sizes.len())).into());
+    }
+    Ok(ptrs.into_iter().zip(sizes).map(|x| vec![x]).collect())
+}
+
+#[pymethods]
+impl Client {
+    /// Connect to a kvpool server.
+    ///
+    /// Either `data_dir` (a local server's data directory: `endpoint.json` and `api-key`), or
+    /// `server` (`host:port`) with `api_key` and one of `fingerprint` (SHA-256 of the server
+    /// certificate, hex) or `ca_file` (PEM). Explicit arguments override what `data_dir` says.
+    /// `transport` is `auto` (same-host shared memory when offered, else QUIC), `quic` or `shm`.
+    #[new]
+    #[pyo3(signature = (server=None, api_key=None, *, fingerprint=None, ca_file=None, data_dir=None,
+                        server_name=None, transport="auto", timeout=30.0, client_name=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        server: Option<String>,
+        api_key: Option<String>,
+        fingerprint: Option<String>,
+        ca_file: Option<String>,
+        data_dir: Option<String>,
+        server_name: Option<String>,
+        transport: &str,
+        timeout: f64,
+        client_name: Option<String>,
+    ) -> PyResult<Self> {
+        let trust = match (fingerprint, ca_file) {
+            (Some(f), _) => Some(Trust::Fingerprint(kvpool_client::parse_fingerprint(&f).map_err(Error::from)?)),
+            (None, Some(c)) => Some(Trust::CaFile(c.into())),
+            (None, None) => None,
+        };
+        let mut cfg = match data_dir {
+            Some(d) => ClientConfig::from_data_dir(d).map_err(Error::from)?,
+            None => {
+                let (Some(s), Some(k), Some(t)) = (server.clone(), api_key.clone(), trust.clone()) else {
+                    return Err(Error::Argument(
+                        "give data_dir, or server with api_key and a fingerprint or ca_file".into(),
+                    )
+                    .into());
+                };
+                ClientConfig::new(s, k, t)
+            }
+        };
+        if let Some(s) = server {
+            cfg.server = s;
+        }
+        if let Some(k) = api_key {
+            cfg.api_key = k;
+        }
+        if let Some(t) = trust {
+            cfg.trust = t;
+        }
+        if let Some(n) = server_name {
+            cfg.server_name = n;
+        }
+        if let Some(n) = client_name {
+            cfg.client_name = n;
+        }
+        cfg.transport = transport.parse::<TransportChoice>().map_err(Error::Argument)?;
+        if !(timeout.is_finite() && timeout > 0.0) {
+            return Err(Error::Argument(format!("timeout must be a positive number of seconds, not {timeout}")).into());
+        }
+        cfg.request_timeout = Duration::from_secs_f64(timeout);
+        let inner = py.detach(|| Blocking::connect(cfg)).map_err(Error::from)?;
+        tracing::debug!(transport = inner.transport_in_use(), "kvpool python client connected");
+        Ok(Client {
+            inner,
+            regions: RwLock::new(Regions::default()),
+            shared: Mutex::new(BTreeMap::new()),
+            stage: Stage::default(),
+            closed: AtomicBool::new(false),
+        })
+    }
+
+    /// The data path of block bytes on this connection: `"shm"` or `"quic"`.
+    #[getter]
+    fn transport(&self) -> &'static str {
+        self.inner.transport_in_use()
+    }
+
+    /// The tenant the API key belongs to.
+    #[getter]
+    fn tenant(&self) -> String {
+        self.inner.tenant()
+    }
+
+    /// Limits the server announced: `max_key_len`, `max_value_size`, `max_batch`.
+    #[getter]
+    fn limits<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let l = self.inner.limits();
+        let d = PyDict::new(py);
+        d.set_item("max_key_len", l.max_key_len)?;
+        d.set_item("max_value_size", l.max_value_size)?;
+        d.set_item("max_batch", l.max_batch)?;
+        Ok(d)
+    }
+
+    /// Round-trip time of one request, in seconds.
+    fn ping(&self, py: Python<'_>) -> PyResult<f64> {
+        Ok(py.detach(|| -> Res<_> { Ok(self.live()?.ping()?) })?.as_secs_f64())
+    }
+
+    /// Close the connection; later calls fail with code `closed`.
+    fn close(&self, py: Python<'_>) {
+        if !self.closed.swap(true, Ordering::AcqRel) {
+            py.detach(|| self.inner.close());
+        }
+    }
+
+    /// Put values given as Python buffers (bytes, bytearray, memoryview, numpy arrays).
+    /// Returns one status name per key: `ok`, `already-exists` (blocks are immutable; the old
+    /// value stays), `no-space`, `rejected` (admission), `leased` (upsert of a leased block), ...
+    #[pyo3(signature = (keys, values, upsert=false, parents=None, tokens=None, seq_tokens=None, pin=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_batch(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        values: Vec<Bound<'_, PyAny>>,
+        upsert: bool,
+        parents: Option<Vec<Option<Bound<'_, PyAny>>>>,
+        tokens: Option<Vec<u32>>,
+        seq_tokens: Option<Vec<u64>>,
+        pin: Option<&str>,
+    ) -> PyResult<Vec<&'static str>> {
+        if keys.len() != values.len() {
+            return Err(Error::Argument(format!("{} keys but {} values", keys.len(), values.len())).into());
+        }
+        let ks = keys_of(&keys)?;
+        let vals: Vec<ValueRef> = values.iter().map(value_ref).collect::<PyResult<_>>()?;
+        let opts = put_options(ks.len(), parents, tokens, seq_tokens, pin)?;
+        let out = py.detach(|| -> Res<Vec<&'static str>> {
+            let client = self.live()?;
+            let mut out = Vec::with_capacity(ks.len());
+            for (c, chunk) in ks.chunks(self.max_batch()).enumerate() {
+                let base = c * self.max_batch();
+                let entries: Vec<PutEntry<'_>> = chunk
+                    .iter()
+                    .enumerate()
+                    .map(|(j, k)| PutEntry { key: k, value: vals[base + j].bytes(), opts: opts[base + j].clone() })
+                    .collect();
+                out.extend(client.put_batch(&entries, mode(upsert))?.into_iter().map(ErrorCode::name));
+            }
+            Ok(out)
+        })?;
+        Ok(out)
+    }
+
+    /// Read values. One `(status, bytes or None)` per key; status `ok`, `not-found` or
+    /// `corrupt` (the server dropped a block whose checksum failed). Reads lease the blocks.
+    fn get_batch<'py>(&self, py: Python<'py>, keys: Vec<Bound<'py, PyAny>>) -> PyResult<Bound<'py, PyList>> {
+        let ks = keys_of(&keys)?;
+        let got = py.detach(|| -> Res<Vec<_>> {
+            let client = self.live()?;
+            let mut out = Vec::with_capacity(ks.len());
+            for chunk in ks.chunks(self.max_batch()) {
+                out.extend(client.get_batch(chunk)?);
+            }
+            Ok(out)
+        })?;
+        let items = got.into_iter().map(|r| {
+            let v = r.value.map(|v| PyBytes::new(py, &v));
+            (r.status.name(), v)
+        });
+        PyList::new(py, items)
+    }
+
+    /// Sizes of stored values without moving their bytes: one `(status, size)` per key. The
+    /// server plans these as reads: each found block gets the read lease a `get` grants.
+    fn get_size(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<(&'static str, u64)>> {
+        let ks = keys_of(&keys)?;
+        Ok(py.detach(|| -> Res<Vec<_>> {
+            let client = self.live()?;
+            let mut out = Vec::with_capacity(ks.len());
+            for chunk in ks.chunks(self.max_batch()) {
+                let located = client.get_locate(chunk)?;
+                if located.lease != 0 {
+                    client.release(located.lease)?;
+                }
+                out.extend(located.blocks.iter().map(|b| (b.status.name(), b.size)));
+            }
+            Ok(out)
+        })?)
+    }
+
+    /// Presence of each key. Unlike Mooncake, asking never grants or renews a lease and never
+    /// counts as a use for eviction.
+    fn exists(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>) -> PyResult<Vec<bool>> {
+        let ks = keys_of(&keys)?;
+        Ok(py.detach(|| -> Res<Vec<bool>> {
+            let client = self.live()?;
+            let mut out = Vec::with_capacity(ks.len());
+            for chunk in ks.chunks(self.max_batch()) {
+                out.extend(client.exists(chunk)?);
+            }
+            Ok(out)
+        })?)
+    }
+
+    /// Number of leading keys of `chain` (root first) that are resident, in one request. Never
+    /// leases, never touches recency.
+    fn lookup(&self, py: Python<'_>, chain: Vec<Bound<'_, PyAny>>) -> PyResult<usize> {
+        let ks = keys_of(&chain)?;
+        Ok(py.detach(|| -> Res<usize> {
+            let client = self.live()?;
+            // A chain longer than one request may hold is asked in parts, stopping at a gap.
+            let mut resident = 0;
+            for chunk in ks.chunks(self.max_batch()) {
+                let n = client.lookup(chunk)?;
+                resident += n;
+                if n < chunk.len() {
+                    break;
+                }
+            }
+            Ok(resident)
+        })?)
+    }
+
+    /// Remove keys: one status per key (`ok`, `not-found`, `leased` unless `force`).
+    #[pyo3(signature = (keys, force=false))]
+    fn remove(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>, force: bool) -> PyResult<Vec<&'static str>> {
+        let ks = keys_of(&keys)?;
+        Ok(py.detach(|| -> Res<Vec<_>> {
+            let client = self.live()?;
+            let mut out = Vec::with_capacity(ks.len());
+            for chunk in ks.chunks(self.max_batch()) {
+                out.extend(client.remove_batch(chunk, force)?.into_iter().map(ErrorCode::name));
+            }
+            Ok(out)
+        })?)
+    }
+
+    /// Remove every block of this tenant; returns `(removed, kept_because_leased)`.
+    #[pyo3(signature = (force=false))]
+    fn remove_all(&self, py: Python<'_>, force: bool) -> PyResult<(u64, u64)> {
+        let r = py.detach(|| -> Res<_> { Ok(self.live()?.remove_all(force)?) })?;
+        Ok((r.removed, r.skipped))
+    }
+
+    /// Pool statistics as a dict: `blocks`, `tiers` (per tier: capacity, used bytes, blocks,
+    /// hits, misses, evictions), `ops` (per operation: count, errors, p50/p99/mean in us), ...
+    fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
+        let s = py.detach(|| -> Res<_> { Ok(self.live()?.stats()?) })?;
+        let d = PyDict::new(py);
+        d.set_item("server", s.server)?;
+        d.set_item("uptime_s", s.uptime_s)?;
+        d.set_item("blocks", s.blocks)?;
+        d.set_item("demotions", s.demotions)?;
+        d.set_item("promotions", s.promotions)?;
+        d.set_item("rejected_puts", s.rejected_puts)?;
+        d.set_item("corrupt_blocks", s.corrupt_blocks)?;
+        let tiers = PyDict::new(py);
+        for t in s.tiers {
+            let e = PyDict::new(py);
+            e.set_item("capacity_bytes", t.capacity_bytes)?;
+            e.set_item("used_bytes", t.used_bytes)?;
+            e.set_item("blocks", t.blocks)?;
+            e.set_item("hits", t.hits)?;
+            e.set_item("misses", t.misses)?;
+            e.set_item("evictions", t.evictions)?;
+            tiers.set_item(t.tier, e)?;
+        }
+        d.set_item("tiers", tiers)?;
+        let ops = PyDict::new(py);
+        for o in s.ops {
+            let e = PyDict::new(py);
+            e.set_item("count", o.count)?;
+            e.set_item("errors", o.errors)?;
+            e.set_item("p50_us", o.p50_us)?;
+            e.set_item("p99_us", o.p99_us)?;
+            e.set_item("mean_us", o.mean_us)?;
+            ops.set_item(o.op, e)?;
+        }
+        d.set_item("ops", ops)?;
+        Ok(d)
+    }
+
+    /// A zero-filled shared buffer of `size` bytes (a sealed memfd). It supports the buffer
+    /// protocol (`numpy.frombuffer(buf, dtype)`, `memoryview(buf)`); registered ranges inside it
+    /// move zero-copy on a same-host connection (the server copies between its segment and
+    /// this memory), and in band over QUIC otherwise.
+    fn alloc_buffer(&self, py: Python<'_>, size: usize) -> PyResult<SharedBuffer> {
+        if size == 0 {
+            return Err(Error::Argument("a shared buffer needs at least one byte".into()).into());
+        }
+        let buf = Arc::new(py.detach(|| -> Res<Buffer> { Ok(self.live()?.alloc_buffer(size)?) })?);
+        let mut shared = self.shared.lock();
+        shared.retain(|_, w| w.strong_count() > 0);
+        shared.insert(buf.as_ptr() as usize, Arc::downgrade(&buf));
+        Ok(SharedBuffer { buf })
+    }
+
+    /// Register `[ptr, ptr + size)` for raw-address transfers. The memory must stay valid until
+    /// `unregister(ptr)`. Overlapping an existing registration is refused. When the range lies
+    /// inside a buffer of `alloc_buffer`, transfers through it are zero-copy, and the buffer is
+    /// kept alive while registered. Returns True when the range is such a shared buffer.
+    fn register(&self, py: Python<'_>, ptr: usize, size: usize) -> PyResult<bool> {
+        let backing = {
+            let shared = self.shared.lock();
+            shared.range(..=ptr).next_back().and_then(|(&start, w)| {
+                let b = w.upgrade()?;
+                (ptr.checked_add(size)? <= start + b.len()).then(|| (b, ptr - start))
+            })
+        };
+        let zero_copy = backing.is_some();
+        py.detach(|| self.regions.write().add(ptr, size, backing)).map_err(Error::from)?;
+        Ok(zero_copy)
+    }
+
+    /// Unregister the range that starts at `ptr`; waits for transfers that use it.
+    fn unregister(&self, py: Python<'_>, ptr: usize) -> PyResult<()> {
+        let removed = py.detach(|| self.regions.write().remove(ptr)).map_err(Error::from)?;
+        drop(removed);
+        Ok(())
+    }
+
+    /// The registered ranges: `(ptr, size, zero_copy)` in address order.
+    fn registered(&self) -> Vec<(usize, usize, bool)> {
+        self.regions.read().iter().map(|r| (r.start, r.len, r.shared.is_some())).collect()
+    }
+
+    /// Put values from registered memory, one address range per key. One status per key; a
+    /// range outside the registrations answers `invalid-argument` and is not read.
+    #[pyo3(signature = (keys, ptrs, sizes, upsert=false, parents=None, tokens=None, seq_tokens=None, pin=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_from(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+        upsert: bool,
+        parents: Option<Vec<Option<Bound<'_, PyAny>>>>,
+        tokens: Option<Vec<u32>>,
+        seq_tokens: Option<Vec<u64>>,
+        pin: Option<&str>,
+    ) -> PyResult<Vec<&'static str>> {
+        let ks = keys_of(&keys)?;
+        let pieces = single_pieces(ptrs, sizes, ks.len())?;
+        let opts = put_options(ks.len(), parents, tokens, seq_tokens, pin)?;
+        Ok(py.detach(|| self.put_ranges(&ks, &pieces, &opts, mode(upsert)))?)
+    }
+
+    /// Put values each gathered from several registered ranges (concatenated in order).
+    #[pyo3(signature = (keys, ptrs, sizes, upsert=false, parents=None, tokens=None, seq_tokens=None, pin=None))]
+    #[allow(clippy::too_many_arguments)]
+    fn put_from_multi(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        ptrs: Vec<Vec<usize>>,
+        sizes: Vec<Vec<usize>>,
+        upsert: bool,
+        parents: Option<Vec<Option<Bound<'_, PyAny>>>>,
+        tokens: Option<Vec<u32>>,
+        seq_tokens: Option<Vec<u64>>,
+        pin: Option<&str>,
+    ) -> PyResult<Vec<&'static str>> {
+        let ks = keys_of(&keys)?;
+        let pieces = pieces_of(ptrs, sizes, ks.len())?;
+        let opts = put_options(ks.len(), parents, tokens, seq_tokens, pin)?;
+        Ok(py.detach(|| self.put_ranges(&ks, &pieces, &opts, mode(upsert)))?)
+    }
+
+    /// Get values into registered memory, one range per key: `(status, size)` per key. A value
+    /// larger than its range answers `value-too-large` (nothing written there); a range outside
+    /// the registrations answers `invalid-argument`. Destinations of one call may not overlap.
+    fn get_into(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        ptrs: Vec<usize>,
+        sizes: Vec<usize>,
+    ) -> PyResult<Vec<(&'static str, u64)>> {
+        let ks = keys_of(&keys)?;
+        let pieces = single_pieces(ptrs, sizes, ks.len())?;
+        Ok(py.detach(|| self.get_ranges(&ks, &pieces))?)
+    }
+
+    /// Get values each scattered over several registered ranges, filled in order.
+    fn get_into_multi(
+        &self,
+        py: Python<'_>,
+        keys: Vec<Bound<'_, PyAny>>,
+        ptrs: Vec<Vec<usize>>,
+        sizes: Vec<Vec<usize>>,
+    ) -> PyResult<Vec<(&'static str, u64)>> {
+        let ks = keys_of(&keys)?;
+        let pieces = pieces_of(ptrs, sizes, ks.len())?;
+        Ok(py.detach(|| self.get_ranges(&ks, &pieces))?)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "kvpool.Client(server={:?}, transport={})",
+            self.inner.as_async().config().server,
+            self.inner.transport_in_use()
+        )
+    }
+}
+
+/// Memory shared with a same-host kvpool server (from `Client.alloc_buffer`). Exposes the
+/// writable buffer protocol; `address` and `size` give the range to `register`.
+#[pyclass(module = "kvpool._native", frozen)]
+struct SharedBuffer {
+    buf: Arc<Buffer>,
+}
+
+#[pymethods]
+impl SharedBuffer {
+    /// Start address in this process.
+    #[getter]
+    fn address(&self) -> usize {
+        self.buf.as_ptr() as usize
+    }
+
+    /// Length in bytes.
+    #[getter]
+    fn size(&self) -> usize {
+        self.buf.len()
+    }
+
+    fn __len__(&self) -> usize {
+        self.buf.len()
+    }
+
+    unsafe fn __getbuffer__(slf: Bound<'_, Self>, view: *mut pyo3::ffi::Py_buffer, flags: c_int) -> PyResult<()> {
+        if view.is_null() {
+            return Err(PyBufferError::new_err("no view to fill"));
+        }
+        let (ptr, len) = {
+            let me = slf.get();
+            (me.buf.as_ptr(), me.buf.len())
+        };
+        // SAFETY: `view` is the interpreter's; the exporter (this object, which owns the mapping
+        // through `buf`) is referenced by the view until the view is released.
+        let rc = unsafe {
+            pyo3::ffi::PyBuffer_FillInfo(view, slf.as_ptr(), ptr.cast(), len as pyo3::ffi::Py_ssize_t, 0, flags)
+        };
+        if rc == -1 {
+            return Err(PyErr::fetch(slf.py()));
+        }
+        Ok(())
+    }
+
+    unsafe fn __releasebuffer__(&self, _view: *mut pyo3::ffi::Py_buffer) {}
+
+    fn __repr__(&self) -> String {
+        format!("kvpool.SharedBuffer(address={:#x}, size={})", self.address(), self.size())
+    }
+}
+
+/// The extension module.
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<Client>()?;
+    m.add_class::<SharedBuffer>()?;
+    m.add("KvpoolError", m.py().get_type::<KvpoolError>())?;
+    m.add("__version__", env!("CARGO_PKG_VERSION"))?;
+    Ok(())
+}

@@ -1,0 +1,377 @@
+"""The Mooncake-compatible store against a real kvpool server, on both data paths.
+
+Every test using ``store`` runs twice: ``tcp`` (Mooncake's protocol name: same-host shared memory
+here) and ``quic`` (bytes in band over QUIC).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import threading
+
+import numpy as np
+import pytest
+
+import kvpool
+from kvpool.mooncake import (
+    BUFFER_OVERFLOW,
+    INVALID_PARAMS,
+    NO_AVAILABLE_HANDLE,
+    OBJECT_ALREADY_EXISTS,
+    OBJECT_HAS_LEASE,
+    OBJECT_NOT_FOUND,
+    KVPoolStore,
+    MooncakeDistributedStore,
+    ReplicateConfig,
+)
+
+from conftest import Server
+
+
+@pytest.fixture(params=["tcp", "quic"])
+def store(request: pytest.FixtureRequest, server: Server):  # type: ignore[no-untyped-def]
+    st = MooncakeDistributedStore()
+    rc = st.setup("localhost", "P2PHANDSHAKE", 512 << 20, 128 << 20, request.param, "", server.addr,
+                  api_key=server.api_key, fingerprint=server.fingerprint)
+    assert rc == 0
+    assert st.client.transport == ("shm" if request.param == "tcp" else "quic")
+    yield st
+    st.remove_all(True)
+    st.close()
+
+
+def test_put_get_upsert_and_batches(store: MooncakeDistributedStore) -> None:
+    assert store.put("a", b"alpha") == 0
+    assert store.get("a") == b"alpha"
+    assert store.put("a", b"other") == OBJECT_ALREADY_EXISTS
+    assert store.get("a") == b"alpha", "blocks are immutable: a second put keeps the first value"
+    # Reads lease a block (5 s): replacing it right after a get is refused (-706, tested below);
+    # an unread block is replaced.
+    assert store.put("u", b"first") == 0
+    assert store.upsert("u", b"replaced") == 0
+    assert store.get("u") == b"replaced"
+    assert store.upsert("new", b"inserted") == 0 and store.get("new") == b"inserted"
+    assert store.get("missing") == b""
+    values = [os.urandom(n) for n in (0, 1, 4096, 300_000)]
+    keys = [f"batch/{i}" for i in range(len(values))]
+    assert store.put_batch(keys, values) == 0
+    assert store.get_batch(keys + ["nope"]) == values + [b""]
+    # put_batch answers the first failing item's code, and stores the others.
+    assert store.put_batch(["fresh", keys[1]], [b"f", b"x"]) == OBJECT_ALREADY_EXISTS
+    assert store.get("fresh") == b"f"
+    assert store.upsert_batch(["ub0", "ub1"], [b"u0", b"u1"]) == 0
+    assert store.upsert_batch(["ub0", "ub1"], [b"v0", b"v1"]) == 0
+    assert store.get_batch(["ub0", "ub1"]) == [b"v0", b"v1"]
+    # numpy arrays and memoryviews are buffers too.
+    arr = np.arange(1000, dtype=np.float32)
+    assert store.put("np", arr) == 0
+    assert np.array_equal(np.frombuffer(store.get("np"), dtype=np.float32), arr)
+    assert store.put("mv", memoryview(b"view")) == 0 and store.get("mv") == b"view"
+
+
+def test_exist_size_remove(store: MooncakeDistributedStore) -> None:
+    assert store.put_batch(["x", "y"], [b"12345", b""]) == 0
+    assert store.is_exist("x") == 1
+    assert store.is_exist("z") == 0
+    assert store.batch_is_exist(["x", "z", "y"]) == [1, 0, 1]
+    assert store.get_size("x") == 5
+    assert store.get_size("y") == 0
+    assert store.get_size("z") == OBJECT_NOT_FOUND
+    # get_size leases the block like a read (as Mooncake's does): removing it needs force.
+    assert store.remove("x") == OBJECT_HAS_LEASE
+    assert store.remove("x", force=True) == 0
+    assert store.remove("x") == OBJECT_NOT_FOUND
+    assert store.batch_remove(["y", "z"], True) == [0, OBJECT_NOT_FOUND]
+    assert store.batch_is_exist(["x", "y"]) == [0, 0]
+    assert store.put_batch([f"r{i}" for i in range(10)], [b"v"] * 10) == 0
+    assert store.remove_all() == 10
+    assert store.remove_all() == 0
+
+
+def test_lease_blocks_remove_until_forced(store: MooncakeDistributedStore) -> None:
+    assert store.put("leased", b"v" * 100) == 0
+    # is_exist never leases (Mooncake's does): remove succeeds right after it.
+    assert store.is_exist("leased") == 1
+    assert store.remove("leased") == 0
+    assert store.put("leased", b"v" * 100) == 0
+    assert store.get("leased") == b"v" * 100  # grants a read lease (5 s default)
+    assert store.remove("leased") == OBJECT_HAS_LEASE
+    assert store.upsert("leased", b"new") == OBJECT_HAS_LEASE
+    assert store.remove("leased", force=True) == 0
+
+
+def test_lookup_counts_the_resident_prefix(store: MooncakeDistributedStore) -> None:
+    chain = [f"chain/{i}" for i in range(8)]
+    assert store.lookup(chain) == 0
+    assert store.put_batch(chain[:5], [b"kv"] * 5) == 0
+    assert store.lookup(chain) == 5
+    assert store.remove(chain[2]) == 0
+    assert store.lookup(chain) == 2, "a gap ends the resident prefix"
+    assert store.lookup([]) == 0
+
+
+def test_registered_buffers_and_zero_copy(store: MooncakeDistributedStore) -> None:
+    buf = store.alloc_buffer(4 << 20)
+    arr = np.frombuffer(buf, dtype=np.uint8)
+    assert arr.size == 4 << 20 and arr.ctypes.data == buf.address
+    assert store.register_buffer(buf.address, buf.size) == 0
+    assert store.client.registered() == [(buf.address, buf.size, True)]
+    rng = np.random.default_rng(7)
+    arr[: 1 << 20] = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    base = buf.address
+    # Two 512 KiB values out of the first MiB, into the second MiB.
+    keys = ["zc/0", "zc/1"]
+    assert store.batch_put_from(keys, [base, base + (512 << 10)], [512 << 10] * 2) == [0, 0]
+    assert store.batch_get_into(keys, [base + (2 << 20), base + (3 << 20)], [1 << 20] * 2) == [512 << 10] * 2
+    assert np.array_equal(arr[2 << 20 : (2 << 20) + (512 << 10)], arr[: 512 << 10])
+    assert np.array_equal(arr[3 << 20 : (3 << 20) + (512 << 10)], arr[512 << 10 : 1 << 20])
+    # Single-key forms, and the value-larger-than-buffer code.
+    assert store.put_from("zc/2", base, 100) == 0
+    assert store.get_into("zc/2", base + (2 << 20), 100) == 100
+    assert store.get_into("zc/2", base + (2 << 20), 99) == BUFFER_OVERFLOW
+    assert store.get_into("zc/missing", base, 10) == OBJECT_NOT_FOUND
+    assert store.put_from("zc/2", base, 100) == OBJECT_ALREADY_EXISTS
+    assert store.upsert_from("zc/2", base + 1, 50) == OBJECT_HAS_LEASE  # read just now
+    assert store.upsert_from("zc/3", base + 1, 50) == 0 and store.get_size("zc/3") == 50
+    assert store.unregister_buffer(buf.address) == 0
+    assert store.unregister_buffer(buf.address) == INVALID_PARAMS
+
+
+def test_plain_numpy_memory_and_multi_buffers(store: MooncakeDistributedStore) -> None:
+    """Ordinary numpy memory (not a kvpool buffer): the staged path, and multi-buffer values
+    gathered from scattered layers the way a KV connector stores one block of every layer."""
+    layers = [np.random.default_rng(i).standard_normal((16, 256), dtype=np.float32) for i in range(4)]
+    dest = [np.zeros_like(x) for x in layers]
+    for a in layers + dest:
+        assert store.register_buffer(a.ctypes.data, a.nbytes) == 0
+    row = 256 * 4
+    keys = [f"blk/{b}" for b in range(16)]
+    ptrs = [[a.ctypes.data + b * row for a in layers] for b in range(16)]
+    sizes = [[row] * 4 for _ in range(16)]
+    assert store.batch_put_from_multi_buffers(keys, ptrs, sizes) == [0] * 16
+    assert store.get_size("blk/3") == 4 * row
+    assert store.get("blk/3") == b"".join(a[3].tobytes() for a in layers)
+    dptrs = [[a.ctypes.data + b * row for a in dest] for b in range(16)]
+    assert store.batch_get_into_multi_buffers(keys, dptrs, sizes) == [4 * row] * 16
+    for a, d in zip(layers, dest):
+        assert np.array_equal(a, d)
+    # Contiguous pieces (one block of one layer split in two) coalesce into one range.
+    assert store.batch_put_from_multi_buffers(["half"], [[layers[0].ctypes.data, layers[0].ctypes.data + 512]],
+                                              [[512, 512]]) == [0]
+    assert store.get("half") == layers[0][0].tobytes()
+    # Plain single-range forms.
+    assert store.batch_put_from(["p0"], [layers[1].ctypes.data], [row]) == [0]
+    dest[1][:] = 0
+    assert store.batch_get_into(["p0"], [dest[1].ctypes.data + row], [row]) == [row]
+    assert np.array_equal(dest[1][1], layers[1][0])
+    for a in layers + dest:
+        assert store.unregister_buffer(a.ctypes.data) == 0
+
+
+def test_unregistered_and_out_of_range_addresses_are_refused(store: MooncakeDistributedStore) -> None:
+    """Addresses outside the registered ranges answer -600 and are never dereferenced: the
+    process must survive addresses that would segfault."""
+    a = np.zeros(4096, dtype=np.uint8)
+    p = a.ctypes.data
+    assert store.put("k", b"x" * 64) == 0
+    assert store.put_from("u", p, 16) == INVALID_PARAMS  # nothing registered yet
+    assert store.get_into("k", 8, 64) == INVALID_PARAMS  # address 8 would segfault
+    assert store.register_buffer(p, 4096) == 0
+    assert store.register_buffer(p + 100, 10) == INVALID_PARAMS  # overlaps
+    assert store.register_buffer(0, 10) == INVALID_PARAMS
+    assert store.register_buffer(p + 8192, 0) == INVALID_PARAMS
+    assert store.put_from("u", p + 4090, 16) == INVALID_PARAMS  # runs past the end
+    assert store.put_from("u", p - 1, 16) == INVALID_PARAMS  # starts before
+    assert store.get_into("k", p + 4095, 64) == INVALID_PARAMS
+    assert store.batch_get_into(["k", "k"], [p, 0xDEAD0000], [64, 64]) == [64, INVALID_PARAMS]
+    # Two destinations of one call that overlap: refused as a whole.
+    assert store.batch_get_into(["k", "k"], [p, p + 32], [64, 64]) == [INVALID_PARAMS] * 2
+    assert store.batch_put_from_multi_buffers(["m"], [[p, 0x10]], [[8, 8]]) == [INVALID_PARAMS]
+    assert store.is_exist("u") == 0 and store.is_exist("m") == 0
+    assert store.batch_put_from(["a", "b"], [p], [1]) == [INVALID_PARAMS] * 2  # length mismatch
+    assert store.unregister_buffer(p) == 0
+    assert store.get_into("k", p, 64) == INVALID_PARAMS
+
+
+def test_sixteen_threads_share_one_client(store: MooncakeDistributedStore) -> None:
+    """16 threads, one client: puts, gets, zero-copy transfers and lookups at once. Every thread
+    checks its own bytes; a wrong value, an exception or a hang fails the test."""
+    buf = store.alloc_buffer(16 * 2 * 65536)
+    assert store.register_buffer(buf.address, buf.size) == 0
+    view = np.frombuffer(buf, dtype=np.uint8)
+    errors: list[str] = []
+    barrier = threading.Barrier(16)
+
+    def work(t: int) -> None:
+        try:
+            rng = np.random.default_rng(t)
+            barrier.wait(30)
+            for i in range(20):
+                vals = [rng.bytes(int(rng.integers(1, 50_000))) for _ in range(4)]
+                keys = [f"t{t}/i{i}/{j}" for j in range(4)]
+                if store.put_batch(keys, vals) != 0:
+                    errors.append(f"thread {t}: put_batch failed")
+                    return
+                if store.get_batch(keys) != vals:
+                    errors.append(f"thread {t}: get_batch returned other bytes")
+                    return
+                if store.lookup(keys) != 4:
+                    errors.append(f"thread {t}: lookup")
+                    return
+                own = buf.address + t * 2 * 65536
+                src = view[t * 2 * 65536 : t * 2 * 65536 + 65536]
+                src[:] = rng.integers(0, 256, 65536, dtype=np.uint8)
+                k = f"t{t}/zc/{i}"
+                if store.put_from(k, own, 65536) != 0 or store.get_into(k, own + 65536, 65536) != 65536:
+                    errors.append(f"thread {t}: zero-copy round trip failed")
+                    return
+                if not np.array_equal(view[t * 2 * 65536 + 65536 : (t + 1) * 2 * 65536], src):
+                    errors.append(f"thread {t}: zero-copy bytes differ")
+                    return
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(f"thread {t}: {e!r}")
+
+    threads = [threading.Thread(target=work, args=(t,)) for t in range(16)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(120)
+    assert not any(th.is_alive() for th in threads), "a thread hung"
+    assert errors == []
+    assert store.unregister_buffer(buf.address) == 0
+
+
+def test_gil_is_released_during_calls(server: Server) -> None:
+    """While one thread waits in a slow kvpool call, another Python thread keeps running."""
+    c = kvpool.Client(server.addr, server.api_key, fingerprint=server.fingerprint, transport="quic")
+    big = os.urandom(16 << 20)
+    ticks = 0
+    done = threading.Event()
+
+    def spin() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+
+    t = threading.Thread(target=spin)
+    t.start()
+    before = ticks
+    for i in range(4):
+        assert c.put_batch([f"gil/{i}"], [big]) == ["ok"]
+    done.set()
+    t.join()
+    assert ticks - before > 1000, "the spinning thread barely ran: the GIL was held during the calls"
+    assert c.remove([f"gil/{i}" for i in range(4)], True) == ["ok"] * 4
+    c.close()
+
+
+def test_health_check_and_close(server: Server) -> None:
+    st = KVPoolStore()
+    assert st.health_check() == 1
+    assert st.setup("localhost", "", 0, 0, "tcp", "", server.addr, api_key=server.api_key,
+                    fingerprint=server.fingerprint) == 0
+    assert st.health_check() == 0
+    assert st.close() == 0
+    assert st.health_check() == 1
+    assert st.get("x") == b"" and st.put("x", b"1") < 0 and st.is_exist("x") == -1
+
+
+def test_health_check_reports_an_unreachable_server() -> None:
+    s = Server()
+    st = MooncakeDistributedStore()
+    assert st.setup("localhost", "", 0, 0, "quic", "", s.addr, api_key=s.api_key, fingerprint=s.fingerprint,
+                    timeout=2.0) == 0
+    assert st.health_check() == 0
+    s.stop()
+    assert st.health_check() == 2
+    assert st.put("x", b"1") < 0
+    st.close()
+
+
+def test_setup_errors() -> None:
+    st = MooncakeDistributedStore()
+    # Nothing to authenticate with.
+    assert st.setup("localhost", "", 0, 0, "tcp", "", "127.0.0.1:9") == INVALID_PARAMS
+    assert st.setup("localhost", "", "lots", 0, "tcp", "", "127.0.0.1:9", api_key="k",  # type: ignore[arg-type]
+                    fingerprint="00" * 32) == INVALID_PARAMS
+    # Nobody listens there: a connection failure, not an exception.
+    assert st.setup("localhost", "", 0, 0, "quic", "", "127.0.0.1:9", api_key="k", fingerprint="00" * 32,
+                    timeout=1.0) < 0
+    assert st.health_check() == 1
+
+
+def test_setup_from_mooncake_config_file_and_dict(server: Server, tmp_path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    cfg = {
+        "local_hostname": "localhost",
+        "metadata_server": "P2PHANDSHAKE",
+        "global_segment_size": "1GiB",
+        "local_buffer_size": 134217728,
+        "protocol": "tcp",
+        "device_name": "",
+        "master_server_address": server.addr,
+    }
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(cfg))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    monkeypatch.setenv("KVPOOL_API_KEY", server.api_key)
+    monkeypatch.setenv("KVPOOL_FINGERPRINT", server.fingerprint)
+    st = MooncakeDistributedStore()
+    assert st.setup() == 0
+    assert st.put("cfg", b"1") == 0 and st.get("cfg") == b"1"
+    st.close()
+    monkeypatch.delenv("KVPOOL_API_KEY")
+    monkeypatch.delenv("KVPOOL_FINGERPRINT")
+    # The data directory alone is enough on the server's host.
+    monkeypatch.setenv("KVPOOL_DATA_DIR", str(server.dir))
+    st2 = MooncakeDistributedStore()
+    assert st2.setup({"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp"}) == 0
+    assert st2.get("cfg") == b"1"
+    assert st2.remove("cfg", force=True) == 0
+    st2.close()
+
+
+def test_no_space_is_minus_200(small_server: Server) -> None:
+    st = MooncakeDistributedStore()
+    assert st.setup("localhost", "", 0, 0, "tcp", "", small_server.addr, api_key=small_server.api_key,
+                    fingerprint=small_server.fingerprint) == 0
+    cfg = ReplicateConfig()
+    cfg.with_hard_pin = True  # hard-pinned blocks are never evicted: the segment fills up
+    big = os.urandom(1 << 20)
+    codes = [st.put(f"fill/{i}", big, cfg) for i in range(8)]
+    assert codes[0] == 0
+    assert NO_AVAILABLE_HANDLE in codes, codes
+    st.close()
+
+
+def test_native_errors_carry_codes(server: Server) -> None:
+    c = kvpool.Client(server.addr, server.api_key, fingerprint=server.fingerprint)
+    with pytest.raises(kvpool.KvpoolError) as e:
+        c.put_batch(["k" * 5000], [b"v"])
+    assert e.value.code == "key-too-long"
+    with pytest.raises(TypeError):
+        c.exists([1])  # type: ignore[list-item]
+    with pytest.raises(kvpool.KvpoolError) as e:
+        kvpool.Client(server.addr, "wrong-key", fingerprint=server.fingerprint)
+    assert e.value.code == "unauthorized"
+    c.close()
+    with pytest.raises(kvpool.KvpoolError) as e:
+        c.ping()
+    assert e.value.code == "closed"
+
+
+def test_shared_buffer_outlives_its_python_object_while_registered(server: Server) -> None:
+    """A registered kvpool buffer stays mapped even when Python drops its last reference, so
+    a registered address can never dangle."""
+    c = kvpool.Client(server.addr, server.api_key, fingerprint=server.fingerprint)
+    buf = c.alloc_buffer(1 << 16)
+    addr = buf.address
+    assert c.register(addr, 1 << 16) is True
+    ctypes.memmove(addr, b"still here", 10)
+    del buf
+    assert c.put_from(["sb"], [addr], [10]) == ["ok"]
+    assert c.get_batch(["sb"])[0] == ("ok", b"still here")
+    c.unregister(addr)
+    assert c.remove(["sb"], True) == ["ok"]
+    c.close()

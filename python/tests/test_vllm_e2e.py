@@ -1,0 +1,61 @@
+"""The seed's end-to-end check on real vLLM CPU engines (slow: engines take ~45 s each to start).
+
+Runs ``examples/vllm_prefix_reuse/run.py --check`` (three engines through the ``LLM`` class) and
+``openai_server.py --check`` (two OpenAI-compatible servers, requests sent with curl) with the
+interpreter that has vLLM and kvpool: ``KVPOOL_VLLM_PYTHON``, else the running one.
+``.ci/vllm-e2e.sh`` runs it with the cached venv's Python. A missing vLLM fails the tests (they are
+deselected with ``-m "not slow"``, never skipped).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import REPO, server_binary
+
+pytestmark = pytest.mark.slow
+EXAMPLE = REPO / "examples" / "vllm_prefix_reuse"
+PY = os.environ.get("KVPOOL_VLLM_PYTHON", sys.executable)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def vllm_installed() -> None:
+    r = subprocess.run([PY, "-c", "import vllm, kvpool.vllm"], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.fail(f"{PY} cannot import vllm and kvpool.vllm (.ci/vllm-e2e.sh sets it up):\n{r.stderr[-2000:]}")
+
+
+def test_prefix_reuse_across_two_engines(tmp_path: Path) -> None:
+    out = tmp_path / "e2e.json"
+    r = subprocess.run(
+        [PY, str(EXAMPLE / "run.py"), "--check", "--trials", "5", "--json", str(out),
+         "--workdir", str(tmp_path / "work"), "--server-bin", str(server_binary())],
+        capture_output=True, text=True, timeout=1800,
+    )
+    print(r.stdout[-4000:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    s = json.loads(out.read_text())
+    assert s["min_cached_tokens_B"] > 0
+    assert s["first_tokens_equal"]
+    assert s["ttft_with_pool_s"] < s["ttft_without_pool_s"]
+    assert s["bytes_loaded"] > 0 and s["bytes_saved"] > 0
+
+
+def test_prefix_reuse_through_the_openai_server(tmp_path: Path) -> None:
+    out = tmp_path / "api.json"
+    r = subprocess.run(
+        [PY, str(EXAMPLE / "openai_server.py"), "--check", "--json", str(out),
+         "--workdir", str(tmp_path / "work"), "--server-bin", str(server_binary())],
+        capture_output=True, text=True, timeout=1800,
+    )
+    print(r.stdout[-4000:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    s = json.loads(out.read_text())
+    assert s["B_pool_prompt2"]["cached_tokens"] > 0
+    assert s["B_pool_prompt2"]["first_token"] == s["A_prompt2"]["first_token"]
