@@ -32,7 +32,10 @@
 #define _GNU_SOURCE
 #include "kvpool_hixl_shim.h"
 
+#include <arpa/inet.h>
 #include <dirent.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <errno.h>
 #include <fcntl.h>
 #include <pthread.h>
@@ -77,7 +80,7 @@ typedef struct {
 
 typedef struct {
   uint64_t transfer_calls, descs, bytes, max_descs_per_call, sync_calls, connects, disconnects, registers,
-      deregisters, status_calls, stale_status, wrong_thread;
+      deregisters, status_calls, stale_status, wrong_thread, max_outstanding;
 } kvpool_hixl_standin_counters;
 
 typedef struct alloc {
@@ -126,6 +129,7 @@ typedef struct fault {
 struct kvpool_hixl_engine {
   pthread_t creator;
   char *name;
+  int listen_fd; /* the engine's port, held as HIXL's listener would hold it */
   char dir_shm[SHM_NAME + 192];
   directory *dir;
   pthread_mutex_t mu;
@@ -134,7 +138,6 @@ struct kvpool_hixl_engine {
   int worker_started;
   int shutdown;
   alloc *allocs;
-  uint64_t alloc_seq;
   peer *peers;
   req *all, *q_head, *q_tail;
   uint64_t next_req;
@@ -143,6 +146,7 @@ struct kvpool_hixl_engine {
   int xfer_fail;
   int stall_ms, stall_count;
   kvpool_hixl_standin_counters c;
+  uint64_t outstanding; /* requests submitted and not yet reported or dropped */
   char **opt_keys, **opt_vals;
   uint32_t n_opts;
 };
@@ -297,6 +301,7 @@ static void req_free_if_unowned(kvpool_hixl_engine *e, req *r) {
 }
 
 static void unlist(kvpool_hixl_engine *e, req *r) {
+  if (r->listed) e->outstanding--;
   for (req **pp = &e->all; *pp; pp = &(*pp)->next_all) {
     if (*pp == r) {
       *pp = r->next_all;
@@ -375,6 +380,7 @@ kvpool_hixl_status kvpool_hixl_create(int32_t device_id, const char *local_engin
   if (!e) return fail(KVPOOL_HIXL_RESOURCE_EXHAUSTED, "create: out of memory");
   e->creator = pthread_self();
   e->name = strdup(local_engine);
+  e->listen_fd = -1;
   pthread_mutex_init(&e->mu, NULL);
   pthread_cond_init(&e->cv, NULL);
   e->opt_keys = calloc(n_options + 1, sizeof(char *));
@@ -398,6 +404,26 @@ kvpool_hixl_status kvpool_hixl_create(int32_t device_id, const char *local_engin
   if (st != KVPOOL_HIXL_SUCCESS) {
     kvpool_hixl_destroy(e);
     return st;
+  }
+  /* A port in the name makes HIXL listen on it: hold it the same way, so that another process
+   * probing for a free port sees it taken. */
+  const char *colon = strrchr(local_engine, ':');
+  const char *bracket = strrchr(local_engine, ']');
+  if (colon && (!bracket || colon > bracket) && (bracket || strchr(local_engine, ':') == colon)) {
+    int port = atoi(colon + 1);
+    int lfd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    struct sockaddr_in sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sin_family = AF_INET;
+    sa.sin_port = htons((uint16_t)port);
+    sa.sin_addr.s_addr = htonl(INADDR_ANY);
+    if (lfd < 0 || bind(lfd, (struct sockaddr *)&sa, sizeof sa) != 0 || listen(lfd, 16) != 0) {
+      int err = errno;
+      if (lfd >= 0) close(lfd);
+      kvpool_hixl_destroy(e);
+      return fail(KVPOOL_HIXL_FAILED, "create: cannot listen on port %d of %s: %s", port, local_engine, strerror(err));
+    }
+    e->listen_fd = lfd;
   }
   dir_name(local_engine, e->dir_shm, sizeof e->dir_shm);
   int fd = -1;
@@ -485,6 +511,7 @@ void kvpool_hixl_destroy(kvpool_hixl_engine *e) {
   free(e->opt_keys);
   free(e->opt_vals);
   free(e->name);
+  if (e->listen_fd >= 0) close(e->listen_fd);
   pthread_mutex_destroy(&e->mu);
   pthread_cond_destroy(&e->cv);
   free(e);
@@ -504,9 +531,10 @@ kvpool_hixl_status kvpool_hixl_malloc(kvpool_hixl_engine *e, uint64_t len, uint3
   uint64_t map_len = (len + PAGE - 1) / PAGE * PAGE;
   alloc *a = calloc(1, sizeof *a);
   if (!a) return fail(KVPOOL_HIXL_RESOURCE_EXHAUSTED, "malloc: out of memory");
-  pthread_mutex_lock(&e->mu);
-  snprintf(a->shm, sizeof a->shm, "/kvpool-hixl-m-%d-%llu", (int)getpid(), (unsigned long long)++e->alloc_seq);
-  pthread_mutex_unlock(&e->mu);
+  /* Unique per process (several engines may share one). */
+  static _Atomic uint64_t alloc_seq;
+  snprintf(a->shm, sizeof a->shm, "/kvpool-hixl-m-%d-%llu", (int)getpid(),
+           (unsigned long long)(atomic_fetch_add(&alloc_seq, 1) + 1));
   int fd = shm_open(a->shm, O_CREAT | O_EXCL | O_RDWR, 0600);
   if (fd < 0 || ftruncate(fd, (off_t)map_len) != 0) {
     int err = errno;
@@ -831,6 +859,7 @@ static kvpool_hixl_status submit(kvpool_hixl_engine *e, const char *remote, uint
     e->q_head = r;
   e->q_tail = r;
   e->c.transfer_calls++;
+  if (++e->outstanding > e->c.max_outstanding) e->c.max_outstanding = e->outstanding;
   e->c.descs += n;
   for (uint32_t i = 0; i < n; ++i) e->c.bytes += descs[i].len;
   if (n > e->c.max_descs_per_call) e->c.max_descs_per_call = n;

@@ -4,7 +4,7 @@
 //! HIXL has no `link_type`, `timeout_ms`, `retry_times`, `num_workers` or batching options: the
 //! link type is `GlobalResourceConfig`'s `comm_resource_config.protocol_desc` (and HCCL's
 //! `HCCL_INTRA_ROCE_ENABLE`), while timeouts, retries, concurrency and batching are the caller's
-//! job, done here by the engine thread. See README.md for the table.
+//! job, done here by the engine thread. See docs/HIXL.md for the table.
 
 use crate::error::HixlError;
 use serde::{Deserialize, Serialize};

@@ -56,6 +56,8 @@ pub struct StandinCounters {
     pub status_calls: u64,
     pub stale_status: u64,
     pub wrong_thread: u64,
+    /// Most requests submitted and not yet reported at any moment (HIXL requests in flight).
+    pub max_outstanding: u64,
 }
 
 type Status = u32;

@@ -8,7 +8,7 @@
 //!
 //! The same ABI is implemented by a stand-in (`shim/standin.c`: memcpy over POSIX shared memory
 //! between processes of one host) that the tests run against. What ran where is stated in
-//! README.md: the stand-in tests kvpool's side of the ABI, never HIXL.
+//! docs/HIXL.md: the stand-in tests kvpool's side of the ABI, never HIXL.
 
 pub mod batch;
 pub mod config;
@@ -186,12 +186,17 @@ impl Drop for HixlBuffer {
 /// A port for this engine: Mooncake's scheme (a block of 1000 ports per device from
 /// `ASCEND_BASE_PORT`), starting at a per-process offset, first one free for TCP.
 fn pick_port(plan: &HixlPlan) -> Result<u16, HixlError> {
+    // Ports handed to engines of this process: the stand-in listens on no socket, so the bind
+    // probe alone would give two engines of one process the same name.
+    static TAKEN: Mutex<Vec<u16>> = Mutex::new(Vec::new());
     let block = plan.base_port as u32 + 1000 * plan.device_id.max(0) as u32;
     let start = std::process::id() % 1000;
+    let mut taken = TAKEN.lock();
     for i in 0..1000u32 {
         let port = block + (start + i) % 1000;
         let Ok(port) = u16::try_from(port) else { continue };
-        if std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+        if !taken.contains(&port) && std::net::TcpListener::bind(("0.0.0.0", port)).is_ok() {
+            taken.push(port);
             return Ok(port);
         }
     }
