@@ -191,8 +191,9 @@ pub fn plan(cfg: &HixlConfig, env: &dyn Fn(&str) -> Option<String>) -> Result<Hi
     if let Some(l) = cfg.link_type.as_deref() {
         let desc = match l.to_ascii_lowercase().as_str() {
             "hccs" => "hccs:device".to_string(),
-            "roce" => {
-                // Older CANN only knows the HCCL switch; newer ones the protocol_desc. Both say RoCE.
+            // Older CANN only knows the HCCL switch; newer ones the protocol_desc. Both say RoCE.
+            // (The server's config keeps the seed's "roce" as "roce:device": the same.)
+            "roce" | "roce:device" => {
                 options.insert("env:HCCL_INTRA_ROCE_ENABLE".into(), "1".into());
                 "roce:device".to_string()
             }
@@ -403,7 +404,11 @@ mod tests {
         let p = plan(&cfg, &no_env).unwrap();
         assert_eq!(global(&p)["comm_resource_config.protocol_desc"], serde_json::json!(["roce:device"]));
         assert_eq!(p.options["env:HCCL_INTRA_ROCE_ENABLE"], "1");
+        // The server keeps the seed's "roce" as "roce:device": the same mapping.
+        let cfg = HixlConfig { link_type: Some("roce:device".into()), ..Default::default() };
+        assert_eq!(plan(&cfg, &no_env).unwrap().options["env:HCCL_INTRA_ROCE_ENABLE"], "1");
         let cfg = HixlConfig { link_type: Some("roce:host".into()), ..Default::default() };
+        assert!(!plan(&cfg, &no_env).unwrap().options.contains_key("env:HCCL_INTRA_ROCE_ENABLE"));
         assert_eq!(global(&plan(&cfg, &no_env).unwrap())["comm_resource_config.protocol_desc"][0], "roce:host");
         let cfg = HixlConfig { link_type: Some("nvlink".into()), ..Default::default() };
         assert!(matches!(plan(&cfg, &no_env), Err(HixlError::Config(m)) if m.contains("nvlink")));
