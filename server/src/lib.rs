@@ -445,6 +445,8 @@ async fn serve_metrics(listener: tokio::net::TcpListener, shared: Arc<service::S
 
 #[cfg(test)]
 mod hixl_config_tests {
+    use std::time::Duration;
+
     #[test]
     fn the_seed_hixl_file_reaches_the_hixl_plan() {
         let dir = tempfile::tempdir().unwrap();
