@@ -366,9 +366,17 @@ impl Default for TransportSection {
     }
 }
 
-/// HIXL-only settings kept for the Ascend transport.
+/// HIXL-only settings kept for the Ascend transport (see docs/HIXL.md for how each reaches HIXL).
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(default)]
 pub struct HixlSettings {
+    /// kvpool's shim over HIXL (`libkvpool_hixl_shim.so`); unset: `KVPOOL_HIXL_SHIM`, then the
+    /// shim this build compiled (only where CANN was installed), then the library path.
+    pub shim_path: Option<PathBuf>,
+    /// This host's address in the HIXL engine name (`ip:port`) that peers connect to.
+    pub local_host: Option<String>,
+    /// The HIXL engine's listen port; unset: the first free one from `ASCEND_BASE_PORT`.
+    pub engine_port: Option<u16>,
     pub device_type: Option<String>,
     /// HIXL has no `link_type` option: "hccs"/"roce" map to `protocol_desc` ("hccs:device", ...).
     pub protocol_desc: Option<String>,
@@ -654,6 +662,9 @@ fn apply_hixl(out: &mut LoadedConfig, path: &Path, text: &str) -> Result<(), Con
         }
     }
     c.transport.hixl = Some(HixlSettings {
+        shim_path: None,
+        local_host: None,
+        engine_port: None,
         device_type: h.device_type,
         protocol_desc,
         enable_async: h.enable_async,

@@ -53,11 +53,17 @@ pub struct ServerHandle {
     endpoint: quinn::Endpoint,
     store: Arc<Store>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
+    hixl: Option<kvpool_hixl::HixlTransport>,
 }
 
 impl ServerHandle {
     pub fn store(&self) -> &Arc<Store> {
         &self.store
+    }
+
+    /// The HIXL engine when `transport.protocol = "ascend"`.
+    pub fn hixl(&self) -> Option<&kvpool_hixl::HixlTransport> {
+        self.hixl.as_ref()
     }
 
     /// Stop accepting, close connections, flush metadata.
@@ -167,18 +173,59 @@ pub struct Node {
     pub data_dir: PathBuf,
     /// Set when the embedded default generated (or reused) `<data_dir>/api-key`.
     pub api_key_file: Option<PathBuf>,
+    /// The HIXL engine when `transport.protocol = "ascend"`.
+    pub hixl: Option<kvpool_hixl::HixlTransport>,
 }
 
-/// Check the transport choice this build can serve.
-fn check_transport(cfg: &Config) -> Result<(), ServerError> {
+/// The HIXL backend's settings from the server config (the seed's `[hixl]` fields land in
+/// `transport` and `transport.hixl`).
+pub fn hixl_config(cfg: &Config) -> kvpool_hixl::HixlConfig {
+    let t = &cfg.transport;
+    let h = t.hixl.clone().unwrap_or_default();
+    kvpool_hixl::HixlConfig {
+        shim_path: h.shim_path,
+        local_host: h.local_host,
+        engine_port: h.engine_port,
+        device_type: h.device_type,
+        device_id: t.device_id,
+        link_type: h.protocol_desc,
+        max_transfer_size: t.max_transfer_size.map(|s| s.0),
+        num_workers: t.num_workers,
+        enable_async: h.enable_async,
+        timeout_ms: h.timeout_ms,
+        connect_timeout_ms: None,
+        retry_times: h.retry_times,
+        memory: h
+            .memory
+            .into_iter()
+            .map(|(k, v)| (k, serde_json::to_value(v).unwrap_or(serde_json::Value::Null)))
+            .collect(),
+        batch_enable: t.batch_enable,
+        max_batch_size: t.max_batch_size,
+        merge_threshold: t.merge_threshold.map(|s| s.0),
+        batch_linger_us: 0,
+    }
+}
+
+/// Check the transport choice: `ascend` loads kvpool's HIXL shim and starts the HIXL engine, or
+/// stops start-up naming the library that is missing.
+fn check_transport(cfg: &Config) -> Result<Option<kvpool_hixl::HixlTransport>, ServerError> {
     match cfg.transport.protocol {
-        config::Protocol::Quic | config::Protocol::Shm => Ok(()),
-        config::Protocol::Ascend => Err(ServerError::Transport {
-            protocol: "ascend".into(),
-            why: "the HIXL backend needs CANN's libcann_hixl.so and kvpool's HIXL shim, neither of which is part \
-                  of this build; use protocol = \"shm\" or \"quic\""
-                .into(),
-        }),
+        config::Protocol::Quic | config::Protocol::Shm => Ok(None),
+        config::Protocol::Ascend => {
+            let hcfg = hixl_config(cfg);
+            let t = kvpool_hixl::HixlTransport::new(&hcfg)
+                .map_err(|e| ServerError::Transport { protocol: "ascend".into(), why: e.to_string() })?;
+            info!(engine = t.engine_name(), library = t.library(), backend = t.backend(), "HIXL engine started");
+            if t.backend() != "hixl" {
+                warn!(
+                    library = t.library(),
+                    "the HIXL library is kvpool's shared-memory stand-in, not HIXL: for tests only"
+                );
+            }
+            warn!("protocol = \"ascend\": clients of this node are served over QUIC; the HIXL engine carries one-sided transfers between storage nodes");
+            Ok(Some(t))
+        }
     }
 }
 
@@ -213,7 +260,7 @@ fn data_path(cfg: &Config, store: &Store, data_dir: &Path) -> Option<service::Da
 /// Open the data directory, the store and the policy engine (restoring active modules).
 pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
     cfg.validate()?;
-    check_transport(cfg)?;
+    let hixl = check_transport(cfg)?;
     let data_dir = cfg.server.data_dir.clone();
     std::fs::create_dir_all(&data_dir).map_err(|source| ServerError::DataDir { path: data_dir.clone(), source })?;
     let metrics = Arc::new(Metrics::new());
@@ -285,12 +332,12 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         paths: Default::default(),
         data_path,
     });
-    Ok(Node { shared, data_dir, api_key_file })
+    Ok(Node { shared, data_dir, api_key_file, hixl })
 }
 
 /// Start every part of the server and return once it accepts connections.
 pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
-    let Node { shared, data_dir, api_key_file } = open_node(&cfg).await?;
+    let Node { shared, data_dir, api_key_file, hixl } = open_node(&cfg).await?;
     let store = shared.store.clone();
 
     let tls = tls::load_or_generate(
@@ -366,6 +413,7 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
         endpoint,
         store,
         tasks,
+        hixl,
     })
 }
 
@@ -392,5 +440,36 @@ async fn serve_metrics(listener: tokio::net::TcpListener, shared: Arc<service::S
             let io = hyper_util::rt::TokioIo::new(stream);
             let _ = hyper::server::conn::http1::Builder::new().serve_connection(io, svc).await;
         });
+    }
+}
+
+#[cfg(test)]
+mod hixl_config_tests {
+    use std::time::Duration;
+
+    #[test]
+    fn the_seed_hixl_file_reaches_the_hixl_plan() {
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("hixl.toml");
+        std::fs::write(
+            &f,
+            "[hixl]\ndevice_type = \"npu\"\ndevice_id = 3\nlink_type = \"roce\"\nmax_transfer_size = \"4MiB\"\n\
+             num_workers = 4\nenable_async = false\ntimeout_ms = 2500\nretry_times = 1\n[hixl.memory]\n\
+             buffer_pool = \"4:8\"\n[hixl.batch]\nenable = true\nmax_batch_size = 16\nmerge_threshold = \"256KiB\"\n",
+        )
+        .unwrap();
+        let loaded = crate::config::load(None, None, Some(&f)).unwrap();
+        let h = super::hixl_config(&loaded.config);
+        let p = kvpool_hixl::plan(&h, &|_| None).unwrap();
+        assert_eq!(p.device_id, 3);
+        assert_eq!(p.options["BufferPool"], "4:8");
+        assert_eq!(p.options["env:HCCL_INTRA_ROCE_ENABLE"], "1");
+        assert!(p.options["GlobalResourceConfig"].contains("roce:device"), "{:?}", p.options);
+        assert_eq!(p.transfer_timeout, Duration::from_millis(2500));
+        assert_eq!(p.retry_times, 1);
+        assert_eq!(p.mode, kvpool_hixl::config::Mode::Sync { workers: 4 });
+        assert_eq!(p.batch.max_batch, 16);
+        assert_eq!(p.batch.merge_threshold, 256 << 10);
+        assert_eq!(p.batch.max_transfer, Some(4 << 20));
     }
 }

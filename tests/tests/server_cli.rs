@@ -39,22 +39,91 @@ fn print_config_maps_mooncake_and_hixl_fields_and_names_unknown_ones() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("lots"));
 }
 
-#[test]
-fn ascend_protocol_fails_at_start_naming_what_is_missing() {
-    let dir = tempfile::tempdir().unwrap();
-    let hixl = dir.path().join("hixl.toml");
-    std::fs::write(&hixl, "[hixl]\ndevice_id = 0\n").unwrap();
-    let out = Command::new(bin("kvpool-server"))
-        .arg("--data-dir")
-        .arg(dir.path().join("data"))
+/// `kvpool-server` with `protocol = "ascend"` (from a HIXL file) and `KVPOOL_HIXL_SHIM` as given
+/// (`None`: unset).
+fn ascend_server(dir: &std::path::Path, shim: Option<&str>) -> Command {
+    let hixl = dir.join("hixl.toml");
+    std::fs::write(&hixl, "[hixl]\ndevice_id = 0\nlink_type = \"hccs\"\ntimeout_ms = 3000\nnum_workers = 2\n").unwrap();
+    let mut cmd = Command::new(bin("kvpool-server"));
+    cmd.arg("--data-dir")
+        .arg(dir.join("data"))
         .arg("--listen")
         .arg("127.0.0.1:0")
         .arg("--metrics-listen")
         .arg("off")
+        .arg("--dram-size")
+        .arg("16MiB")
         .env("HIXL_CONFIG_PATH", &hixl)
-        .output()
-        .unwrap();
+        .env("NO_COLOR", "1")
+        .env_remove("ASCEND_HOME_PATH")
+        .env_remove("ASCEND_TOOLKIT_HOME");
+    match shim {
+        Some(s) => cmd.env("KVPOOL_HIXL_SHIM", s),
+        None => cmd.env_remove("KVPOOL_HIXL_SHIM"),
+    };
+    cmd
+}
+
+#[test]
+fn ascend_protocol_fails_at_start_naming_what_is_missing() {
+    let dir = tempfile::tempdir().unwrap();
+    // No shim (this build has none: no CANN here): start-up stops and names the library.
+    let out = ascend_server(dir.path(), None).output().unwrap();
     assert!(!out.status.success());
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("libcann_hixl.so"), "{stderr}");
+    assert!(stderr.contains("libkvpool_hixl_shim.so") && stderr.contains("libcann_hixl.so"), "{stderr}");
+    assert!(stderr.contains("transport \"ascend\" is not available"), "{stderr}");
+
+    // A library of another ABI version is refused by name too.
+    let abi999 =
+        kvpool_hixl::standin_library().replace("libkvpool_hixl_standin.so", "libkvpool_hixl_standin_abi999.so");
+    let out = ascend_server(dir.path(), Some(&abi999)).output().unwrap();
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("ABI version 999") && stderr.contains(&abi999), "{stderr}");
+}
+
+#[test]
+fn ascend_protocol_starts_the_hixl_engine_when_the_shim_loads() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    // The stand-in implements the shim's ABI over shared memory: the server loads it, maps the
+    // HIXL settings, starts the engine, and serves.
+    let mut child = ascend_server(dir.path(), Some(kvpool_hixl::standin_library()))
+        .stderr(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stderr).lines().map_while(Result::ok) {
+            if tx.send(line).is_err() {
+                break;
+            }
+        }
+    });
+    let mut log = String::new();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !log.contains("connect with") {
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        match rx.recv_timeout(left) {
+            Ok(l) => {
+                log.push_str(&l);
+                log.push('\n');
+            }
+            Err(_) => {
+                let _ = child.kill();
+                panic!("the server did not start:\n{log}");
+            }
+        }
+    }
+    // SAFETY: signalling our own child.
+    unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+    let status = child.wait().unwrap();
+    assert!(log.contains("HIXL engine started") && log.contains("standin"), "{log}");
+    assert!(log.contains("stand-in, not HIXL"), "{log}");
+    // The server installs its SIGTERM handler just after that log line: an early signal kills it.
+    use std::os::unix::process::ExitStatusExt;
+    assert!(status.success() || status.signal() == Some(libc::SIGTERM), "{status:?}\n{log}");
 }
