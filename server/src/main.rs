@@ -97,6 +97,11 @@ fn main() -> anyhow::Result<()> {
     }
     let rt = rt.enable_all().build()?;
     rt.block_on(async move {
+        // Handlers first: a SIGTERM that arrives while the server starts (a supervisor giving
+        // up, a test tearing down) must shut it down cleanly, not kill it mid-start.
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut term = signal(SignalKind::terminate())?;
+        let mut int = signal(SignalKind::interrupt())?;
         let handle = kvpool_server::start(loaded.config).await?;
         if let Some(k) = &handle.api_key_file {
             tracing::info!(
@@ -107,9 +112,8 @@ fn main() -> anyhow::Result<()> {
                 k.display()
             );
         }
-        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
         tokio::select! {
-            _ = tokio::signal::ctrl_c() => {}
+            _ = int.recv() => {}
             _ = term.recv() => {}
         }
         tracing::info!("shutting down");
