@@ -83,7 +83,19 @@ fn not_initialized() -> ! {
 macro_rules! events_from {
     ($e:expr) => {{
         let e = $e;
-        Events { kind: e.kind, id: e.id, size: e.size, tokens: e.tokens, tier: e.tier, parent: e.parent, pin: e.pin }
+        Events {
+            kind: e.kind,
+            id: e.id,
+            key: e.key,
+            size: e.size,
+            tokens: e.tokens,
+            tier: e.tier,
+            parent: e.parent,
+            pin: e.pin,
+            depth: e.depth,
+            count: e.count,
+            time: e.time,
+        }
     }};
 }
 
@@ -118,11 +130,13 @@ pub fn admission_on_events(e: admission::Events) {
 pub fn admission_admit(b: admission::AdmitBatch) -> Vec<u8> {
     let batch = AdmitBatch {
         id: b.id,
+        key: b.key,
         size: b.size,
         tokens: b.tokens,
         seq_tokens: b.seq_tokens,
         tier: b.tier,
         parent: b.parent,
+        depth: b.depth,
     };
     let out = ADMISSION.with(|s| s.borrow_mut().as_mut().unwrap_or_else(|| not_initialized()).admit(&batch));
     out.into_iter().map(|a| a.to_u8()).collect()

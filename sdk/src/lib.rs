@@ -18,6 +18,20 @@ extern crate self as kvpool_policy_sdk;
 /// "No parent" in the `parent` column: the block starts a chain.
 pub const NO_PARENT: u64 = u64::MAX;
 
+/// "No block" in the `id` column of a [`EventKind::Missed`] row.
+pub const NO_ID: u64 = u64::MAX;
+
+/// "Unknown" in the `depth` column.
+pub const NO_DEPTH: u32 = u32::MAX;
+
+/// The key hash hosts put in the `key` columns: xxh3-64 of the key bytes, seeded with the
+/// tenant. Stable across evictions, re-puts, restarts and hosts, so a policy can follow a key
+/// whose block comes back under a new id. Native only: guests receive hashes, never keys.
+#[cfg(not(target_arch = "wasm32"))]
+pub fn key_hash(tenant: u32, key: &[u8]) -> u64 {
+    xxhash_rust::xxh3::xxh3_64_with_seed(key, u64::from(tenant))
+}
+
 /// Storage tier of a block copy. Lower is faster.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 #[repr(u8)]
@@ -81,6 +95,9 @@ pub enum EventKind {
     Removed = 2,
     /// The block's pin changed to `pin` (e.g. a soft pin expired).
     PinChanged = 3,
+    /// A read or lookup wanted a key that has no resident block: `id` is [`NO_ID`]; `key`,
+    /// `depth` and `parent` (the resident block before it in the chain looked up) say what.
+    Missed = 4,
 }
 
 impl EventKind {
@@ -90,6 +107,7 @@ impl EventKind {
             1 => Some(EventKind::Accessed),
             2 => Some(EventKind::Removed),
             3 => Some(EventKind::PinChanged),
+            4 => Some(EventKind::Missed),
             _ => None,
         }
     }
@@ -99,28 +117,57 @@ impl EventKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Event {
     pub kind: EventKind,
-    /// Dense block id, unique for the life of the block (never reused while the block exists).
+    /// Dense block id, fresh for every put (never reused); [`NO_ID`] on a miss.
     pub id: u64,
+    /// Key hash ([`key_hash`]): the same for a key whatever block id it has.
+    pub key: u64,
     pub size: u64,
     pub tokens: u32,
     pub tier: Tier,
     /// Parent block id, or [`NO_PARENT`].
     pub parent: u64,
     pub pin: Pin,
+    /// Position in the prefix chain (0 for a root), or [`NO_DEPTH`].
+    pub depth: u32,
+    /// Reads of the block so far (on `Inserted`, `Accessed`), misses of the key (on `Missed`).
+    pub count: u32,
+    /// Host clock in microseconds: when it happened, or in a snapshot the last access.
+    pub time: u64,
 }
 
 impl Event {
+    /// The constructors set `key` to the id (tests that do not care about key identity) and
+    /// leave depth unknown, count and time 0; hosts set them with the `with_*` methods.
+    fn new(kind: EventKind, id: u64, tier: Tier) -> Event {
+        Event {
+            kind,
+            id,
+            key: id,
+            size: 0,
+            tokens: 0,
+            tier,
+            parent: NO_PARENT,
+            pin: Pin::None,
+            depth: NO_DEPTH,
+            count: 0,
+            time: 0,
+        }
+    }
     pub fn inserted(id: u64, size: u64, tier: Tier, parent: u64) -> Event {
-        Event { kind: EventKind::Inserted, id, size, tokens: 0, tier, parent, pin: Pin::None }
+        Event { size, parent, ..Event::new(EventKind::Inserted, id, tier) }
     }
     pub fn accessed(id: u64, tier: Tier) -> Event {
-        Event { kind: EventKind::Accessed, id, size: 0, tokens: 0, tier, parent: NO_PARENT, pin: Pin::None }
+        Event::new(EventKind::Accessed, id, tier)
     }
     pub fn removed(id: u64, tier: Tier) -> Event {
-        Event { kind: EventKind::Removed, id, size: 0, tokens: 0, tier, parent: NO_PARENT, pin: Pin::None }
+        Event::new(EventKind::Removed, id, tier)
     }
     pub fn pin_changed(id: u64, pin: Pin) -> Event {
-        Event { kind: EventKind::PinChanged, id, size: 0, tokens: 0, tier: Tier::Dram, parent: NO_PARENT, pin }
+        Event { pin, ..Event::new(EventKind::PinChanged, id, Tier::Dram) }
+    }
+    /// A miss of `key` at chain position `depth`; `parent` is the resident block before it.
+    pub fn missed(key: u64, depth: u32, parent: u64) -> Event {
+        Event { key, depth, parent, count: 1, ..Event::new(EventKind::Missed, NO_ID, Tier::Dram) }
     }
     pub fn with_tokens(mut self, tokens: u32) -> Event {
         self.tokens = tokens;
@@ -128,6 +175,26 @@ impl Event {
     }
     pub fn with_pin(mut self, pin: Pin) -> Event {
         self.pin = pin;
+        self
+    }
+    pub fn with_key(mut self, key: u64) -> Event {
+        self.key = key;
+        self
+    }
+    pub fn with_depth(mut self, depth: u32) -> Event {
+        self.depth = depth;
+        self
+    }
+    pub fn with_count(mut self, count: u32) -> Event {
+        self.count = count;
+        self
+    }
+    pub fn with_time(mut self, time: u64) -> Event {
+        self.time = time;
+        self
+    }
+    pub fn with_parent(mut self, parent: u64) -> Event {
+        self.parent = parent;
         self
     }
 }
@@ -138,11 +205,15 @@ impl Event {
 pub struct Events {
     pub kind: Vec<u8>,
     pub id: Vec<u64>,
+    pub key: Vec<u64>,
     pub size: Vec<u64>,
     pub tokens: Vec<u32>,
     pub tier: Vec<u8>,
     pub parent: Vec<u64>,
     pub pin: Vec<u8>,
+    pub depth: Vec<u32>,
+    pub count: Vec<u32>,
+    pub time: Vec<u64>,
 }
 
 impl Events {
@@ -161,45 +232,100 @@ impl Events {
     pub fn clear(&mut self) {
         self.kind.clear();
         self.id.clear();
+        self.key.clear();
         self.size.clear();
         self.tokens.clear();
         self.tier.clear();
         self.parent.clear();
         self.pin.clear();
+        self.depth.clear();
+        self.count.clear();
+        self.time.clear();
+    }
+
+    pub fn reserve(&mut self, n: usize) {
+        self.kind.reserve(n);
+        self.id.reserve(n);
+        self.key.reserve(n);
+        self.size.reserve(n);
+        self.tokens.reserve(n);
+        self.tier.reserve(n);
+        self.parent.reserve(n);
+        self.pin.reserve(n);
+        self.depth.reserve(n);
+        self.count.reserve(n);
+        self.time.reserve(n);
     }
 
     pub fn push(&mut self, e: Event) {
         self.kind.push(e.kind as u8);
         self.id.push(e.id);
+        self.key.push(e.key);
         self.size.push(e.size);
         self.tokens.push(e.tokens);
         self.tier.push(e.tier as u8);
         self.parent.push(e.parent);
         self.pin.push(e.pin as u8);
+        self.depth.push(e.depth);
+        self.count.push(e.count);
+        self.time.push(e.time);
+    }
+
+    /// Append every row of `other`.
+    pub fn extend_from(&mut self, other: &Events) {
+        self.kind.extend_from_slice(&other.kind);
+        self.id.extend_from_slice(&other.id);
+        self.key.extend_from_slice(&other.key);
+        self.size.extend_from_slice(&other.size);
+        self.tokens.extend_from_slice(&other.tokens);
+        self.tier.extend_from_slice(&other.tier);
+        self.parent.extend_from_slice(&other.parent);
+        self.pin.extend_from_slice(&other.pin);
+        self.depth.extend_from_slice(&other.depth);
+        self.count.extend_from_slice(&other.count);
+        self.time.extend_from_slice(&other.time);
     }
 
     /// True when every column has the same length (a guest should ignore a batch that is not).
     pub fn is_well_formed(&self) -> bool {
         let n = self.id.len();
-        [self.kind.len(), self.size.len(), self.tokens.len(), self.tier.len(), self.parent.len(), self.pin.len()]
-            .iter()
-            .all(|&l| l == n)
+        [
+            self.kind.len(),
+            self.key.len(),
+            self.size.len(),
+            self.tokens.len(),
+            self.tier.len(),
+            self.parent.len(),
+            self.pin.len(),
+            self.depth.len(),
+            self.count.len(),
+            self.time.len(),
+        ]
+        .iter()
+        .all(|&l| l == n)
+    }
+
+    /// The row at `i`; `None` for an unknown kind, tier or pin code (or past the end).
+    pub fn get(&self, i: usize) -> Option<Event> {
+        Some(Event {
+            kind: EventKind::from_u8(*self.kind.get(i)?)?,
+            id: *self.id.get(i)?,
+            key: *self.key.get(i)?,
+            size: *self.size.get(i)?,
+            tokens: *self.tokens.get(i)?,
+            tier: Tier::from_u8(*self.tier.get(i)?)?,
+            parent: *self.parent.get(i)?,
+            pin: Pin::from_u8(*self.pin.get(i)?)?,
+            depth: *self.depth.get(i)?,
+            count: *self.count.get(i)?,
+            time: *self.time.get(i)?,
+        })
     }
 
     /// Rows of the batch; rows with an unknown kind, tier or pin code are skipped.
     pub fn iter(&self) -> impl Iterator<Item = Event> + '_ {
         let n = if self.is_well_formed() { self.id.len() } else { 0 };
-        (0..n).filter_map(move |i| {
-            Some(Event {
-                kind: EventKind::from_u8(self.kind[i])?,
-                id: self.id[i],
-                size: self.size[i],
-                tokens: self.tokens[i],
-                tier: Tier::from_u8(self.tier[i])?,
-                parent: self.parent[i],
-                pin: Pin::from_u8(self.pin[i])?,
-            })
-        })
+        (0..n).filter_map(move |i| self.get(i))
     }
 }
 
@@ -285,25 +411,48 @@ pub trait EvictionPolicy {
 /// One block asking to enter a tier; a batch of them is [`AdmitBatch`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct AdmitRequest {
+    /// The fresh id the block gets if it is stored.
     pub id: u64,
+    /// Key hash ([`key_hash`]).
+    pub key: u64,
     pub size: u64,
     pub tokens: u32,
     /// Length in tokens of the prefix this block completes (vLLM's `store_threshold` input).
     pub seq_tokens: u64,
     /// The tier the host would put it in.
     pub tier: Tier,
+    /// A resident block, an earlier row of the same batch, or [`NO_PARENT`].
     pub parent: u64,
+    /// Position in the prefix chain, or [`NO_DEPTH`].
+    pub depth: u32,
+}
+
+impl AdmitRequest {
+    /// A request with `key` = `id` and unknown depth (tests); hosts fill every field.
+    pub fn new(id: u64, size: u64, tokens: u32, seq_tokens: u64, tier: Tier, parent: u64) -> AdmitRequest {
+        AdmitRequest { id, key: id, size, tokens, seq_tokens, tier, parent, depth: NO_DEPTH }
+    }
+    pub fn with_key(mut self, key: u64) -> AdmitRequest {
+        self.key = key;
+        self
+    }
+    pub fn with_depth(mut self, depth: u32) -> AdmitRequest {
+        self.depth = depth;
+        self
+    }
 }
 
 /// Admission requests as columns.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct AdmitBatch {
     pub id: Vec<u64>,
+    pub key: Vec<u64>,
     pub size: Vec<u64>,
     pub tokens: Vec<u32>,
     pub seq_tokens: Vec<u64>,
     pub tier: Vec<u8>,
     pub parent: Vec<u64>,
+    pub depth: Vec<u32>,
 }
 
 impl AdmitBatch {
@@ -317,30 +466,67 @@ impl AdmitBatch {
 
     pub fn push(&mut self, r: AdmitRequest) {
         self.id.push(r.id);
+        self.key.push(r.key);
         self.size.push(r.size);
         self.tokens.push(r.tokens);
         self.seq_tokens.push(r.seq_tokens);
         self.tier.push(r.tier as u8);
         self.parent.push(r.parent);
+        self.depth.push(r.depth);
     }
 
     pub fn is_well_formed(&self) -> bool {
         let n = self.id.len();
-        [self.size.len(), self.tokens.len(), self.seq_tokens.len(), self.tier.len(), self.parent.len()]
-            .iter()
-            .all(|&l| l == n)
+        [
+            self.key.len(),
+            self.size.len(),
+            self.tokens.len(),
+            self.seq_tokens.len(),
+            self.tier.len(),
+            self.parent.len(),
+            self.depth.len(),
+        ]
+        .iter()
+        .all(|&l| l == n)
     }
 
     pub fn iter(&self) -> impl Iterator<Item = AdmitRequest> + '_ {
         let n = if self.is_well_formed() { self.id.len() } else { 0 };
         (0..n).map(move |i| AdmitRequest {
             id: self.id[i],
+            key: self.key[i],
             size: self.size[i],
             tokens: self.tokens[i],
             seq_tokens: self.seq_tokens[i],
             tier: Tier::from_u8(self.tier[i]).unwrap_or(Tier::Dram),
             parent: self.parent[i],
+            depth: self.depth[i],
         })
+    }
+
+    /// The host's chain rule for admission: a row whose parent is an earlier row of this batch
+    /// that is rejected is rejected too (it could never be hit while its parent is absent).
+    /// Hosts apply it to every answer, native or Wasm; returns how many rows it turned down.
+    pub fn enforce_chain(&self, decisions: &mut [Admit]) -> usize {
+        let n = self.id.len().min(decisions.len());
+        let mut turned = 0;
+        // Rows are few per put (one chain): a linear look-back is cheaper than a map.
+        for i in 0..n {
+            if decisions[i] == Admit::Reject {
+                continue;
+            }
+            let p = self.parent[i];
+            if p == NO_PARENT {
+                continue;
+            }
+            let parent_rejected =
+                (0..i).rev().find(|&j| self.id[j] == p).is_some_and(|j| decisions[j] == Admit::Reject);
+            if parent_rejected {
+                decisions[i] = Admit::Reject;
+                turned += 1;
+            }
+        }
+        turned
     }
 }
 
@@ -702,6 +888,35 @@ mod tests {
         b.replicas = 0;
         assert_eq!(b.effective_replicas(2), 1);
         assert_eq!(b.effective_replicas(0), 0);
+    }
+
+    #[test]
+    fn chain_rule_rejects_children_of_rejected_rows() {
+        // Chain 10 <- 11 <- 12 in one put, 13 a child of the resident block 5, 14 a root.
+        let b: AdmitBatch = [
+            AdmitRequest::new(10, 1, 1, 1, Tier::Dram, NO_PARENT),
+            AdmitRequest::new(11, 1, 1, 2, Tier::Dram, 10),
+            AdmitRequest::new(12, 1, 1, 3, Tier::Dram, 11),
+            AdmitRequest::new(13, 1, 1, 2, Tier::Dram, 5),
+            AdmitRequest::new(14, 1, 1, 1, Tier::Dram, NO_PARENT),
+        ]
+        .into_iter()
+        .collect();
+        let mut d = vec![
+            Admit::Into(Tier::Dram),
+            Admit::Reject,
+            Admit::Into(Tier::Dram),
+            Admit::Into(Tier::Dram),
+            Admit::Reject,
+        ];
+        assert_eq!(b.enforce_chain(&mut d), 1);
+        assert_eq!(d, [Admit::Into(Tier::Dram), Admit::Reject, Admit::Reject, Admit::Into(Tier::Dram), Admit::Reject]);
+    }
+
+    #[test]
+    fn key_hash_is_xxh3_seeded_by_tenant() {
+        assert_eq!(key_hash(0, b"42"), xxhash_rust::xxh3::xxh3_64_with_seed(b"42", 0));
+        assert_ne!(key_hash(0, b"42"), key_hash(1, b"42"));
     }
 
     #[test]
