@@ -19,8 +19,9 @@ fn tier_param(p: &Params, key: &str, default: Option<Tier>) -> Result<Option<Tie
 
 /// Admit a block into the guarded tier (SSD by default) only from its second sighting on:
 /// a sighting is an admission request for that tier or a read (`Accessed`) of the block in any
-/// tier. Other tiers are admitted as asked. The sightings table keeps at most `max_tracked`
-/// ids (default 1,048,576), forgetting the oldest first.
+/// tier, counted per key hash (block ids are fresh for every put). Other tiers are admitted as
+/// asked. The sightings table keeps at most `max_tracked` keys (default 1,048,576), forgetting
+/// the oldest first.
 #[derive(Debug)]
 pub struct SeenTwice {
     tier: Tier,
@@ -41,9 +42,9 @@ impl SeenTwice {
         }
     }
 
-    /// Count a sighting of `id`; returns the count including this one.
-    fn sight(&mut self, id: u64) -> u32 {
-        if let Some(n) = self.sightings.get_mut(&id) {
+    /// Count a sighting of `key`; returns the count including this one.
+    fn sight(&mut self, key: u64) -> u32 {
+        if let Some(n) = self.sightings.get_mut(&key) {
             *n = n.saturating_add(1);
             return *n;
         }
@@ -55,8 +56,8 @@ impl SeenTwice {
                 None => break,
             }
         }
-        self.sightings.insert(id, 1);
-        self.order.push_back(id);
+        self.sightings.insert(key, 1);
+        self.order.push_back(key);
         1
     }
 }
@@ -81,7 +82,7 @@ impl AdmissionPolicy for SeenTwice {
     fn on_events(&mut self, events: &Events) {
         for e in events.iter() {
             if e.kind == EventKind::Accessed {
-                self.sight(e.id);
+                self.sight(e.key);
             }
         }
     }
@@ -90,7 +91,7 @@ impl AdmissionPolicy for SeenTwice {
         batch
             .iter()
             .map(|r| {
-                if r.tier != self.tier || self.sight(r.id) >= self.min_sightings {
+                if r.tier != self.tier || self.sight(r.key) >= self.min_sightings {
                     Admit::Into(r.tier)
                 } else {
                     Admit::Reject
@@ -151,7 +152,7 @@ mod tests {
     use kvpool_policy_sdk::{AdmitRequest, Event, NO_PARENT};
 
     fn req(id: u64, size: u64, tier: Tier) -> AdmitRequest {
-        AdmitRequest { id, size, tokens: 16, seq_tokens: 16, tier, parent: NO_PARENT }
+        AdmitRequest::new(id, size, 16, 16, tier, NO_PARENT)
     }
 
     #[test]
@@ -164,6 +165,10 @@ mod tests {
         p.on_events(&[Event::accessed(3, Tier::Dram)].into_iter().collect());
         let b: AdmitBatch = [req(3, 10, Tier::Ssd), req(4, 10, Tier::Ssd)].into_iter().collect();
         assert_eq!(p.admit(&b), vec![Admit::Into(Tier::Ssd), Admit::Reject]);
+        // Sightings follow the key: the same key under a fresh id is a second sighting.
+        let b: AdmitBatch =
+            [req(50, 10, Tier::Ssd).with_key(7), req(51, 10, Tier::Ssd).with_key(7)].into_iter().collect();
+        assert_eq!(p.admit(&b), vec![Admit::Reject, Admit::Into(Tier::Ssd)]);
     }
 
     #[test]

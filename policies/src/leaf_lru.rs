@@ -177,6 +177,10 @@ impl LeafLru {
     }
 
     fn apply(&mut self, e: Event) {
+        // Misses name no resident block: nothing to order.
+        if e.kind == EventKind::Missed {
+            return;
+        }
         self.tick += 1;
         let t = e.tier as usize;
         let tick = self.tick;
@@ -234,6 +238,7 @@ impl LeafLru {
                 }
                 return;
             }
+            EventKind::Missed => return,
         }
         self.maybe_compact(t);
     }

@@ -37,8 +37,7 @@ mod tests {
     #[test]
     fn admits_at_or_above_threshold() {
         let mut p = ThresholdAdmission::with_params(&Params::from_pairs([("store_threshold", "1024")])).unwrap();
-        let req =
-            |seq| AdmitRequest { id: 1, size: 1, tokens: 512, seq_tokens: seq, tier: Tier::Dram, parent: NO_PARENT };
+        let req = |seq| AdmitRequest::new(1, 1, 512, seq, Tier::Dram, NO_PARENT);
         let b: AdmitBatch = [req(512), req(1024), req(4096)].into_iter().collect();
         assert_eq!(p.admit(&b), vec![Admit::Reject, Admit::Into(Tier::Dram), Admit::Into(Tier::Dram)]);
         assert_eq!(ThresholdAdmission::new(0).admit(&b).len(), 3);

@@ -244,6 +244,8 @@ impl<O: TierOrder> Tiered<O> {
                     m.pin = e.pin;
                 }
             }
+            // These general algorithms keep no key history beyond their own ghosts.
+            EventKind::Missed => {}
         }
     }
 
