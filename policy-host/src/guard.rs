@@ -22,9 +22,79 @@ pub trait BlockOracle {
     /// Bytes that could be freed in `tier` without touching `exclude`d (sorted) or hard-pinned
     /// copies: a module may return fewer bytes than asked only when this is smaller.
     fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64;
-    /// The current block set as `Inserted` events (with pins), oldest first: used to rebuild a
-    /// module's state after a trap.
+    /// Resident blocks (a copy in any tier) whose parent is `id`: the chain rule's input.
+    fn resident_children(&self, id: u64) -> Vec<u64>;
+    /// The warm snapshot (see the WIT `events` record): every block as `Inserted` events with
+    /// its pin, read count and last access, least recently used first and parents before
+    /// children, then the host's recent misses as `Missed` events. Used to start a swapped-in
+    /// module and to rebuild one after a trap.
     fn snapshot(&self) -> Events;
+}
+
+/// The chain rule applied to blocks that lose their last copy (see [`cascade`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Cascade {
+    /// Blocks to remove (every copy), in order: each victim right after its resident
+    /// descendants, deepest first, so that no removal ever leaves a child without its parent.
+    pub remove: Vec<u64>,
+    /// How many of `remove` the policy did not name (descendants taken along).
+    pub cascaded: usize,
+    /// Victims kept: a resident descendant is excluded (leased, in flight) or hard-pinned, so
+    /// removing the victim would strand it.
+    pub refused: Vec<u64>,
+}
+
+/// The chain rule, for blocks about to lose their last copy (`gone`, in the policy's order;
+/// a DRAM victim demoted to SSD keeps a copy and is not in `gone`): a block is never removed
+/// while a resident child still needs it, so each victim takes its resident descendants along
+/// (cascade), or stays when one of them cannot go (`exclude`, sorted, or hard-pinned).
+///
+/// Why cascade rather than refuse the answer as a fault: the general algorithms (LRU, ARC,
+/// S3-FIFO, SIEVE) do not know chains and would be quarantined for answers that are valid for
+/// any flat cache; and a stranded descendant is worth nothing until its parent comes back, at
+/// which point the same request would have put the descendant again anyway. The blocks taken
+/// along are counted (`cascaded`) and reported to policies as `Removed` events like any other.
+pub fn cascade(gone: &[u64], oracle: &dyn BlockOracle, exclude: &[u64]) -> Cascade {
+    let mut out = Cascade::default();
+    let mut taken: HashSet<u64> = HashSet::with_capacity(gone.len());
+    let named: HashSet<u64> = gone.iter().copied().collect();
+    for &v in gone {
+        if taken.contains(&v) {
+            continue;
+        }
+        // Subtree of v in pre-order, then reversed: children come before their parents.
+        let mut sub = vec![v];
+        let mut i = 0;
+        let mut blocked = exclude.binary_search(&v).is_ok() || oracle.pin(v) == Pin::Hard;
+        while i < sub.len() {
+            for c in oracle.resident_children(sub[i]) {
+                if taken.contains(&c) {
+                    continue;
+                }
+                if exclude.binary_search(&c).is_ok() || oracle.pin(c) == Pin::Hard {
+                    blocked = true;
+                }
+                sub.push(c);
+            }
+            if blocked || sub.len() > 1 << 24 {
+                break;
+            }
+            i += 1;
+        }
+        if blocked {
+            out.refused.push(v);
+            continue;
+        }
+        for &b in sub.iter().rev() {
+            if taken.insert(b) {
+                out.remove.push(b);
+                if !named.contains(&b) {
+                    out.cascaded += 1;
+                }
+            }
+        }
+    }
+    out
 }
 
 /// Kinds of fault, as counted.
@@ -528,4 +598,78 @@ pub fn validate_placements(p: &Placements, blocks: &PlaceBatch, nodes: &NodeSet)
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvpool_policy_sdk::{Event, NO_PARENT};
+    use std::collections::BTreeMap;
+
+    /// Blocks as id -> (parent, pin); every block resident in DRAM, size 1.
+    struct Fake(BTreeMap<u64, (u64, Pin)>);
+
+    impl BlockOracle for Fake {
+        fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
+            (tier == Tier::Dram && self.0.contains_key(&id)).then_some(1)
+        }
+        fn pin(&self, id: u64) -> Pin {
+            self.0.get(&id).map_or(Pin::None, |b| b.1)
+        }
+        fn evictable_bytes(&self, _tier: Tier, exclude: &[u64]) -> u64 {
+            self.0.iter().filter(|(id, b)| b.1 != Pin::Hard && exclude.binary_search(id).is_err()).count() as u64
+        }
+        fn resident_children(&self, id: u64) -> Vec<u64> {
+            self.0.iter().filter(|(_, b)| b.0 == id).map(|(&c, _)| c).collect()
+        }
+        fn snapshot(&self) -> Events {
+            self.0.iter().map(|(&id, b)| Event::inserted(id, 1, Tier::Dram, b.0).with_pin(b.1)).collect()
+        }
+    }
+
+    /// 1 <- 2 <- 3, 2 <- 4 (a fork), 5 alone, 6 <- 7 with 7 hard-pinned.
+    fn tree() -> Fake {
+        let mut m = BTreeMap::new();
+        for (id, parent, pin) in [
+            (1, NO_PARENT, Pin::None),
+            (2, 1, Pin::None),
+            (3, 2, Pin::None),
+            (4, 2, Pin::Soft),
+            (5, NO_PARENT, Pin::None),
+            (6, NO_PARENT, Pin::None),
+            (7, 6, Pin::Hard),
+        ] {
+            m.insert(id, (parent, pin));
+        }
+        Fake(m)
+    }
+
+    #[test]
+    fn cascade_takes_descendants_first_and_counts_them() {
+        let o = tree();
+        let c = cascade(&[2, 5], &o, &[]);
+        assert_eq!(c.remove, vec![4, 3, 2, 5]);
+        assert_eq!(c.cascaded, 2);
+        assert!(c.refused.is_empty());
+        // Leaves first, as a prefix-aware policy names them: nothing to add.
+        let c = cascade(&[3, 4, 2, 1], &o, &[]);
+        assert_eq!((c.remove, c.cascaded), (vec![3, 4, 2, 1], 0));
+        // A named descendant later in the list is not counted as cascaded nor removed twice.
+        let c = cascade(&[1, 3], &o, &[]);
+        assert_eq!((c.remove, c.cascaded), (vec![4, 3, 2, 1], 2));
+    }
+
+    #[test]
+    fn cascade_refuses_victims_that_would_strand_excluded_or_hard_pinned_blocks() {
+        let o = tree();
+        let c = cascade(&[1, 6, 5], &o, &[3]);
+        assert_eq!(c.refused, vec![1, 6]);
+        assert_eq!(c.remove, vec![5]);
+        // Without the lease on 3, only the hard pin under 6 holds.
+        let c = cascade(&[1, 6], &o, &[]);
+        assert_eq!(c.refused, vec![6]);
+        assert_eq!(c.remove, vec![4, 3, 2, 1]);
+        // An excluded victim itself is refused.
+        assert_eq!(cascade(&[5], &o, &[5]).refused, vec![5]);
+    }
 }

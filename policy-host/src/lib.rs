@@ -17,8 +17,8 @@ pub mod wasm;
 
 pub use engine::{Deadline, HostConfig, LoadedModule, PolicyEngine, WASMTIME_VERSION};
 pub use guard::{
-    decode_decisions, validate_placements, validate_victims, BlockOracle, FaultCounts, FaultKind, GuardedAdmission,
-    GuardedEviction, GuardedPlacement, Invalid, ModuleInfo,
+    cascade, decode_decisions, validate_placements, validate_victims, BlockOracle, Cascade, FaultCounts, FaultKind,
+    GuardedAdmission, GuardedEviction, GuardedPlacement, Invalid, ModuleInfo,
 };
 pub use wasm::{CallError, WasmAdmission, WasmEviction, WasmPlacement};
 

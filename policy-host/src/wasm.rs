@@ -31,26 +31,22 @@ fn classify(e: wasmtime::Error) -> CallError {
 }
 
 fn wit_events(e: &Events) -> wit::Events {
-    wit::Events {
-        kind: e.kind.clone(),
-        id: e.id.clone(),
-        size: e.size.clone(),
-        tokens: e.tokens.clone(),
-        tier: e.tier.clone(),
-        parent: e.parent.clone(),
-        pin: e.pin.clone(),
-    }
+    slice_events(e, 0..e.len())
 }
 
 fn slice_events(e: &Events, r: std::ops::Range<usize>) -> wit::Events {
     wit::Events {
         kind: e.kind[r.clone()].to_vec(),
         id: e.id[r.clone()].to_vec(),
+        key: e.key[r.clone()].to_vec(),
         size: e.size[r.clone()].to_vec(),
         tokens: e.tokens[r.clone()].to_vec(),
         tier: e.tier[r.clone()].to_vec(),
         parent: e.parent[r.clone()].to_vec(),
-        pin: e.pin[r].to_vec(),
+        pin: e.pin[r.clone()].to_vec(),
+        depth: e.depth[r.clone()].to_vec(),
+        count: e.count[r.clone()].to_vec(),
+        time: e.time[r].to_vec(),
     }
 }
 
@@ -215,11 +211,13 @@ impl WasmAdmission {
     pub fn try_admit(&mut self, batch: &AdmitBatch) -> Result<Vec<u8>, CallError> {
         let b = wit::AdmitBatch {
             id: batch.id.clone(),
+            key: batch.key.clone(),
             size: batch.size.clone(),
             tokens: batch.tokens.clone(),
             seq_tokens: batch.seq_tokens.clone(),
             tier: batch.tier.clone(),
             parent: batch.parent.clone(),
+            depth: batch.depth.clone(),
         };
         let inst = &self.inst;
         self.core.call(|s| inst.call_admit(s, &b))

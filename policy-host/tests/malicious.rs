@@ -179,7 +179,7 @@ fn wrong_decision_count_falls_back() {
     let engine = PolicyEngine::new(HostConfig::default()).unwrap();
     let m = engine.load("bad-count", PolicyKind::Admission, &common::malicious()["bad-count"], &Params::new()).unwrap();
     let mut g = GuardedAdmission::new(&m, Box::new(ThresholdAdmission::new(100)), &Events::new()).unwrap();
-    let req = |seq| AdmitRequest { id: 1, size: 1, tokens: 16, seq_tokens: seq, tier: Tier::Ssd, parent: NO_PARENT };
+    let req = |seq| AdmitRequest::new(1, 1, 16, seq, Tier::Ssd, NO_PARENT);
     let b: AdmitBatch = [req(10), req(1000)].into_iter().collect();
     assert_eq!(g.admit(&b), vec![Admit::Reject, Admit::Into(Tier::Ssd)]);
     assert_eq!(g.faults().invalid, 1);

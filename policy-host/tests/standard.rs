@@ -102,13 +102,18 @@ fn admission_same<P: AdmissionPolicy + FromParams>(name: &str, params: &[(&str, 
         native.on_events(&batch);
         wasm.try_on_events(&batch).expect("on-events");
         let reqs: AdmitBatch = (0..[1, 16, 200][round % 3])
-            .map(|_| AdmitRequest {
-                id: rng.below(next_id + 20),
-                size: 50 + rng.below(200),
-                tokens: 16,
-                seq_tokens: 16 * rng.below(200),
-                tier: if rng.below(2) == 0 { Tier::Dram } else { Tier::Ssd },
-                parent: NO_PARENT,
+            .map(|_| {
+                let id = rng.below(next_id + 20);
+                AdmitRequest {
+                    id,
+                    key: common::key_of(rng.below(id + 1)),
+                    size: 50 + rng.below(200),
+                    tokens: 16,
+                    seq_tokens: 16 * rng.below(200),
+                    tier: if rng.below(2) == 0 { Tier::Dram } else { Tier::Ssd },
+                    parent: NO_PARENT,
+                    depth: rng.below(200) as u32,
+                }
             })
             .collect();
         let a: Vec<u8> = native.admit(&reqs).into_iter().map(|d| d.to_u8()).collect();

@@ -4,7 +4,7 @@
 
 use kvpool_policy_build::{build, BuildOptions, Built};
 use kvpool_policy_host::BlockOracle;
-use kvpool_policy_sdk::{Event, EventKind, Events, Pin, Tier, NO_PARENT};
+use kvpool_policy_sdk::{key_hash, Event, EventKind, Events, Pin, Tier, NO_PARENT};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -62,7 +62,7 @@ impl Oracle {
                         b.0 = e.pin;
                     }
                 }
-                EventKind::Accessed => {}
+                EventKind::Accessed | EventKind::Missed => {}
             }
         }
     }
@@ -85,6 +85,9 @@ impl BlockOracle for Oracle {
             .filter(|(id, b)| b.0 != Pin::Hard && exclude.binary_search(id).is_err())
             .filter_map(|(_, b)| b.1[tier as usize])
             .sum()
+    }
+    fn resident_children(&self, id: u64) -> Vec<u64> {
+        self.blocks.iter().filter(|(_, b)| b.2 == id).map(|(&c, _)| c).collect()
     }
     fn snapshot(&self) -> Events {
         let mut ev = Events::new();
@@ -114,17 +117,25 @@ impl Rng {
     }
 }
 
-/// A batch of `n` plausible events against `oracle`: chains of inserts (DRAM, some SSD copies),
-/// reads, a few removals and pin changes.
+/// The key hash of the `n`th key of a scenario (keys come back under fresh ids).
+pub fn key_of(n: u64) -> u64 {
+    key_hash(0, n.to_string().as_bytes())
+}
+
+/// A batch of `n` plausible events against `oracle`: chains of inserts (DRAM, some SSD copies;
+/// some re-puts of earlier keys under fresh ids), reads, misses, a few removals and pin changes.
 pub fn random_batch(rng: &mut Rng, oracle: &Oracle, next_id: &mut u64, n: usize) -> Events {
     let mut ev = Events::new();
     let ids: Vec<u64> = oracle.blocks.keys().copied().collect();
     let mut last: Option<u64> = None;
     for _ in 0..n {
         let r = rng.below(100);
+        let time = 1_000 * *next_id + rng.below(1_000);
         if r < 45 || ids.is_empty() {
             let id = *next_id;
             *next_id += 1;
+            // Keys are numbered like ids; one put in 8 brings back an earlier key.
+            let key = if rng.below(8) == 0 { key_of(rng.below(id)) } else { key_of(id) };
             // Continue the chain being built most of the time.
             let parent = match last {
                 Some(p) if rng.below(4) != 0 => p,
@@ -136,14 +147,18 @@ pub fn random_batch(rng: &mut Rng, oracle: &Oracle, next_id: &mut u64, n: usize)
                 _ => Pin::None,
             };
             let size = 100 + 10 * rng.below(5);
-            ev.push(Event::inserted(id, size, Tier::Dram, parent).with_tokens(16).with_pin(pin));
+            let e = Event::inserted(id, size, Tier::Dram, parent).with_tokens(16).with_pin(pin).with_key(key);
+            ev.push(e.with_time(time));
             if rng.below(5) == 0 {
-                ev.push(Event::inserted(id, size, Tier::Ssd, parent).with_tokens(16).with_pin(pin));
+                ev.push(Event { tier: Tier::Ssd, ..e }.with_time(time));
             }
             last = Some(id);
-        } else if r < 90 {
+        } else if r < 85 {
             let id = ids[rng.below(ids.len() as u64) as usize];
-            ev.push(Event::accessed(id, Tier::Dram));
+            ev.push(Event::accessed(id, Tier::Dram).with_key(key_of(id)).with_count(1).with_time(time));
+        } else if r < 90 {
+            let parent = if rng.below(2) == 0 { ids[rng.below(ids.len() as u64) as usize] } else { NO_PARENT };
+            ev.push(Event::missed(key_of(rng.below(*next_id + 100)), rng.below(40) as u32, parent).with_time(time));
         } else if r < 96 {
             let id = ids[rng.below(ids.len() as u64) as usize];
             ev.push(Event::removed(id, Tier::Ssd));
