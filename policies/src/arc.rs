@@ -1,5 +1,5 @@
-//! ARC (FAST'03) per tier: T1 holds blocks used once, T2 blocks used again; B1/B2 remember ids
-//! recently evicted from each. A return through B1 grows the target size `p` of T1 (recency
+//! ARC (FAST'03) per tier: T1 holds blocks used once, T2 blocks used again; B1/B2 remember the
+//! keys (hashes) recently evicted from each: a key comes back under a fresh block id. A return through B1 grows the target size `p` of T1 (recency
 //! pays), a return through B2 shrinks it (frequency pays). Victims come from T1 while T1 is
 //! above `p`, else from T2. The cache size `c` is the tier's resident block count, since the
 //! host, not the policy, owns capacity; each ghost list is capped at `c`.
@@ -24,12 +24,12 @@ impl ArcOrder {
 }
 
 impl TierOrder for ArcOrder {
-    fn insert(&mut self, id: u64) {
-        if self.b1.remove(id) {
+    fn insert(&mut self, id: u64, key: u64) {
+        if self.b1.remove(key) {
             let delta = (self.b2.len() / self.b1.len().max(1)).max(1);
             self.p = (self.p + delta).min(self.c());
             self.t2.push_back(id);
-        } else if self.b2.remove(id) {
+        } else if self.b2.remove(key) {
             let delta = (self.b1.len() / self.b2.len().max(1)).max(1);
             self.p = self.p.saturating_sub(delta);
             self.t2.push_back(id);
@@ -44,11 +44,11 @@ impl TierOrder for ArcOrder {
             self.t2.touch(id);
         }
     }
-    fn remove(&mut self, id: u64) {
+    fn remove(&mut self, id: u64, key: u64) {
         if self.t1.remove(id) {
-            self.b1.push_back(id);
+            self.b1.push_back(key);
         } else if self.t2.remove(id) {
-            self.b2.push_back(id);
+            self.b2.push_back(key);
         }
         let c = self.c();
         while self.b1.len() > c {
@@ -135,14 +135,14 @@ mod tests {
         p.on_events(&evs([Event::accessed(1, Tier::Dram), Event::accessed(2, Tier::Dram)]));
         // T1 = [3, 4], T2 = [1, 2], p = 0: T1 goes first (LRU within it).
         assert_eq!(p.victims(Tier::Dram, 30, &[]), vec![3, 4, 1]);
-        // Evict 3 (to B1) and bring it back: p grows, and 3 is now in T2.
+        // Evict 3 (to B1) and bring its key back under a fresh id: p grows, and it is in T2.
         p.on_events(&evs([Event::removed(3, Tier::Dram)]));
-        p.on_events(&evs([Event::inserted(3, 10, Tier::Dram, NO_PARENT)]));
+        p.on_events(&evs([Event::inserted(30, 10, Tier::Dram, NO_PARENT).with_key(3)]));
         assert_eq!(p.target_t1(Tier::Dram), 1);
         // T1 = [4] is not above p = 1, so T2's LRU (1) goes first.
         assert_eq!(p.victims(Tier::Dram, 20, &[]), vec![1, 2]);
-        // Evict 1 (to B2) and bring it back: p shrinks to 0 again.
-        p.on_events(&evs([Event::removed(1, Tier::Dram), Event::inserted(1, 10, Tier::Dram, NO_PARENT)]));
+        // Evict 1 (to B2) and bring its key back: p shrinks to 0 again.
+        p.on_events(&evs([Event::removed(1, Tier::Dram), Event::inserted(10, 10, Tier::Dram, NO_PARENT).with_key(1)]));
         assert_eq!(p.target_t1(Tier::Dram), 0);
         assert_eq!(p.victims(Tier::Dram, 10, &[4]), vec![2]);
     }

@@ -10,13 +10,13 @@ pub(crate) struct LruOrder {
 }
 
 impl TierOrder for LruOrder {
-    fn insert(&mut self, id: u64) {
+    fn insert(&mut self, id: u64, _key: u64) {
         self.q.push_back(id);
     }
     fn access(&mut self, id: u64) {
         self.q.touch(id);
     }
-    fn remove(&mut self, id: u64) {
+    fn remove(&mut self, id: u64, _key: u64) {
         self.q.remove(id);
     }
     fn reserve(&mut self, n: usize) {

@@ -1,5 +1,6 @@
 //! S3-FIFO (SOSP'23) per tier: a small FIFO (10% of resident blocks by default) that new blocks
-//! enter, a main FIFO, and a ghost FIFO of recently evicted ids. A block leaving the small FIFO
+//! enter, a main FIFO, and a ghost FIFO of recently evicted keys (hashes: a key comes back
+//! under a fresh block id). A block leaving the small FIFO
 //! moves to main if it was used since insertion, else it is evicted and its id remembered in the
 //! ghost; a block whose id is in the ghost goes straight to main when it comes back. Main is a
 //! FIFO with reinsertion while a 2-bit use counter lasts.
@@ -46,9 +47,9 @@ impl S3FifoOrder {
 }
 
 impl TierOrder for S3FifoOrder {
-    fn insert(&mut self, id: u64) {
+    fn insert(&mut self, id: u64, key: u64) {
         self.freq.insert(id, 0);
-        if self.ghost.remove(id) {
+        if self.ghost.remove(key) {
             self.main.push_back(id);
         } else {
             self.small.push_back(id);
@@ -59,11 +60,11 @@ impl TierOrder for S3FifoOrder {
             *f = (*f + 1).min(3);
         }
     }
-    fn remove(&mut self, id: u64) {
+    fn remove(&mut self, id: u64, key: u64) {
         self.freq.remove(&id);
         if self.small.remove(id) {
-            // Left while still on probation: remember it, so a quick return goes to main.
-            self.ghost.push_back(id);
+            // Left while still on probation: remember its key, so a quick return goes to main.
+            self.ghost.push_back(key);
             while self.ghost.len() > self.ghost_cap() {
                 self.ghost.pop_front();
             }
@@ -176,8 +177,8 @@ mod tests {
         // 1 was used: it moves to main; 2 is the oldest unused block in small.
         assert_eq!(p.victims(Tier::Dram, 10, &[]), vec![2]);
         p.on_events(&one(Event::removed(2, Tier::Dram)));
-        // 2 is a ghost now: re-inserted it goes to main (behind 1), not to small.
-        p.on_events(&one(Event::inserted(2, 10, Tier::Dram, NO_PARENT)));
+        // 2 is a ghost now: its key put again under a fresh id goes to main (behind 1).
+        p.on_events(&one(Event::inserted(20, 10, Tier::Dram, NO_PARENT).with_key(2)));
         assert_eq!(p.victims(Tier::Dram, 30, &[]), vec![3, 4, 5]);
         // Excluding 3 moves on to 4.
         assert_eq!(p.victims(Tier::Dram, 10, &[3]), vec![4]);

@@ -13,7 +13,7 @@ pub(crate) struct SieveOrder {
 }
 
 impl TierOrder for SieveOrder {
-    fn insert(&mut self, id: u64) {
+    fn insert(&mut self, id: u64, _key: u64) {
         self.visited.remove(&id);
         self.q.push_back(id);
     }
@@ -22,7 +22,7 @@ impl TierOrder for SieveOrder {
             self.visited.insert(id);
         }
     }
-    fn remove(&mut self, id: u64) {
+    fn remove(&mut self, id: u64, _key: u64) {
         self.q.remove(id);
         self.visited.remove(&id);
     }

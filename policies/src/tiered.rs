@@ -16,11 +16,12 @@ pub(crate) enum Step {
     TakeLast,
 }
 
-/// One tier's ordering. Blocks stay in the structure until the host sends `Removed`.
+/// One tier's ordering. Blocks stay in the structure until the host sends `Removed`. `key` is
+/// the block's key hash: ghosts remember keys, since a key comes back under a fresh id.
 pub(crate) trait TierOrder: Default {
-    fn insert(&mut self, id: u64);
+    fn insert(&mut self, id: u64, key: u64);
     fn access(&mut self, id: u64);
-    fn remove(&mut self, id: u64);
+    fn remove(&mut self, id: u64, key: u64);
     /// Offer candidates in eviction order until `f` returns `TakeLast` or none is left.
     fn candidates(&mut self, f: &mut dyn FnMut(u64) -> Step);
     /// Room for `n` more inserted blocks (a bulk load is coming).
@@ -176,6 +177,7 @@ impl Queue {
 
 #[derive(Debug, Clone)]
 struct Meta {
+    key: u64,
     pin: Pin,
     /// Size of the copy in each tier, when resident there.
     size: [Option<u64>; 3],
@@ -214,14 +216,14 @@ impl<O: TierOrder> Tiered<O> {
         let t = e.tier as usize;
         match e.kind {
             EventKind::Inserted => {
-                let m = self.meta.entry(e.id).or_insert(Meta { pin: e.pin, size: [None; 3] });
+                let m = self.meta.entry(e.id).or_insert(Meta { key: e.key, pin: e.pin, size: [None; 3] });
                 m.pin = e.pin;
                 let again = m.size[t].replace(e.size).is_some();
                 // A re-insert of a resident copy counts as a use, not as a new block.
                 if again {
                     self.tiers[t].access(e.id);
                 } else {
-                    self.tiers[t].insert(e.id);
+                    self.tiers[t].insert(e.id, m.key);
                 }
             }
             EventKind::Accessed => {
@@ -234,10 +236,11 @@ impl<O: TierOrder> Tiered<O> {
                 if m.size[t].take().is_none() {
                     return;
                 }
+                let key = m.key;
                 if m.size.iter().all(Option::is_none) {
                     self.meta.remove(&e.id);
                 }
-                self.tiers[t].remove(e.id);
+                self.tiers[t].remove(e.id, key);
             }
             EventKind::PinChanged => {
                 if let Some(m) = self.meta.get_mut(&e.id) {
