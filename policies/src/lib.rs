@@ -6,8 +6,11 @@
 
 pub mod admission;
 pub mod arc;
+pub mod experts;
+pub mod filters;
 pub mod hash;
 pub mod leaf_lru;
+mod leaves;
 pub mod lru;
 pub mod placement;
 pub mod registry;
@@ -18,6 +21,8 @@ mod tiered;
 
 pub use admission::{SeenTwice, SizeRange};
 pub use arc::Arc;
+pub use experts::ChainExperts;
+pub use filters::{Doorkeeper, GhostAdmission};
 pub use leaf_lru::LeafLru;
 pub use lru::Lru;
 pub use placement::{ConsistentHash, LeastLoaded, PrefixAffinity};
