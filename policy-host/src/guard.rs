@@ -24,10 +24,10 @@ pub trait BlockOracle {
     fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64;
     /// Resident blocks (a copy in any tier) whose parent is `id`: the chain rule's input.
     fn resident_children(&self, id: u64) -> Vec<u64>;
-    /// The warm snapshot (see the WIT `events` record): every block as `Inserted` events with
-    /// its pin, read count and last access, least recently used first and parents before
-    /// children, then the host's recent misses as `Missed` events. Used to start a swapped-in
-    /// module and to rebuild one after a trap.
+    /// The warm snapshot (see the WIT `events` record): the host's recent misses as `Missed`
+    /// events, oldest first, then every block as `Inserted` events with its pin, read count and
+    /// last access, least recently used first and parents before children. Used to start a
+    /// swapped-in module and to rebuild one after a trap.
     fn snapshot(&self) -> Events;
 }
 

@@ -129,7 +129,9 @@ pub struct Event {
     pub pin: Pin,
     /// Position in the prefix chain (0 for a root), or [`NO_DEPTH`].
     pub depth: u32,
-    /// Reads of the block so far (on `Inserted`, `Accessed`), misses of the key (on `Missed`).
+    /// Requests that wanted the key so far, as the host knows: misses of the key before the
+    /// put plus reads since (on `Inserted`, `Accessed`), misses remembered (on `Missed`); 0 when
+    /// the host does not count. A running total: take the largest seen, do not add.
     pub count: u32,
     /// Host clock in microseconds: when it happened, or in a snapshot the last access.
     pub time: u64,
