@@ -5,8 +5,10 @@ mod peers;
 mod plot;
 mod target;
 
-// Trace replay, pooled vs isolated caches, TTFT model.
+// Trace replay, synthetic traces, pooled vs isolated caches, TTFT model.
+mod gen;
 mod hitplot;
+mod pool;
 mod pooled;
 mod replay;
 mod scale;
@@ -47,6 +49,8 @@ enum Cmd {
     Ttft(ttft::TtftArgs),
     /// Fill one server to growing block counts: RSS per block, lookup latency, restart time
     Scale(scale::ScaleArgs),
+    /// Write a synthetic request trace (Mooncake format)
+    Gen(gen::GenArgs),
 }
 
 #[derive(Debug, Args)]
@@ -842,6 +846,7 @@ fn main() -> Result<()> {
         Cmd::Pooled(a) => pooled::pooled(a),
         Cmd::Ttft(a) => ttft::ttft(a),
         Cmd::Scale(a) => scale::scale(a),
+        Cmd::Gen(a) => gen::gen(a),
     }
 }
 

@@ -1,12 +1,14 @@
 //! `kvpool-bench replay`: hit rate of every policy at several capacities on a request trace,
 //! beside libCacheSim's implementations, Belady and the unlimited cache.
 
-use crate::sim::{self, Belady, CacheSim, WasmSet, BELADY_NOTE};
+use crate::pool::PoolStats;
+use crate::sim::{self, Belady, CacheSim, Pair, WasmSet, BELADY_NOTE};
 use crate::trace::{self, Hits, Trace};
 use anyhow::{bail, Context, Result};
 use clap::Args;
 use indicatif::{ProgressBar, ProgressStyle};
-use kvpool_policy_sdk::{EvictionPolicy, Params};
+use kvpool_policy_host::PolicyKind;
+use kvpool_policy_sdk::{AdmissionPolicy, EvictionPolicy, Params};
 use serde::{Deserialize, Serialize};
 use std::cell::Cell;
 use std::path::{Path, PathBuf};
@@ -22,11 +24,15 @@ pub struct ReplayArgs {
     /// Cache capacities as fractions of the trace's distinct blocks
     #[arg(long, value_delimiter = ',', default_value = "0.02,0.05,0.1,0.2,0.4")]
     pub capacities: Vec<f64>,
-    /// Extra Wasm eviction components to replay (labelled wasm/<file stem>)
+    /// Admission + eviction pairs to replay, `admission+eviction` (a bare eviction name pairs it
+    /// with the server's default admission, `threshold`); default: the standard set
+    #[arg(long, value_delimiter = ',')]
+    pub pairs: Vec<String>,
+    /// Extra Wasm components (eviction or admission), usable in --pairs by their file stem
     #[arg(long)]
     pub wasm: Vec<PathBuf>,
-    /// Only policies matching these names (e.g. `lru`, `wasm/arc`, `libcachesim/lirs`, `belady`;
-    /// a bare name matches it in every family)
+    /// Only rows matching these names (e.g. `threshold+lru`, `wasm/threshold+arc`,
+    /// `libcachesim/lirs`, `belady`; a name without a family matches it in every family)
     #[arg(long, value_delimiter = ',')]
     pub policies: Vec<String>,
     /// Policy parameters k=v passed to every kvpool policy (native and Wasm)
@@ -66,8 +72,8 @@ pub struct ResultRow {
     pub hits: Hits,
     pub block_hit_rate: f64,
     pub token_hit_rate: f64,
-    pub shortfalls: u64,
-    pub invalid_victims: u64,
+    /// Counters of the pool (kvpool pairs and Belady; zero for libCacheSim).
+    pub pool: PoolStats,
     pub seconds: f64,
 }
 
@@ -206,7 +212,7 @@ pub fn progress(len: u64, what: &str) -> ProgressBar {
     pb
 }
 
-type Factory<'a> = Box<dyn Fn() -> Result<Box<dyn EvictionPolicy>> + 'a>;
+type Factory<'a> = Box<dyn Fn() -> Result<(Box<dyn AdmissionPolicy>, Box<dyn EvictionPolicy>)> + 'a>;
 
 pub fn replay(a: ReplayArgs) -> Result<()> {
     let path = resolve_trace(&a.trace)?;
@@ -218,30 +224,53 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
     let distinct = trace.distinct_blocks();
     let caps: Vec<(f64, usize)> = a.capacities.iter().map(|&f| (f, trace.capacity_for(f))).collect();
     let unl = trace::unlimited(&trace);
+    let pairs: Vec<Pair> = if a.pairs.is_empty() {
+        sim::DEFAULT_PAIRS.iter().map(|p| Pair::parse(p)).collect::<Result<_, _>>()?
+    } else {
+        a.pairs.iter().map(|p| Pair::parse(p)).collect::<Result<_, _>>()?
+    };
 
     let mut wasm = WasmSet::new()?;
-    // kvpool policies: native, then Wasm.
-    let mut factories: Vec<(String, String, Factory)> = Vec::new();
-    for name in sim::NATIVE {
-        let id = format!("native/{name}");
-        if selected(&a.policies, &id) {
-            let params = params.clone();
-            factories.push((id, "native".into(), Box::new(move || Ok(sim::native_policy(name, &params)?))));
-        }
-    }
-    let want_std_wasm = !a.no_wasm && sim::NATIVE.iter().any(|n| selected(&a.policies, &format!("wasm/{n}")));
-    if want_std_wasm {
+    let want_wasm = !a.no_wasm && pairs.iter().any(|p| selected(&a.policies, &format!("wasm/{}", p.label())));
+    if want_wasm {
         eprintln!("building the standard policy components (target/policy-components)...");
         wasm.add_standard(&params)?;
     }
     for w in &a.wasm {
-        wasm.add_file(&sim::wasm_label(w), w, &params)?;
+        let name = sim::wasm_name(w);
+        if wasm.add_file(&name, PolicyKind::Eviction, w, &params).is_err() {
+            wasm.add_file(&name, PolicyKind::Admission, w, &params)?;
+        }
     }
     let wasm = &wasm;
-    for i in 0..wasm.modules.len() {
-        let id = wasm.modules[i].0.clone();
-        if selected(&a.policies, &id) || a.wasm.iter().any(|w| sim::wasm_label(w) == id) {
-            factories.push((id, "wasm".into(), Box::new(move || Ok(wasm.instantiate(i)?))));
+    let mut factories: Vec<(String, String, Factory)> = Vec::new();
+    for pair in &pairs {
+        let id = format!("native/{}", pair.label());
+        let native_known = sim::native_admission(&pair.admission, &params).is_ok()
+            && sim::native_eviction(&pair.eviction, &params).is_ok();
+        if native_known && selected(&a.policies, &id) {
+            let (params, pair) = (params.clone(), pair.clone());
+            factories.push((
+                id,
+                "native".into(),
+                Box::new(move || {
+                    Ok((
+                        sim::native_admission(&pair.admission, &params)?,
+                        sim::native_eviction(&pair.eviction, &params)?,
+                    ))
+                }),
+            ));
+        }
+        let id = format!("wasm/{}", pair.label());
+        let wasm_known =
+            wasm.has(&pair.admission, PolicyKind::Admission) && wasm.has(&pair.eviction, PolicyKind::Eviction);
+        if wasm_known && selected(&a.policies, &id) {
+            let pair = pair.clone();
+            factories.push((
+                id,
+                "wasm".into(),
+                Box::new(move || Ok((wasm.admission(&pair.admission)?, wasm.eviction(&pair.eviction)?))),
+            ));
         }
     }
     let with_belady = selected(&a.policies, "offline/belady");
@@ -257,15 +286,15 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
         hits: sim.hits,
         block_hit_rate: sim.hits.block_rate(),
         token_hit_rate: sim.hits.token_rate(),
-        shortfalls: sim.shortfalls,
-        invalid_victims: sim.invalid_victims,
+        pool: sim.stats(),
         seconds: secs,
     };
     for (id, family, make) in &factories {
         for &cap in &caps {
             pb.set_message(format!("{id} @ {}", cap.0));
             let t = Instant::now();
-            let mut s = CacheSim::new(make()?, cap.1);
+            let (adm, ev) = make()?;
+            let mut s = CacheSim::pair(adm, ev, cap.1);
             s.run(&trace, || pb.inc(1));
             rows.push(row(id, family, cap, &s, t.elapsed().as_secs_f64()));
         }
@@ -301,8 +330,7 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
                         hits,
                         block_hit_rate: hits.block_rate(),
                         token_hit_rate: hits.token_rate(),
-                        shortfalls: 0,
-                        invalid_victims: 0,
+                        pool: PoolStats::default(),
                         seconds: secs,
                     });
                 }
@@ -356,13 +384,13 @@ fn print_report(r: &ReplayReport, caps: &[(f64, usize)]) {
     }
     for (what, f) in [("block", Hits::block_rate as fn(&Hits) -> f64), ("token", Hits::token_rate)] {
         println!();
-        print!("{:<22}", format!("{what} hit rate"));
+        print!("{:<34}", format!("{what} hit rate"));
         for (frac, blocks) in caps {
             print!(" {:>15}", format!("{:.0}% ({blocks})", frac * 100.0));
         }
         println!();
         for p in &policies {
-            print!("{p:<22}");
+            print!("{p:<34}");
             for (frac, _) in caps {
                 match r.rows.iter().find(|x| x.policy == *p && x.fraction == *frac) {
                     Some(x) => print!(" {:>15.3}", f(&x.hits)),
@@ -371,17 +399,18 @@ fn print_report(r: &ReplayReport, caps: &[(f64, usize)]) {
             }
             println!();
         }
-        print!("{:<22}", "unlimited");
+        print!("{:<34}", "unlimited");
         for _ in caps {
             print!(" {:>15.3}", f(&r.unlimited));
         }
         println!();
     }
-    let bad: Vec<&ResultRow> = r.rows.iter().filter(|x| x.shortfalls > 0 || x.invalid_victims > 0).collect();
+    let bad: Vec<&ResultRow> =
+        r.rows.iter().filter(|x| x.pool.invalid_victims > 0 || x.pool.invalid_admissions > 0).collect();
     for x in bad {
         println!(
-            "note: {} @ {}: {} requests short of room, {} invalid victims ignored",
-            x.policy, x.fraction, x.shortfalls, x.invalid_victims
+            "note: {} @ {}: {} invalid victims and {} invalid admission answers ignored",
+            x.policy, x.fraction, x.pool.invalid_victims, x.pool.invalid_admissions
         );
     }
 }

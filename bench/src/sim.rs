@@ -1,27 +1,40 @@
-//! In-process cache simulation driving kvpool's real eviction policies (native or Wasm) with the
-//! same events the server feeds them, and Belady's offline optimum adapted to prefix hits.
+//! Trace replay through a [`Pool`]: the driver a request goes through, kvpool's real policies
+//! (native or Wasm) by name, in admission + eviction pairs, and Belady's offline optimum
+//! adapted to prefix hits.
 //!
-//! One request = lookup of its chain (hit = longest resident prefix of its `hash_ids`), then
-//! `Accessed` events for its resident blocks (root to leaf), then, when the cache is full,
-//! `victims(Dram, needed, exclude = this request's resident blocks)`, `Removed` events for them,
-//! and `Inserted` events (size 1, parent = previous id of the chain) for its missing blocks.
+//! One request = `lookup` of its chain (hit = longest resident prefix of its `hash_ids`; every
+//! absent block is a miss the policies see), `get` of the hit prefix (`Accessed`, leased for
+//! the request), then `put` of the rest (admission for all new blocks in one batch, room made
+//! with one `victims` call, the chain rules applied; see [`crate::pool`]).
 
+use crate::pool::{trace_key_hash, Pool, PoolStats, PutItem, SimPool};
 use crate::trace::{Hits, Request, Trace};
-use kvpool_policy_host::{Deadline, HostConfig, LoadedModule, PolicyEngine, PolicyKind, WasmEviction};
-use kvpool_policy_sdk::{Event, EventKind, Events, EvictionPolicy, FromParams, Params, Tier, NO_PARENT};
+use kvpool_policy_host::{Deadline, HostConfig, LoadedModule, PolicyEngine, PolicyKind, WasmAdmission, WasmEviction};
+use kvpool_policy_sdk::{AdmissionPolicy, EventKind, Events, EvictionPolicy, FromParams, Params, Tier, NO_PARENT};
 use std::cell::Cell;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 use std::rc::Rc;
 use std::time::Duration;
 
 /// The standard eviction policies linked natively.
-pub const NATIVE: [&str; 5] = ["lru", "leaf-lru", "arc", "s3fifo", "sieve"];
+pub const EVICTION: [&str; 6] = ["lru", "leaf-lru", "arc", "s3fifo", "sieve", "chain-experts"];
+
+/// The standard admission policies linked natively (`threshold` with its default
+/// `store_threshold` = 0 admits everything: the server's default).
+pub const ADMISSION: [&str; 5] = ["threshold", "seen-twice", "size-range", "doorkeeper", "ghost"];
+
+/// The server's default admission.
+pub const DEFAULT_ADMISSION: &str = "threshold";
+
+/// Pairs `replay` runs when none are given: every standard eviction policy behind the
+/// server's default admission, and the new admission policies.
+pub const DEFAULT_PAIRS: [&str; 6] = ["lru", "leaf-lru", "arc", "s3fifo", "sieve", "chain-experts"];
 
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
-    #[error("unknown native eviction policy {0:?} (known: {known})", known = NATIVE.join(", "))]
-    UnknownPolicy(String),
+    #[error("unknown {kind} policy {name:?} (known: {known})")]
+    UnknownPolicy { kind: &'static str, name: String, known: String },
     #[error("policy {name} refused its parameters: {message}")]
     Params { name: String, message: String },
     #[error("building the standard Wasm policies: {0}")]
@@ -38,34 +51,74 @@ pub enum SimError {
         #[source]
         source: std::io::Error,
     },
+    #[error("a pair is `admission+eviction` or `eviction`, not {0:?}")]
+    BadPair(String),
 }
 
-fn native<P: EvictionPolicy + FromParams + 'static>(
-    name: &str,
-    params: &Params,
-) -> Result<Box<dyn EvictionPolicy>, SimError> {
-    P::from_params(params)
-        .map(|p| Box::new(p) as Box<dyn EvictionPolicy>)
-        .map_err(|e| SimError::Params { name: name.into(), message: e.0 })
+fn unknown(kind: &'static str, name: &str, known: &[&str]) -> SimError {
+    SimError::UnknownPolicy { kind, name: name.into(), known: known.join(", ") }
 }
 
-/// A native standard policy by name.
-pub fn native_policy(name: &str, params: &Params) -> Result<Box<dyn EvictionPolicy>, SimError> {
+fn build<P: FromParams>(name: &str, params: &Params) -> Result<P, SimError> {
+    P::from_params(params).map_err(|e| SimError::Params { name: name.into(), message: e.0 })
+}
+
+/// A native standard eviction policy by name.
+pub fn native_eviction(name: &str, params: &Params) -> Result<Box<dyn EvictionPolicy>, SimError> {
     use kvpool_policies as p;
-    match name {
-        "lru" => native::<p::Lru>(name, params),
-        "leaf-lru" => native::<p::LeafLru>(name, params),
-        "arc" => native::<p::Arc>(name, params),
-        "s3fifo" => native::<p::S3Fifo>(name, params),
-        "sieve" => native::<p::Sieve>(name, params),
-        _ => Err(SimError::UnknownPolicy(name.into())),
+    Ok(match name {
+        "lru" => Box::new(build::<p::Lru>(name, params)?),
+        "leaf-lru" => Box::new(build::<p::LeafLru>(name, params)?),
+        "arc" => Box::new(build::<p::Arc>(name, params)?),
+        "s3fifo" => Box::new(build::<p::S3Fifo>(name, params)?),
+        "sieve" => Box::new(build::<p::Sieve>(name, params)?),
+        "chain-experts" => Box::new(build::<p::ChainExperts>(name, params)?),
+        _ => return Err(unknown("eviction", name, &EVICTION)),
+    })
+}
+
+/// A native standard admission policy by name.
+pub fn native_admission(name: &str, params: &Params) -> Result<Box<dyn AdmissionPolicy>, SimError> {
+    use kvpool_policies as p;
+    Ok(match name {
+        "threshold" => Box::new(build::<p::ThresholdAdmission>(name, params)?),
+        "seen-twice" => Box::new(build::<p::SeenTwice>(name, params)?),
+        "size-range" => Box::new(build::<p::SizeRange>(name, params)?),
+        "doorkeeper" => Box::new(build::<p::Doorkeeper>(name, params)?),
+        "ghost" => Box::new(build::<p::GhostAdmission>(name, params)?),
+        _ => return Err(unknown("admission", name, &ADMISSION)),
+    })
+}
+
+/// An admission + eviction pair, written `admission+eviction` (or `eviction` alone for the
+/// server's default admission).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Pair {
+    pub admission: String,
+    pub eviction: String,
+}
+
+impl Pair {
+    pub fn parse(s: &str) -> Result<Pair, SimError> {
+        let parts: Vec<&str> = s.split('+').map(str::trim).collect();
+        match parts[..] {
+            [e] if !e.is_empty() => Ok(Pair { admission: DEFAULT_ADMISSION.into(), eviction: e.into() }),
+            [a, e] if !a.is_empty() && !e.is_empty() => Ok(Pair { admission: a.into(), eviction: e.into() }),
+            _ => Err(SimError::BadPair(s.into())),
+        }
+    }
+
+    /// `admission+eviction`.
+    pub fn label(&self) -> String {
+        format!("{}+{}", self.admission, self.eviction)
     }
 }
 
-/// Wasm eviction modules, compiled once, instantiated once per run.
+/// Wasm modules (eviction and admission), compiled once, instantiated once per run.
 pub struct WasmSet {
     engine: PolicyEngine,
-    pub modules: Vec<(String, LoadedModule)>,
+    /// (name, kind, module)
+    pub modules: Vec<(String, PolicyKind, LoadedModule)>,
 }
 
 impl WasmSet {
@@ -81,165 +134,150 @@ impl WasmSet {
         Ok(WasmSet { engine, modules: Vec::new() })
     }
 
-    /// Build the standard policies into `target/policy-components` and load the eviction ones.
+    /// Build the standard policies into `target/policy-components` and load the eviction and
+    /// admission ones.
     pub fn add_standard(&mut self, params: &Params) -> Result<(), SimError> {
         let out = kvpool_policy_build::repo_root().join("target/policy-components");
-        let mut built = kvpool_policy_build::build_standard(&out)?;
-        built.retain(|b| b.kind == kvpool_policy_build::PolicyKind::Eviction);
-        built.sort_by_key(|b| NATIVE.iter().position(|n| *n == b.name).unwrap_or(usize::MAX));
-        for b in built {
-            self.add_file(&format!("wasm/{}", b.name), &b.path, params)?;
+        for b in kvpool_policy_build::build_standard(&out)? {
+            let kind = match b.kind {
+                kvpool_policy_build::PolicyKind::Eviction => PolicyKind::Eviction,
+                kvpool_policy_build::PolicyKind::Admission => PolicyKind::Admission,
+                kvpool_policy_build::PolicyKind::Placement => continue,
+            };
+            self.add_file(&b.name, kind, &b.path, params)?;
         }
         Ok(())
     }
 
-    /// Load one eviction component from a file.
-    pub fn add_file(&mut self, label: &str, path: &Path, params: &Params) -> Result<(), SimError> {
+    /// Load one component from a file under `name`.
+    pub fn add_file(&mut self, name: &str, kind: PolicyKind, path: &Path, params: &Params) -> Result<(), SimError> {
         let wasm = std::fs::read(path).map_err(|source| SimError::Io { path: path.display().to_string(), source })?;
         let m = self
             .engine
-            .load(label, PolicyKind::Eviction, &wasm, params)
-            .map_err(|source| SimError::Host { name: label.into(), source })?;
-        self.modules.push((label.to_string(), m));
+            .load(name, kind, &wasm, params)
+            .map_err(|source| SimError::Host { name: name.into(), source })?;
+        self.modules.retain(|(n, k, _)| !(n == name && *k == kind));
+        self.modules.push((name.to_string(), kind, m));
         Ok(())
     }
 
-    pub fn instantiate(&self, i: usize) -> Result<Box<dyn EvictionPolicy>, SimError> {
-        let (name, m) = &self.modules[i];
+    fn module(&self, name: &str, kind: PolicyKind) -> Option<&LoadedModule> {
+        self.modules.iter().find(|(n, k, _)| n == name && *k == kind).map(|m| &m.2)
+    }
+
+    pub fn has(&self, name: &str, kind: PolicyKind) -> bool {
+        self.module(name, kind).is_some()
+    }
+
+    pub fn eviction(&self, name: &str) -> Result<Box<dyn EvictionPolicy>, SimError> {
+        let m = self.module(name, PolicyKind::Eviction).ok_or_else(|| unknown("Wasm eviction", name, &[]))?;
         WasmEviction::new(m)
             .map(|w| Box::new(w) as Box<dyn EvictionPolicy>)
-            .map_err(|source| SimError::Host { name: name.clone(), source })
+            .map_err(|source| SimError::Host { name: name.into(), source })
+    }
+
+    pub fn admission(&self, name: &str) -> Result<Box<dyn AdmissionPolicy>, SimError> {
+        let m = self.module(name, PolicyKind::Admission).ok_or_else(|| unknown("Wasm admission", name, &[]))?;
+        WasmAdmission::new(m)
+            .map(|w| Box::new(w) as Box<dyn AdmissionPolicy>)
+            .map_err(|source| SimError::Host { name: name.into(), source })
     }
 }
 
-/// Label of a `--wasm` file: `wasm/<file stem>`.
-pub fn wasm_label(path: &Path) -> String {
-    format!("wasm/{}", path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into()))
+/// Name of a `--wasm` file: its file stem.
+pub fn wasm_name(path: &Path) -> String {
+    path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into())
 }
 
-/// A policy given by name: a native standard one (`lru`), `wasm/<standard name>`, or a path to
-/// a `.wasm` eviction component.
+/// An eviction policy given by name: a native standard one (`lru`), `wasm/<standard name>`,
+/// or a path to a `.wasm` eviction component.
 pub fn policy_by_name(spec: &str, params: &Params) -> Result<Box<dyn EvictionPolicy>, SimError> {
     if spec.ends_with(".wasm") {
         let mut set = WasmSet::new()?;
-        set.add_file(&wasm_label(Path::new(spec)), &PathBuf::from(spec), params)?;
-        return set.instantiate(0);
+        let name = wasm_name(Path::new(spec));
+        set.add_file(&name, PolicyKind::Eviction, &PathBuf::from(spec), params)?;
+        return set.eviction(&name);
     }
     if let Some(name) = spec.strip_prefix("wasm/") {
         let mut set = WasmSet::new()?;
         set.add_standard(params)?;
-        let i =
-            set.modules.iter().position(|(l, _)| l == spec).ok_or_else(|| SimError::UnknownPolicy(name.to_string()))?;
-        return set.instantiate(i);
+        return set.eviction(name);
     }
-    native_policy(spec, params)
+    native_eviction(spec, params)
 }
 
-/// A cache of `capacity` blocks (each of size 1) run by an eviction policy.
+/// A replay of requests through a [`Pool`].
 pub struct CacheSim {
-    policy: Box<dyn EvictionPolicy>,
-    capacity: usize,
-    resident: HashSet<u64>,
+    pool: Box<dyn Pool>,
     clock: Rc<Cell<usize>>,
     requests: usize,
-    events: Events,
+    items: Vec<PutItem>,
     pub hits: Hits,
-    /// Times the policy freed fewer blocks than asked (the missing tail of a request is then
-    /// not stored).
-    pub shortfalls: u64,
-    /// Victim ids that were not resident, were excluded, or were repeated (ignored).
-    pub invalid_victims: u64,
-    /// Blocks that could not be stored for lack of room.
-    pub dropped: u64,
 }
 
 impl CacheSim {
+    /// A pool of `capacity` blocks run by `policy` with the default admission (admit all).
     pub fn new(policy: Box<dyn EvictionPolicy>, capacity: usize) -> CacheSim {
-        CacheSim::with_clock(policy, capacity, Rc::new(Cell::new(0)))
+        CacheSim::pair(Box::new(kvpool_policies::ThresholdAdmission::new(0)), policy, capacity)
     }
 
-    /// `clock` is set to the index of the request being served (Belady reads it).
+    /// A pool of `capacity` blocks run by an admission + eviction pair.
+    pub fn pair(admission: Box<dyn AdmissionPolicy>, eviction: Box<dyn EvictionPolicy>, capacity: usize) -> CacheSim {
+        CacheSim::over(Box::new(SimPool::new(admission, eviction, capacity)), Rc::new(Cell::new(0)))
+    }
+
+    /// A replay through any pool; `clock` is set to the index of the request being served
+    /// (Belady reads it).
+    pub fn over(pool: Box<dyn Pool>, clock: Rc<Cell<usize>>) -> CacheSim {
+        CacheSim { pool, clock, requests: 0, items: Vec::new(), hits: Hits::default() }
+    }
+
+    /// `policy` run with the default admission; the clock is shared with it.
     pub fn with_clock(policy: Box<dyn EvictionPolicy>, capacity: usize, clock: Rc<Cell<usize>>) -> CacheSim {
-        CacheSim {
-            policy,
-            capacity,
-            resident: HashSet::new(),
-            clock,
-            requests: 0,
-            events: Events::new(),
-            hits: Hits::default(),
-            shortfalls: 0,
-            invalid_victims: 0,
-            dropped: 0,
-        }
+        let pool = SimPool::new(Box::new(kvpool_policies::ThresholdAdmission::new(0)), policy, capacity);
+        CacheSim::over(Box::new(pool), clock)
+    }
+
+    pub fn stats(&self) -> PoolStats {
+        self.pool.stats()
     }
 
     /// Serve one request; returns its own hits (also added to `self.hits`).
     pub fn request(&mut self, r: &Request) -> Hits {
         self.clock.set(self.requests);
         self.requests += 1;
+        // Trace time is in ms; requests of the same ms keep their order by a µs offset.
+        let now = r.timestamp.saturating_mul(1000);
+        let n = self.pool.lookup(&r.hash_ids, now);
         let mut h = Hits::default();
-        let mut prefix = true;
-        for (i, id) in r.hash_ids.iter().enumerate() {
+        for i in 0..r.hash_ids.len() {
             let t = r.block_tokens(i);
             h.blocks += 1;
             h.tokens += t;
-            prefix &= self.resident.contains(id);
-            if prefix {
+            if i < n {
                 h.block_hits += 1;
                 h.token_hits += t;
             }
         }
         self.hits.add(&h);
-
-        // Accesses, root to leaf; then the missing blocks (each once).
-        let mut seen = HashSet::with_capacity(r.hash_ids.len());
-        let mut present = Vec::new();
-        let mut missing = Vec::new();
-        self.events.clear();
-        for (i, &id) in r.hash_ids.iter().enumerate() {
-            if !seen.insert(id) {
-                continue;
-            }
-            let parent = if i == 0 { NO_PARENT } else { r.hash_ids[i - 1] };
-            if self.resident.contains(&id) {
-                present.push(id);
-                self.events.push(Event::accessed(id, Tier::Dram));
-            } else {
-                missing.push((id, parent, r.block_tokens(i)));
+        self.pool.get(&r.hash_ids[..n], now);
+        self.items.clear();
+        let mut seq = 0;
+        for (i, &key) in r.hash_ids.iter().enumerate() {
+            let tokens = r.block_tokens(i);
+            seq += tokens;
+            if i >= n {
+                self.items.push(PutItem {
+                    key,
+                    parent: (i > 0).then(|| r.hash_ids[i - 1]),
+                    depth: i as u32,
+                    tokens: tokens as u32,
+                    seq_tokens: seq,
+                });
             }
         }
-        self.policy.on_events(&self.events);
-        self.events.clear();
-
-        let mut room = self.capacity.saturating_sub(self.resident.len());
-        if missing.len() > room {
-            let need = missing.len() - room;
-            let mut exclude = present.clone();
-            exclude.sort_unstable();
-            let victims = self.policy.victims(Tier::Dram, need as u64, &exclude);
-            let mut freed = 0;
-            for v in victims {
-                if exclude.binary_search(&v).is_ok() || !self.resident.remove(&v) {
-                    self.invalid_victims += 1;
-                    continue;
-                }
-                self.events.push(Event::removed(v, Tier::Dram));
-                freed += 1;
-            }
-            if freed < need {
-                self.shortfalls += 1;
-            }
-            room += freed;
-        }
-        let store = missing.len().min(room);
-        self.dropped += (missing.len() - store) as u64;
-        for &(id, parent, tokens) in &missing[..store] {
-            self.resident.insert(id);
-            self.events.push(Event::inserted(id, 1, Tier::Dram, parent).with_tokens(tokens as u32));
-        }
-        self.policy.on_events(&self.events);
-        self.events.clear();
+        self.pool.put(&self.items, now);
+        self.pool.release();
         h
     }
 
@@ -257,28 +295,31 @@ impl CacheSim {
 /// resident ("orphan": its chain prefix is gone, so it cannot hit until the parent is stored
 /// again) counts as never used again, and ties go deepest block first. Since a chain's ids are
 /// chained hashes, a parent is used whenever its child is, so this evicts leaves before their
-/// ancestors. It is an offline reference, not a proven optimum for prefix hits.
+/// ancestors. Blocks are followed by key hash (ids are fresh per put). It admits everything: an
+/// offline reference, not a proven optimum for prefix hits.
 pub struct Belady {
-    /// Request indices at which each block is used, ascending.
+    /// Request indices at which each key (hash) is used, ascending.
     uses: HashMap<u64, Vec<u32>>,
     clock: Rc<Cell<usize>>,
-    /// Resident blocks: (next use key, depth, parent).
-    resident: HashMap<u64, (u64, u32, u64)>,
-    /// Resident children of each block id (the parent may be absent).
+    /// Resident blocks: (next use key, depth, parent, key hash).
+    resident: HashMap<u64, (u64, u32, u64, u64)>,
+    /// Resident children of each block id.
     children: HashMap<u64, Vec<u64>>,
     /// (next use, depth, id); the largest goes first.
     order: BTreeSet<(u64, u32, u64)>,
 }
 
 /// How the adaptation is described in reports.
-pub const BELADY_NOTE: &str = "Belady (offline): evicts the block whose next use is farthest; a block whose parent is not resident counts as never used; ties evict the deepest block first";
+pub const BELADY_NOTE: &str = "Belady (offline): evicts the block whose next use is farthest; a block whose parent is not resident counts as never used; ties evict the deepest block first; admits everything";
 
 impl Belady {
     pub fn new(trace: &Trace, clock: Rc<Cell<usize>>) -> Belady {
         let mut uses: HashMap<u64, Vec<u32>> = HashMap::new();
+        let mut hash_of: HashMap<u64, u64> = HashMap::new();
         for (i, r) in trace.requests.iter().enumerate() {
             for id in &r.hash_ids {
-                let v = uses.entry(*id).or_default();
+                let h = *hash_of.entry(*id).or_insert_with(|| trace_key_hash(*id));
+                let v = uses.entry(h).or_default();
                 if v.last() != Some(&(i as u32)) {
                     v.push(i as u32);
                 }
@@ -287,26 +328,26 @@ impl Belady {
         Belady { uses, clock, resident: HashMap::new(), children: HashMap::new(), order: BTreeSet::new() }
     }
 
-    fn next_use(&self, id: u64) -> u64 {
+    fn next_use(&self, key: u64) -> u64 {
         let now = self.clock.get() as u32;
-        self.uses.get(&id).and_then(|v| v.get(v.partition_point(|&u| u <= now))).map_or(u64::MAX, |&u| u64::from(u))
+        self.uses.get(&key).and_then(|v| v.get(v.partition_point(|&u| u <= now))).map_or(u64::MAX, |&u| u64::from(u))
     }
 
-    fn key(&self, id: u64, parent: u64) -> u64 {
+    fn key(&self, hash: u64, parent: u64) -> u64 {
         if parent != NO_PARENT && !self.resident.contains_key(&parent) {
             u64::MAX
         } else {
-            self.next_use(id)
+            self.next_use(hash)
         }
     }
 
     fn rekey(&mut self, id: u64) {
-        let Some(&(old, depth, parent)) = self.resident.get(&id) else { return };
-        let new = self.key(id, parent);
+        let Some(&(old, depth, parent, hash)) = self.resident.get(&id) else { return };
+        let new = self.key(hash, parent);
         if new != old {
             self.order.remove(&(old, depth, id));
             self.order.insert((new, depth, id));
-            self.resident.insert(id, (new, depth, parent));
+            self.resident.insert(id, (new, depth, parent, hash));
         }
     }
 
@@ -327,8 +368,8 @@ impl EvictionPolicy for Belady {
                         continue;
                     }
                     let depth = self.resident.get(&e.parent).map_or(0, |p| p.1 + 1);
-                    let key = self.key(e.id, e.parent);
-                    self.resident.insert(e.id, (key, depth, e.parent));
+                    let key = self.key(e.key, e.parent);
+                    self.resident.insert(e.id, (key, depth, e.parent, e.key));
                     self.order.insert((key, depth, e.id));
                     if e.parent != NO_PARENT {
                         self.children.entry(e.parent).or_default().push(e.id);
@@ -337,7 +378,7 @@ impl EvictionPolicy for Belady {
                 }
                 EventKind::Accessed => self.rekey(e.id),
                 EventKind::Removed => {
-                    let Some((key, depth, parent)) = self.resident.remove(&e.id) else { continue };
+                    let Some((key, depth, parent, _)) = self.resident.remove(&e.id) else { continue };
                     self.order.remove(&(key, depth, e.id));
                     if let Some(c) = self.children.get_mut(&parent) {
                         c.retain(|&x| x != e.id);
@@ -347,12 +388,15 @@ impl EvictionPolicy for Belady {
                     }
                     self.rekey_children(e.id);
                 }
-                EventKind::PinChanged => {}
+                EventKind::PinChanged | EventKind::Missed => {}
             }
         }
     }
 
     fn victims(&mut self, _tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
+        // Keys are refreshed on every access; a resident block is always in the hit prefix of
+        // the requests that use it (the chain rule leaves no resident block behind a gap), so
+        // no key goes stale.
         self.order
             .iter()
             .rev()
@@ -375,10 +419,10 @@ mod tests {
     /// Five requests of 8 blocks in all, hand-checked with a cache of 2 blocks:
     /// r0 [1,2], r1 [3], r2 [1,2], r3 [3], r4 [1,4].
     /// Unlimited: r2 hits 2, r3 hits 1, r4 hits 1 (block 1) => 4 of 8.
-    /// LRU: r1 evicts 1 -> {2,3}; r2 misses at 1 (so 2 does not count), accesses 2, stores 1
-    /// evicting 3 -> {1,2}; r3 misses, evicts 2 -> {1,3}; r4 hits 1, stores 4 evicting 3 => 1.
+    /// LRU: r1 evicts 1 (the chain rule takes its child 2 along) -> {3}; r2 misses, stores 1, 2
+    /// evicting 3 -> {1,2}; r3 misses, evicts 1 (and 2 with it) -> {3}; r4 misses => 0.
     /// Belady: r1 evicts 2 (1 and 2 next used at r2, 2 is deeper) -> {1,3}; r2 hits 1, stores 2
-    /// evicting 3 (1 is this request's) -> {1,2}; r3 misses, evicts 2 (never used again);
+    /// evicting 3 (1 is leased) -> {1,2}; r3 misses, evicts 2 (never used again);
     /// r4 hits 1 => 2 of 8 (the best possible here: r2's two hits would need r1 not to store 3).
     fn tiny() -> Trace {
         Trace::from_requests(vec![req(&[1, 2]), req(&[3]), req(&[1, 2]), req(&[3]), req(&[1, 4])])
@@ -390,35 +434,54 @@ mod tests {
         let u = unlimited(&t);
         assert_eq!((u.block_hits, u.blocks), (4, 8));
 
-        let mut lru = CacheSim::new(native_policy("lru", &Params::new()).unwrap(), 2);
+        let mut lru = CacheSim::new(native_eviction("lru", &Params::new()).unwrap(), 2);
         let h = lru.run(&t, || {});
-        assert_eq!((h.block_hits, h.blocks), (1, 8));
+        assert_eq!((h.block_hits, h.blocks), (0, 8));
+        assert_eq!(lru.stats().cascaded, 2);
 
         let clock = Rc::new(Cell::new(0));
         let mut b = CacheSim::with_clock(Box::new(Belady::new(&t, clock.clone())), 2, clock);
         let h = b.run(&t, || {});
         assert_eq!((h.block_hits, h.blocks), (2, 8));
-        assert_eq!(b.shortfalls, 0);
+        assert_eq!(b.stats().shortfalls, 0);
 
         // Unlimited capacity equals the unlimited rate for every policy.
-        for name in NATIVE {
-            let mut s = CacheSim::new(native_policy(name, &Params::new()).unwrap(), 1000);
+        for name in EVICTION {
+            let mut s = CacheSim::new(native_eviction(name, &Params::new()).unwrap(), 1000);
             assert_eq!(s.run(&t, || {}), u, "{name}");
         }
     }
 
     #[test]
     fn belady_evicts_orphans_first() {
+        use kvpool_policy_sdk::Event;
         let clock = Rc::new(Cell::new(0));
         let t = Trace::from_requests(vec![req(&[1, 2]), req(&[1, 2]), req(&[1, 2])]);
         let mut b = Belady::new(&t, clock);
+        let (k1, k2) = (trace_key_hash(1), trace_key_hash(2));
         b.on_events(
-            &[Event::inserted(1, 1, Tier::Dram, NO_PARENT), Event::inserted(2, 1, Tier::Dram, 1)].into_iter().collect(),
+            &[
+                Event::inserted(10, 1, Tier::Dram, NO_PARENT).with_key(k1),
+                Event::inserted(11, 1, Tier::Dram, 10).with_key(k2),
+            ]
+            .into_iter()
+            .collect(),
         );
         // Both next used at request 1: the deeper one goes first.
-        assert_eq!(b.victims(Tier::Dram, 1, &[]), vec![2]);
-        b.on_events(&[Event::removed(1, Tier::Dram)].into_iter().collect());
+        assert_eq!(b.victims(Tier::Dram, 1, &[]), vec![11]);
+        b.on_events(&[Event::removed(10, Tier::Dram)].into_iter().collect());
         assert_eq!(b.order.iter().next_back().map(|k| k.0), Some(u64::MAX));
-        assert_eq!(b.victims(Tier::Dram, 1, &[2]), Vec::<u64>::new());
+        assert_eq!(b.victims(Tier::Dram, 1, &[11]), Vec::<u64>::new());
+    }
+
+    #[test]
+    fn pairs_parse() {
+        assert_eq!(Pair::parse("leaf-lru").unwrap().label(), "threshold+leaf-lru");
+        assert_eq!(
+            Pair::parse("doorkeeper+arc").unwrap(),
+            Pair { admission: "doorkeeper".into(), eviction: "arc".into() }
+        );
+        assert!(Pair::parse("a+b+c").is_err());
+        assert!(Pair::parse("+b").is_err());
     }
 }
