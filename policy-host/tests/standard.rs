@@ -87,6 +87,13 @@ fn sieve_native_equals_wasm() {
     eviction_same::<pol::Sieve>("sieve", &[]);
 }
 
+#[test]
+fn chain_experts_native_equals_wasm() {
+    eviction_same::<pol::ChainExperts>("chain-experts", &[]);
+    eviction_same::<pol::ChainExperts>("chain-experts", &[("expert", "arc"), ("shadows", "false")]);
+    eviction_same::<pol::ChainExperts>("chain-experts", &[("expert", "filter"), ("small_pct", "5")]);
+}
+
 fn admission_same<P: AdmissionPolicy + FromParams>(name: &str, params: &[(&str, &str)]) {
     let params = Params::from_pairs(params.iter().copied());
     let engine = engine();
@@ -131,6 +138,18 @@ fn threshold_native_equals_wasm() {
 fn seen_twice_native_equals_wasm() {
     admission_same::<pol::SeenTwice>("seen-twice", &[]);
     admission_same::<pol::SeenTwice>("seen-twice", &[("max_tracked", "64"), ("min_sightings", "3")]);
+}
+
+#[test]
+fn doorkeeper_native_equals_wasm() {
+    admission_same::<pol::Doorkeeper>("doorkeeper", &[]);
+    admission_same::<pol::Doorkeeper>("doorkeeper", &[("min_count", "3"), ("tier", "ssd"), ("blocks", "2000")]);
+}
+
+#[test]
+fn ghost_native_equals_wasm() {
+    admission_same::<pol::GhostAdmission>("ghost", &[]);
+    admission_same::<pol::GhostAdmission>("ghost", &[("ghost_pct", "10")]);
 }
 
 #[test]
