@@ -345,6 +345,18 @@ impl GuardedEviction {
 
     guard_common!(WasmEviction);
 
+    /// [`GuardedEviction::new`] for a module still to compile: `load` (compile or cache load)
+    /// runs while the fallback replays `snapshot`.
+    pub fn prepare(
+        load: impl FnOnce() -> Result<LoadedModule, HostError>,
+        fallback: Box<dyn EvictionPolicy + Send>,
+        snapshot: &Events,
+    ) -> Result<GuardedEviction, HostError> {
+        let (m, w, fallback) =
+            prepare_both(load, snapshot, fallback, WasmEviction::new, WasmEviction::replay, |f, s| f.on_events(s))?;
+        Ok(GuardedEviction { st: GuardState::new(&m), wasm: Some(w), fallback })
+    }
+
     pub fn on_events(&mut self, events: &Events) {
         self.feed(events)
     }
@@ -389,28 +401,43 @@ impl GuardedEviction {
 }
 
 /// Instantiate and replay into the module while the native fallback replays on another thread
-/// (a swap of a million-block pool spends seconds here).
+/// (a swap of a million-block pool spends most of its time here).
 fn build_both<W, F: ?Sized + Send>(
     module: &LoadedModule,
+    snapshot: &Events,
+    fallback: Box<F>,
+    new: fn(&LoadedModule) -> Result<W, HostError>,
+    replay: fn(&mut W, &Events) -> Result<(), CallError>,
+    feed: fn(&mut F, &Events),
+) -> Result<(W, Box<F>), HostError> {
+    prepare_both(|| Ok(module.clone()), snapshot, fallback, new, replay, feed).map(|(_, w, f)| (w, f))
+}
+
+/// [`build_both`] with the module still to load: the native fallback replays the snapshot
+/// while the module compiles, so a swap costs the longer of the two, not their sum.
+fn prepare_both<W, F: ?Sized + Send>(
+    load: impl FnOnce() -> Result<LoadedModule, HostError>,
     snapshot: &Events,
     mut fallback: Box<F>,
     new: fn(&LoadedModule) -> Result<W, HostError>,
     replay: fn(&mut W, &Events) -> Result<(), CallError>,
     feed: fn(&mut F, &Events),
-) -> Result<(W, Box<F>), HostError> {
-    let (w, fallback) = std::thread::scope(|scope| {
+) -> Result<(LoadedModule, W, Box<F>), HostError> {
+    let (built, fallback) = std::thread::scope(|scope| {
         let native = scope.spawn(move || {
             feed(&mut fallback, snapshot);
             fallback
         });
-        let w = new(module).and_then(|mut w| {
+        let built = load().and_then(|module| {
+            let mut w = new(&module)?;
             replay(&mut w, snapshot).map_err(|e| HostError::Replay { module: module.name.to_string(), source: e })?;
-            Ok(w)
+            Ok((module, w))
         });
         let fallback = native.join().unwrap_or_else(|p| std::panic::resume_unwind(p));
-        (w, fallback)
+        (built, fallback)
     });
-    Ok((w?, fallback))
+    let (module, w) = built?;
+    Ok((module, w, fallback))
 }
 
 /// Check a victim list: known copies in the tier, not excluded, not hard-pinned, no duplicates,
@@ -470,6 +497,17 @@ impl GuardedAdmission {
     }
 
     guard_common!(WasmAdmission);
+
+    /// See [`GuardedEviction::prepare`].
+    pub fn prepare(
+        load: impl FnOnce() -> Result<LoadedModule, HostError>,
+        fallback: Box<dyn AdmissionPolicy + Send>,
+        snapshot: &Events,
+    ) -> Result<GuardedAdmission, HostError> {
+        let (m, w, fallback) =
+            prepare_both(load, snapshot, fallback, WasmAdmission::new, WasmAdmission::replay, |f, s| f.on_events(s))?;
+        Ok(GuardedAdmission { st: GuardState::new(&m), wasm: Some(w), fallback })
+    }
 }
 
 /// After a trap the instance is re-made with empty state at the next call (admission history

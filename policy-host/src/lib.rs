@@ -83,9 +83,10 @@ impl HostError {
 }
 
 impl PolicyEngine {
-    /// Swap step 1 for eviction, off the request path: compile or cache-load `wasm`, then
-    /// instantiate it and replay `snapshot` into it and into `fallback`. Step 2: feed the events
-    /// since the snapshot with `on_events`; step 3: switch (e.g. under the policy lock).
+    /// Swap step 1 for eviction, off the request path: compile or cache-load `wasm` while the
+    /// native `fallback` replays `snapshot`, then instantiate the module and replay `snapshot`
+    /// into it. Step 2: feed the events since the snapshot with `on_events`; step 3: switch
+    /// (e.g. under the policy lock).
     pub fn prepare_eviction(
         &self,
         name: &str,
@@ -94,8 +95,7 @@ impl PolicyEngine {
         fallback: Box<dyn kvpool_policy_sdk::EvictionPolicy + Send>,
         snapshot: &kvpool_policy_sdk::Events,
     ) -> Result<GuardedEviction, HostError> {
-        let m = self.load(name, PolicyKind::Eviction, wasm, params)?;
-        GuardedEviction::new(&m, fallback, snapshot)
+        GuardedEviction::prepare(|| self.load(name, PolicyKind::Eviction, wasm, params), fallback, snapshot)
     }
 
     /// [`PolicyEngine::prepare_eviction`] for admission.
@@ -107,8 +107,7 @@ impl PolicyEngine {
         fallback: Box<dyn kvpool_policy_sdk::AdmissionPolicy + Send>,
         snapshot: &kvpool_policy_sdk::Events,
     ) -> Result<GuardedAdmission, HostError> {
-        let m = self.load(name, PolicyKind::Admission, wasm, params)?;
-        GuardedAdmission::new(&m, fallback, snapshot)
+        GuardedAdmission::prepare(|| self.load(name, PolicyKind::Admission, wasm, params), fallback, snapshot)
     }
 
     /// [`PolicyEngine::prepare_eviction`] for placement.
