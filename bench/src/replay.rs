@@ -74,6 +74,8 @@ pub struct ResultRow {
     pub token_hit_rate: f64,
     /// Counters of the pool (kvpool pairs and Belady; zero for libCacheSim).
     pub pool: PoolStats,
+    /// Linear memory the Wasm eviction module grew to, bytes (Wasm rows only).
+    pub wasm_memory: Option<usize>,
     pub seconds: f64,
 }
 
@@ -212,7 +214,9 @@ pub fn progress(len: u64, what: &str) -> ProgressBar {
     pb
 }
 
-type Factory<'a> = Box<dyn Fn() -> Result<(Box<dyn AdmissionPolicy>, Box<dyn EvictionPolicy>)> + 'a>;
+/// Makes the pair of one run; the cell (Wasm runs) follows the eviction module's memory.
+type Made = (Box<dyn AdmissionPolicy>, Box<dyn EvictionPolicy>, Option<Rc<Cell<usize>>>);
+type Factory<'a> = Box<dyn Fn() -> Result<Made> + 'a>;
 
 pub fn replay(a: ReplayArgs) -> Result<()> {
     let path = resolve_trace(&a.trace)?;
@@ -257,6 +261,7 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
                     Ok((
                         sim::native_admission(&pair.admission, &params)?,
                         sim::native_eviction(&pair.eviction, &params)?,
+                        None,
                     ))
                 }),
             ));
@@ -269,7 +274,10 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
             factories.push((
                 id,
                 "wasm".into(),
-                Box::new(move || Ok((wasm.admission(&pair.admission)?, wasm.eviction(&pair.eviction)?))),
+                Box::new(move || {
+                    let (e, mem) = wasm.eviction_probed(&pair.eviction)?;
+                    Ok((wasm.admission(&pair.admission)?, e, Some(mem)))
+                }),
             ));
         }
     }
@@ -278,7 +286,12 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
     let pb = progress((runs * trace.requests.len()) as u64, "requests");
 
     let mut rows = Vec::new();
-    let row = |policy: &str, family: &str, (fraction, capacity): (f64, usize), sim: &CacheSim, secs: f64| ResultRow {
+    let row = |policy: &str,
+               family: &str,
+               (fraction, capacity): (f64, usize),
+               sim: &CacheSim,
+               mem: Option<usize>,
+               secs: f64| ResultRow {
         policy: policy.into(),
         family: family.into(),
         fraction,
@@ -287,16 +300,17 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
         block_hit_rate: sim.hits.block_rate(),
         token_hit_rate: sim.hits.token_rate(),
         pool: sim.stats(),
+        wasm_memory: mem,
         seconds: secs,
     };
     for (id, family, make) in &factories {
         for &cap in &caps {
             pb.set_message(format!("{id} @ {}", cap.0));
             let t = Instant::now();
-            let (adm, ev) = make()?;
+            let (adm, ev, mem) = make()?;
             let mut s = CacheSim::pair(adm, ev, cap.1);
             s.run(&trace, || pb.inc(1));
-            rows.push(row(id, family, cap, &s, t.elapsed().as_secs_f64()));
+            rows.push(row(id, family, cap, &s, mem.map(|m| m.get()), t.elapsed().as_secs_f64()));
         }
     }
     if with_belady {
@@ -306,7 +320,7 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
             let clock = Rc::new(Cell::new(0));
             let mut s = CacheSim::with_clock(Box::new(Belady::new(&trace, clock.clone())), cap.1, clock);
             s.run(&trace, || pb.inc(1));
-            rows.push(row("offline/belady", "offline", cap, &s, t.elapsed().as_secs_f64()));
+            rows.push(row("offline/belady", "offline", cap, &s, None, t.elapsed().as_secs_f64()));
         }
     }
     pb.finish_and_clear();
@@ -331,6 +345,7 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
                         block_hit_rate: hits.block_rate(),
                         token_hit_rate: hits.token_rate(),
                         pool: PoolStats::default(),
+                        wasm_memory: None,
                         seconds: secs,
                     });
                 }
@@ -404,6 +419,31 @@ fn print_report(r: &ReplayReport, caps: &[(f64, usize)]) {
             print!(" {:>15.3}", f(&r.unlimited));
         }
         println!();
+    }
+    let wasm: Vec<&str> =
+        policies.iter().copied().filter(|p| r.rows.iter().any(|x| x.policy == *p && x.wasm_memory.is_some())).collect();
+    if !wasm.is_empty() {
+        println!();
+        print!("{:<34}", "wasm memory, bytes/block");
+        for (frac, blocks) in caps {
+            print!(" {:>15}", format!("{:.0}% ({blocks})", frac * 100.0));
+        }
+        println!();
+        for p in wasm {
+            print!("{p:<34}");
+            for (frac, _) in caps {
+                match r
+                    .rows
+                    .iter()
+                    .find(|x| x.policy == p && x.fraction == *frac)
+                    .and_then(|x| Some((x.wasm_memory?, x.capacity)))
+                {
+                    Some((m, c)) => print!(" {:>15.0}", m as f64 / c.max(1) as f64),
+                    None => print!(" {:>15}", "-"),
+                }
+            }
+            println!();
+        }
     }
     let bad: Vec<&ResultRow> =
         r.rows.iter().filter(|x| x.pool.invalid_victims > 0 || x.pool.invalid_admissions > 0).collect();

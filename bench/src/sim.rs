@@ -28,8 +28,20 @@ pub const ADMISSION: [&str; 5] = ["threshold", "seen-twice", "size-range", "door
 pub const DEFAULT_ADMISSION: &str = "threshold";
 
 /// Pairs `replay` runs when none are given: every standard eviction policy behind the
-/// server's default admission, and the new admission policies.
-pub const DEFAULT_PAIRS: [&str; 6] = ["lru", "leaf-lru", "arc", "s3fifo", "sieve", "chain-experts"];
+/// server's default admission, then the key-history admission filters with the default
+/// eviction and with chain-experts.
+pub const DEFAULT_PAIRS: [&str; 10] = [
+    "lru",
+    "leaf-lru",
+    "arc",
+    "s3fifo",
+    "sieve",
+    "chain-experts",
+    "doorkeeper+leaf-lru",
+    "ghost+leaf-lru",
+    "doorkeeper+chain-experts",
+    "ghost+chain-experts",
+];
 
 #[derive(Debug, thiserror::Error)]
 pub enum SimError {
@@ -170,10 +182,15 @@ impl WasmSet {
     }
 
     pub fn eviction(&self, name: &str) -> Result<Box<dyn EvictionPolicy>, SimError> {
+        self.eviction_probed(name).map(|(p, _)| p)
+    }
+
+    /// An eviction instance, and a cell that follows the size of its linear memory.
+    pub fn eviction_probed(&self, name: &str) -> Result<(Box<dyn EvictionPolicy>, Rc<Cell<usize>>), SimError> {
         let m = self.module(name, PolicyKind::Eviction).ok_or_else(|| unknown("Wasm eviction", name, &[]))?;
-        WasmEviction::new(m)
-            .map(|w| Box::new(w) as Box<dyn EvictionPolicy>)
-            .map_err(|source| SimError::Host { name: name.into(), source })
+        let inner = WasmEviction::new(m).map_err(|source| SimError::Host { name: name.into(), source })?;
+        let memory = Rc::new(Cell::new(0));
+        Ok((Box::new(Probed { inner, memory: memory.clone() }), memory))
     }
 
     pub fn admission(&self, name: &str) -> Result<Box<dyn AdmissionPolicy>, SimError> {
@@ -181,6 +198,22 @@ impl WasmSet {
         WasmAdmission::new(m)
             .map(|w| Box::new(w) as Box<dyn AdmissionPolicy>)
             .map_err(|source| SimError::Host { name: name.into(), source })
+    }
+}
+
+/// A Wasm eviction module that reports how large its linear memory grew.
+struct Probed {
+    inner: WasmEviction,
+    memory: Rc<Cell<usize>>,
+}
+
+impl EvictionPolicy for Probed {
+    fn on_events(&mut self, events: &Events) {
+        self.inner.on_events(events);
+        self.memory.set(self.inner.memory_bytes());
+    }
+    fn victims(&mut self, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
+        self.inner.victims(tier, bytes, exclude)
     }
 }
 

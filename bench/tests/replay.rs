@@ -56,10 +56,10 @@ fn lru_matches_libcachesim_on_the_real_trace() {
     let out = dir.path().join("r.json");
     let mut c = bin();
     c.arg("replay").arg("--trace").arg(real_trace()).args(["--limit", "4000", "--capacities", "0.02,0.05,0.2"]);
-    c.args(["--policies", "native/lru,libcachesim/lru", "--no-wasm", "--json"]).arg(&out);
+    c.args(["--pairs", "lru", "--policies", "native/threshold+lru,libcachesim/lru", "--no-wasm", "--json"]).arg(&out);
     run(c);
     let v = json(&out);
-    let ours = rows(&v, "native/lru");
+    let ours = rows(&v, "native/threshold+lru");
     let theirs = rows(&v, "libcachesim/lru");
     assert_eq!(ours.len(), 3);
     assert_eq!(theirs.len(), 3);
@@ -73,7 +73,8 @@ fn lru_matches_libcachesim_on_the_real_trace() {
 }
 
 /// The tiny trace of `sim::tests::hand_checked_unlimited_lru_belady`, through the binary:
-/// 4 distinct blocks, capacity 0.5 -> 2 blocks; unlimited 4/8, LRU 1/8, Belady 2/8.
+/// 4 distinct blocks, capacity 0.5 -> 2 blocks; unlimited 4/8, LRU 0/8 (it names chain roots,
+/// and the chain rule takes their children along), Belady 2/8.
 #[test]
 fn hand_checked_tiny_trace() {
     let dir = tempfile::tempdir().unwrap();
@@ -93,6 +94,7 @@ fn hand_checked_tiny_trace() {
     let out = dir.path().join("r.json");
     let mut c = bin();
     c.arg("replay").arg("--trace").arg(&trace).args(["--capacities", "0.5", "--no-wasm", "--no-libcachesim"]);
+    c.args(["--pairs", "lru,leaf-lru"]);
     c.arg("--json").arg(&out);
     run(c);
     let v = json(&out);
@@ -100,36 +102,50 @@ fn hand_checked_tiny_trace() {
     assert_eq!(v["unlimited"]["block_hits"], 4);
     assert_eq!(v["unlimited"]["blocks"], 8);
     let hits = |p: &str| rows(&v, p)[0]["block_hits"].as_u64().unwrap();
-    assert_eq!(rows(&v, "native/lru")[0]["capacity"], 2);
-    assert_eq!(hits("native/lru"), 1);
+    assert_eq!(rows(&v, "native/threshold+lru")[0]["capacity"], 2);
+    assert_eq!(hits("native/threshold+lru"), 0);
+    assert_eq!(rows(&v, "native/threshold+lru")[0]["pool"]["cascaded"], 2);
     assert_eq!(hits("offline/belady"), 2);
     for r in v["rows"].as_array().unwrap() {
         assert!(r["block_hits"].as_u64().unwrap() <= 2, "{r}");
     }
 }
 
+/// Every default pair natively and as Wasm components gives the same hits on a trace prefix,
+/// and the new ones do something: keys, misses and warm state cross the boundary alike.
 #[test]
-fn smoke_replay_with_wasm_and_plot() {
+fn smoke_replay_every_pair_native_equals_wasm_and_plot() {
     let dir = tempfile::tempdir().unwrap();
     let (out, png) = (dir.path().join("r.json"), dir.path().join("r.png"));
     let mut c = bin();
-    c.arg("replay").arg("--trace").arg(real_trace()).args(["--limit", "300", "--capacities", "0.05,0.2"]);
-    c.args(["--policies", "lru,leaf-lru,belady", "--no-libcachesim", "--json"]).arg(&out).arg("--plot").arg(&png);
+    c.arg("replay").arg("--trace").arg(real_trace()).args(["--limit", "600", "--capacities", "0.02,0.2"]);
+    c.args(["--no-libcachesim", "--json"]).arg(&out).arg("--plot").arg(&png);
     let stdout = run(c);
-    assert!(stdout.contains("block hit rate") && stdout.contains("wasm/lru"), "{stdout}");
+    assert!(stdout.contains("block hit rate") && stdout.contains("wasm/threshold+chain-experts"), "{stdout}");
     let v = json(&out);
-    // The same policy code natively and as a Wasm component: identical hits.
-    for name in ["lru", "leaf-lru"] {
-        let (n, w) = (rows(&v, &format!("native/{name}")), rows(&v, &format!("wasm/{name}")));
-        assert_eq!(n.len(), 2);
+    let pairs: Vec<String> = v["rows"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["family"] == "native")
+        .map(|r| r["policy"].as_str().unwrap().trim_start_matches("native/").to_string())
+        .collect();
+    assert!(pairs.len() >= 2 * 9, "{pairs:?}");
+    for pair in &pairs {
+        let (n, w) = (rows(&v, &format!("native/{pair}")), rows(&v, &format!("wasm/{pair}")));
+        assert_eq!((n.len(), w.len()), (2, 2), "{pair}");
         for (a, b) in n.iter().zip(&w) {
-            assert_eq!(a["block_hits"], b["block_hits"], "{name}");
+            assert_eq!(a["block_hits"], b["block_hits"], "{pair}");
+            assert_eq!(a["pool"], b["pool"], "{pair}: same admissions, evictions, cascades");
         }
     }
     let unl = v["unlimited"]["block_hits"].as_u64().unwrap();
     for r in v["rows"].as_array().unwrap() {
         assert!(r["block_hits"].as_u64().unwrap() <= unl);
     }
+    // The admission filters reject, and the chain rule follows them.
+    let dk = &rows(&v, "native/doorkeeper+leaf-lru")[0]["pool"];
+    assert!(dk["rejected"].as_u64().unwrap() > 0 && dk["chain_rejected"].as_u64().unwrap() > 0, "{dk}");
     assert!(std::fs::metadata(&png).unwrap().len() > 1000);
 }
 
