@@ -19,7 +19,7 @@
 //! Each expert also runs in a shadow: its own simulation of the tier at the tier's current
 //! size, keyed by key hash, fed the same reads and misses (a prefix hit in a shadow needs the
 //! key and its parent's key there). Hits in each shadow are counted with an exponential decay
-//! (half-life about four tier-fulls of reads and misses), and the real tier evicts in the order
+//! (half-life about eight tier-fulls of reads and misses), and the real tier evicts in the order
 //! of the expert whose shadow leads. That is LeCaR's and Cacheus' idea of adaptive experts,
 //! with regret measured by full shadow simulations instead of ghost hits, because a mix of
 //! orderings is worth less than the best of them here: on chat traffic leaf-first LRU wins at
@@ -282,8 +282,9 @@ impl ChainExperts {
                 score: [0.0; 4],
             })
         });
-        // Half-life of about four tier-fulls of reads and misses.
-        let decay = 1.0 - 1.0 / (4.0 * cap as f64 * std::f64::consts::LN_2).max(64.0);
+        // Half-life of about eight tier-fulls of reads and misses (chosen on the synthetic
+        // traces: shorter memories flap between near-equal experts).
+        let decay = 1.0 - 1.0 / (8.0 * cap as f64 * std::f64::consts::LN_2).max(64.0);
         let d = Tier::Dram as usize;
         for (i, mode) in Mode::ALL.into_iter().enumerate() {
             let ex = &mut sh.experts[i];
