@@ -308,7 +308,7 @@ impl ChainExperts {
 
     fn sampled(&self, tag: u64) -> bool {
         // Mixed first: tags are key hashes from a host, but any u64 from a test.
-        tag == ROOT || (tag.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32) % self.sample == 0
+        tag == ROOT || (tag.wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32).is_multiple_of(self.sample)
     }
 
     /// Feed a read or a miss of `key` (of chain `tag`) to the shadows of tier `t`.
