@@ -1,26 +1,27 @@
 //! What a replay drives: the client-facing operations of a kvpool store (`lookup`, `get`,
-//! `put`) behind the [`Pool`] trait, and [`SimPool`], an in-process model of the server's store
-//! that runs an admission and an eviction policy together exactly as the store does:
+//! `put`) behind the [`Pool`] trait, and [`SimPool`], which runs them through the server's own
+//! core (`kvpool_core::Index` and `kvpool_core::Policies`, no I/O): the same calls the store
+//! makes, in the same order, with one DRAM tier of `capacity` blocks of size 1:
 //!
-//! - every put attempt gets a fresh dense block id; a block keeps its key hash
+//! - every put attempt gets a fresh dense block id from the index; a block keeps its key hash
 //!   ([`kvpool_policy_sdk::key_hash`] of the key bytes, tenant 0) across evictions and re-puts;
 //! - a `lookup` reports every absent key of the chain as a `Missed` event (key hash, chain
 //!   position, the resident block before it); a `get` reads (and leases) blocks, `Accessed`;
-//! - a `put` asks admission once for all its new blocks (parents named by id, also within the
-//!   batch), applies the chain rule for admission, makes room with one `victims` call whose
-//!   `exclude` is the leased blocks, applies the chain rule for eviction (cascade, with
-//!   [`kvpool_policy_host::cascade`]), then stores the admitted blocks parents first;
-//! - both policies see every event, flushed before each decision;
-//! - a snapshot for a swapped-in policy is warm: read counts, last access, recent misses.
+//! - a `put` asks admission once for all its new blocks (`Index::plan_put`, parents named by
+//!   id, also within the batch; `Index::decide_put` applies the chain rule for admission), makes
+//!   room with one `victims` call whose `exclude` is the leased blocks, validated by the index
+//!   (`Index::valid_victims`), evicts with the chain rule (`Index::evict`: cascade), then
+//!   commits the admitted blocks parents first;
+//! - both policies see every event, flushed before each decision, as the store feeds them;
+//! - a snapshot for a swapped-in policy is the index's warm snapshot.
 //!
-//! The store core without I/O (and a live server through the client) will implement [`Pool`]
-//! too; the replay driver ([`crate::sim::CacheSim`]) only knows the trait.
+//! A live server through the client implements [`Pool`] too (`crate::live`); the replay driver
+//! ([`crate::sim::CacheSim`]) only knows the trait.
 
-use kvpool_policy_host::{cascade, BlockOracle};
-use kvpool_policy_sdk::{
-    key_hash, AdmissionPolicy, Admit, AdmitBatch, AdmitRequest, Event, Events, EvictionPolicy, Pin, Tier, NO_PARENT,
-};
-use std::collections::{HashMap, HashSet, VecDeque};
+use kvpool_core::{Granularity, Index, IndexView, PinRequest, Policies, PutPlan, PutSpec, PutStatus};
+use kvpool_policy_sdk::{key_hash, AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, Tier};
+use std::collections::HashSet;
+use std::time::{Duration, Instant};
 
 /// A block of a put, in chain order (parents first).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -41,17 +42,15 @@ pub struct PutItem {
 pub struct PoolStats {
     /// Blocks stored.
     pub stored: u64,
-    /// Put blocks the admission policy rejected.
+    /// Put blocks rejected by admission (the policy or the chain rule after a rejected parent).
     pub rejected: u64,
-    /// Of those, rejected by the chain rule (a parent row rejected) rather than by the policy.
-    pub chain_rejected: u64,
     /// Blocks removed because a victim named by the policy was their ancestor.
     pub cascaded: u64,
     /// Victims kept because removing them would strand a leased or hard-pinned descendant.
     pub refused: u64,
     /// Victim ids that were not resident, excluded, or repeated (ignored).
     pub invalid_victims: u64,
-    /// Admission answers of the wrong length (all rows admitted instead).
+    /// Admission answers of the wrong length (missing rows admitted).
     pub invalid_admissions: u64,
     /// Puts whose admitted blocks did not all fit after eviction (the tail was not stored).
     pub shortfalls: u64,
@@ -76,353 +75,215 @@ pub trait Pool {
     fn stats(&self) -> PoolStats;
 }
 
+/// Key bytes of a trace key as clients send them: the decimal string.
+pub fn trace_key(key: u64) -> Vec<u8> {
+    key.to_string().into_bytes()
+}
+
 /// Hash of a trace key as the server computes it: key bytes = decimal string, tenant 0.
 pub fn trace_key_hash(key: u64) -> u64 {
-    key_hash(0, key.to_string().as_bytes())
+    key_hash(0, &trace_key(key))
 }
 
-#[derive(Debug, Clone)]
-struct Block {
-    key: u64,
-    hash: u64,
-    parent: u64,
-    depth: u32,
-    tokens: u32,
-    /// Requests that wanted the key: its misses before the put, then one per read.
-    wanted: u32,
-    last_us: u64,
-    /// Order of the last insert or read (the snapshot's order).
-    last_tick: u64,
-    children: Vec<u64>,
-}
+/// A policy of the bench in a core slot. The bench's policies (Wasm instances behind `Rc`
+/// probes among them) are not `Send`; a [`SimPool`] lives and dies on one thread and is
+/// never sent, which is what the core's `Send` bound protects.
+struct Local<P>(P);
 
-/// Recent misses, bounded (the warm snapshot's "misses the host remembers").
-#[derive(Debug, Default)]
-struct MissLog {
-    cap: usize,
-    log: VecDeque<(u64, u32, u64, u64)>,
-    counts: HashMap<u64, u32>,
-}
+// SAFETY: a `SimPool` (the only owner of these) is neither `Send` nor `Sync` itself (it holds
+// a `PhantomData<Rc<()>>`), so the wrapped policy never leaves the thread that built it.
+unsafe impl<P> Send for Local<P> {}
 
-impl MissLog {
-    /// Record a miss of `hash`; returns how many misses of it the log now holds.
-    fn push(&mut self, hash: u64, depth: u32, parent: u64, time: u64) -> u32 {
-        if self.cap == 0 {
-            return 1;
-        }
-        while self.log.len() >= self.cap {
-            let Some((h, ..)) = self.log.pop_front() else { break };
-            if let Some(c) = self.counts.get_mut(&h) {
-                *c -= 1;
-                if *c == 0 {
-                    self.counts.remove(&h);
-                }
-            }
-        }
-        self.log.push_back((hash, depth, parent, time));
-        let c = self.counts.entry(hash).or_insert(0);
-        *c += 1;
-        *c
+impl kvpool_core::Evictor for Local<Box<dyn EvictionPolicy>> {
+    fn on_events(&mut self, events: &Events) {
+        self.0.on_events(events)
+    }
+    fn victims(&mut self, _: &dyn IndexView, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
+        self.0.victims(tier, bytes, exclude)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        &()
     }
 }
 
-/// The store model: capacity in blocks (every block has size 1, as in libCacheSim).
-pub struct SimPool {
-    eviction: Box<dyn EvictionPolicy>,
-    admission: Box<dyn AdmissionPolicy>,
-    capacity: usize,
-    by_key: HashMap<u64, u64>,
-    blocks: HashMap<u64, Block>,
-    next_id: u64,
-    tick: u64,
-    leased: Vec<u64>,
-    events: Events,
-    misses: MissLog,
-    stats: PoolStats,
+impl kvpool_core::Admitter for Local<Box<dyn AdmissionPolicy>> {
+    fn on_events(&mut self, events: &Events) {
+        self.0.on_events(events)
+    }
+    fn admit(&mut self, batch: &AdmitBatch) -> Vec<Admit> {
+        self.0.admit(batch)
+    }
+    fn as_any(&self) -> &dyn std::any::Any {
+        &()
+    }
 }
 
-/// Events buffered before they are flushed to the policies (the server's batch size).
-const FLUSH_AT: usize = 4096;
+/// The server's core as a replay pool: capacity in blocks (every block has size 1, as in
+/// libCacheSim).
+pub struct SimPool {
+    index: Index<u64>,
+    policies: Policies,
+    capacity: usize,
+    /// Leases last until the request ends: time for the index is `base` + 2 ns per request.
+    base: Instant,
+    request: u64,
+    stats: PoolStats,
+    _not_send: std::marker::PhantomData<std::rc::Rc<()>>,
+}
 
 impl SimPool {
     pub fn new(admission: Box<dyn AdmissionPolicy>, eviction: Box<dyn EvictionPolicy>, capacity: usize) -> SimPool {
+        let policies = Policies::new(Box::new(Local(eviction)), Box::new(Local(admission)));
         SimPool {
-            eviction,
-            admission,
+            index: Index::new(Granularity { dram: 1, ssd: 1 }, false),
+            policies,
             capacity,
-            by_key: HashMap::new(),
-            blocks: HashMap::new(),
-            next_id: 1,
-            tick: 0,
-            leased: Vec::new(),
-            events: Events::new(),
-            // As many recent misses as the pool holds blocks: enough history to start a
-            // ghost list or a sketch, bounded by the pool's own size.
-            misses: MissLog { cap: capacity.max(1024), ..MissLog::default() },
+            base: Instant::now(),
+            request: 0,
             stats: PoolStats::default(),
+            _not_send: std::marker::PhantomData,
         }
     }
 
-    fn emit(&mut self, e: Event) {
-        self.events.push(e);
-        if self.events.len() >= FLUSH_AT {
-            self.flush();
-        }
+    fn now(&self) -> Instant {
+        self.base + Duration::from_nanos(2 * self.request)
     }
 
     fn flush(&mut self) {
-        if self.events.is_empty() {
-            return;
-        }
-        self.admission.on_events(&self.events);
-        self.eviction.on_events(&self.events);
-        self.events.clear();
+        let ev = self.index.take_events();
+        self.policies.feed(&ev);
     }
 
-    fn id_of(&self, key: u64) -> Option<u64> {
-        self.by_key.get(&key).copied()
-    }
-
-    /// Remove a block (all its copies: there is only DRAM here) and tell the policies.
-    fn remove(&mut self, id: u64, now_us: u64) {
-        let Some(b) = self.blocks.remove(&id) else { return };
-        debug_assert!(b.children.is_empty(), "chain rule: a block goes after its children");
-        self.by_key.remove(&b.key);
-        if let Some(p) = self.blocks.get_mut(&b.parent) {
-            p.children.retain(|&c| c != id);
-        }
-        self.emit(
-            Event::removed(id, Tier::Dram).with_key(b.hash).with_depth(b.depth).with_count(b.wanted).with_time(now_us),
-        );
-    }
-
-    /// Free `need` blocks with one `victims` call and the chain rule; returns the room freed.
-    fn make_room(&mut self, need: usize, now_us: u64) -> usize {
+    /// Free `need` blocks with one `victims` call, validated and evicted by the index (chain
+    /// rule included); returns the room freed.
+    fn make_room(&mut self, need: usize) -> usize {
+        let now = self.now();
         self.flush();
-        let mut exclude = self.leased.clone();
-        exclude.sort_unstable();
-        exclude.dedup();
-        let victims = self.eviction.victims(Tier::Dram, need as u64, &exclude);
-        let mut seen = HashSet::with_capacity(victims.len());
-        let mut valid = Vec::with_capacity(victims.len());
-        for v in victims {
-            if !seen.insert(v) || exclude.binary_search(&v).is_ok() || !self.blocks.contains_key(&v) {
+        let exclude = self.index.excluded(now, Tier::Dram);
+        let proposed = self.policies.eviction.victims(&self.index, Tier::Dram, need as u64, &exclude);
+        let mut seen = HashSet::with_capacity(proposed.len());
+        for &v in &proposed {
+            if !seen.insert(v) || exclude.binary_search(&v).is_ok() || self.index.size_in_tier(v, Tier::Dram).is_none()
+            {
                 self.stats.invalid_victims += 1;
-                continue;
             }
-            valid.push(v);
         }
-        let plan = cascade(&valid, &*self, &exclude);
-        self.stats.cascaded += plan.cascaded as u64;
-        self.stats.refused += plan.refused.len() as u64;
-        for &id in &plan.remove {
-            self.remove(id, now_us);
-        }
-        plan.remove.len()
+        let victims = self.index.valid_victims(&proposed, Tier::Dram, need as u64, &exclude);
+        let out = self.index.evict(&victims, Tier::Dram, &[], now);
+        self.stats.cascaded += out.cascaded as u64;
+        self.stats.refused += out.refused as u64;
+        out.gone
     }
 
-    /// The warm snapshot a swapped-in policy is started from (see [`BlockOracle::snapshot`]):
-    /// the recent misses first, oldest first (so that a policy seeding classes from key history
-    /// has it before the blocks come), then every block, least recently used first and parents
-    /// before children, with its reads and last access.
+    /// The warm snapshot a swapped-in policy is started from ([`Index::snapshot`]).
     pub fn warm_snapshot(&self) -> Events {
-        let mut ev = Events::new();
-        ev.reserve(self.blocks.len() + self.misses.log.len());
-        for &(hash, depth, parent, time) in &self.misses.log {
-            // The parent a miss named may have gone since: name only resident ones.
-            let parent = if self.blocks.contains_key(&parent) { parent } else { NO_PARENT };
-            let count = self.misses.counts.get(&hash).copied().unwrap_or(1);
-            ev.push(Event::missed(hash, depth, parent).with_count(count).with_time(time));
-        }
-        let mut order: Vec<(u64, u64)> = self.blocks.iter().map(|(&id, b)| (b.last_tick, id)).collect();
-        order.sort_unstable();
-        let mut done: HashSet<u64> = HashSet::with_capacity(self.blocks.len());
-        let mut stack = Vec::new();
-        for (_, id) in order {
-            let mut cur = id;
-            // Parents before children: climb to the first ancestor already sent.
-            while !done.contains(&cur) {
-                let Some(b) = self.blocks.get(&cur) else { break };
-                stack.push(cur);
-                cur = b.parent;
-            }
-            while let Some(x) = stack.pop() {
-                if done.insert(x) {
-                    let b = &self.blocks[&x];
-                    ev.push(
-                        Event::inserted(x, 1, Tier::Dram, b.parent)
-                            .with_key(b.hash)
-                            .with_tokens(b.tokens)
-                            .with_depth(b.depth)
-                            .with_count(b.wanted)
-                            .with_time(b.last_us),
-                    );
-                }
-            }
-        }
-        ev
+        self.index.snapshot()
     }
 
-    /// The eviction policy (to ask it directly in tests).
-    #[cfg(test)]
-    pub fn eviction_mut(&mut self) -> &mut dyn EvictionPolicy {
+    /// Ask the eviction policy directly (tests), after flushing pending events.
+    pub fn ask_victims(&mut self, bytes: u64) -> Vec<u64> {
         self.flush();
-        &mut *self.eviction
+        self.policies.eviction.victims(&self.index, Tier::Dram, bytes, &[])
     }
 
     /// The block id of a resident key.
-    #[cfg(test)]
     pub fn resident_id(&self, key: u64) -> Option<u64> {
-        self.id_of(key)
+        self.index.id_of(0, &trace_key(key))
     }
 
     /// Resident blocks.
     #[cfg(test)]
-    pub fn len(&self) -> usize {
-        self.blocks.len()
-    }
-}
-
-impl BlockOracle for SimPool {
-    fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
-        (tier == Tier::Dram && self.blocks.contains_key(&id)).then_some(1)
-    }
-    fn pin(&self, _id: u64) -> Pin {
-        Pin::None
-    }
-    fn evictable_bytes(&self, _tier: Tier, exclude: &[u64]) -> u64 {
-        self.blocks.keys().filter(|id| exclude.binary_search(id).is_err()).count() as u64
-    }
-    fn resident_children(&self, id: u64) -> Vec<u64> {
-        self.blocks.get(&id).map(|b| b.children.clone()).unwrap_or_default()
-    }
-    fn snapshot(&self) -> Events {
-        self.warm_snapshot()
+    fn len(&self) -> usize {
+        self.index.counts().0 as usize
     }
 }
 
 impl Pool for SimPool {
     fn lookup(&mut self, chain: &[u64], now_us: u64) -> usize {
-        let hit = chain.iter().take_while(|k| self.by_key.contains_key(k)).count();
-        for (i, &k) in chain.iter().enumerate().skip(hit) {
-            if self.by_key.contains_key(&k) {
-                continue;
-            }
-            let parent = if i == 0 { NO_PARENT } else { self.id_of(chain[i - 1]).unwrap_or(NO_PARENT) };
-            let hash = trace_key_hash(k);
-            let count = self.misses.push(hash, i as u32, parent, now_us);
-            self.stats.misses += 1;
-            self.emit(Event::missed(hash, i as u32, parent).with_count(count).with_time(now_us));
-        }
+        let keys: Vec<Vec<u8>> = chain.iter().map(|&k| trace_key(k)).collect();
+        let before = self.index.pending_events();
+        let hit = self.index.lookup(0, &keys, now_us);
+        self.stats.misses += (self.index.pending_events() - before) as u64;
         hit
     }
 
     fn get(&mut self, keys: &[u64], now_us: u64) {
-        for &k in keys {
-            let Some(id) = self.id_of(k) else { continue };
-            self.tick += 1;
-            let tick = self.tick;
-            let b = self.blocks.get_mut(&id).expect("index and blocks agree");
-            b.wanted = b.wanted.saturating_add(1);
-            b.last_us = now_us;
-            b.last_tick = tick;
-            let e = Event::accessed(id, Tier::Dram).with_key(b.hash).with_depth(b.depth).with_count(b.wanted);
-            self.leased.push(id);
-            self.emit(e.with_time(now_us));
+        if keys.is_empty() {
+            return;
         }
+        let keys: Vec<Vec<u8>> = keys.iter().map(|&k| trace_key(k)).collect();
+        let lease_until = self.now() + Duration::from_nanos(1);
+        self.index.plan_get(0, &keys, lease_until, now_us);
     }
 
     fn put(&mut self, items: &[PutItem], now_us: u64) {
-        // Admission: every new block of the put in one batch, parents named by id (a resident
-        // block or an earlier row), as the store does.
-        let mut batch = AdmitBatch::default();
-        let mut rows: Vec<(PutItem, u64)> = Vec::new();
-        let mut in_batch: HashMap<u64, u64> = HashMap::new();
-        for it in items {
-            if self.by_key.contains_key(&it.key) {
-                continue;
+        let keys: Vec<(Vec<u8>, Option<Vec<u8>>)> =
+            items.iter().map(|it| (trace_key(it.key), it.parent.map(trace_key))).collect();
+        let specs: Vec<PutSpec<'_>> = items
+            .iter()
+            .zip(&keys)
+            .map(|(it, (k, p))| PutSpec {
+                key: k,
+                size: 1,
+                parent: p.as_deref(),
+                tokens: it.tokens,
+                seq_tokens: it.seq_tokens,
+                pin: PinRequest::None,
+            })
+            .collect();
+        // Admission: Index::plan_put, the admission slot, Index::decide_put (chain rule).
+        let (pending, batch) = self.index.plan_put(0, &specs, false, u64::MAX);
+        let plans = if batch.is_empty() {
+            self.index.decide_put(0, &pending, &batch, &[], None)
+        } else {
+            self.flush();
+            let decisions = self.policies.admission.admit(&batch);
+            if decisions.len() != batch.len() {
+                self.stats.invalid_admissions += 1;
             }
-            let id = self.next_id;
-            self.next_id += 1;
-            let parent =
-                it.parent.and_then(|p| self.id_of(p).or_else(|| in_batch.get(&p).copied())).unwrap_or(NO_PARENT);
-            in_batch.insert(it.key, id);
-            batch.push(
-                AdmitRequest::new(id, 1, it.tokens, it.seq_tokens, Tier::Dram, parent)
-                    .with_key(trace_key_hash(it.key))
-                    .with_depth(it.depth),
-            );
-            rows.push((*it, id));
-        }
-        if rows.is_empty() {
-            return;
-        }
-        self.flush();
-        let mut decisions = self.admission.admit(&batch);
-        if decisions.len() != rows.len() {
-            self.stats.invalid_admissions += 1;
-            decisions = vec![Admit::Into(Tier::Dram); rows.len()];
-        }
-        let policy_rejected = decisions.iter().filter(|d| **d == Admit::Reject).count() as u64;
-        let chain = batch.enforce_chain(&mut decisions) as u64;
-        self.stats.rejected += policy_rejected + chain;
-        self.stats.chain_rejected += chain;
-        let admitted: Vec<usize> = (0..rows.len()).filter(|&i| decisions[i] != Admit::Reject).collect();
+            self.index.decide_put(0, &pending, &batch, &decisions, None)
+        };
+        let admitted: Vec<(usize, u64)> = plans
+            .iter()
+            .enumerate()
+            .filter_map(|(i, p)| match *p {
+                PutPlan::Store { id, .. } => Some((i, id)),
+                PutPlan::Skip(PutStatus::Rejected) => {
+                    self.stats.rejected += 1;
+                    None
+                }
+                PutPlan::Skip(_) => None,
+            })
+            .collect();
         if admitted.is_empty() {
             return;
         }
-        let free = self.capacity.saturating_sub(self.blocks.len());
+        let free = self.capacity.saturating_sub(self.index.counts().1 as usize);
         let mut room = free;
         if admitted.len() > free {
-            room += self.make_room(admitted.len() - free, now_us);
+            room += self.make_room(admitted.len() - free);
             if room < admitted.len() {
                 self.stats.shortfalls += 1;
             }
         }
-        for (n, &i) in admitted.iter().enumerate() {
-            let (it, id) = rows[i];
-            let parent = batch.parent[i];
+        let now = self.now();
+        for (n, &(i, id)) in admitted.iter().enumerate() {
             // A parent that is neither resident nor stored by this put (not enough room, or
-            // gone since the lookup) leaves the rest of the chain unreachable: stop.
-            if n >= room || (parent != NO_PARENT && !self.blocks.contains_key(&parent)) {
+            // gone since the lookup) leaves the rest of the chain unreachable: the client stops.
+            let parent_gone = specs[i].parent.is_some_and(|p| !self.index.exists(0, &[p.to_vec()])[0]);
+            if n >= room || parent_gone {
                 self.stats.dropped += (admitted.len() - n) as u64;
                 break;
             }
-            self.tick += 1;
-            let hash = batch.key[i];
-            let wanted = self.misses.counts.get(&hash).copied().unwrap_or(0);
-            self.blocks.insert(
-                id,
-                Block {
-                    key: it.key,
-                    hash,
-                    parent,
-                    depth: it.depth,
-                    tokens: it.tokens,
-                    wanted,
-                    last_us: now_us,
-                    last_tick: self.tick,
-                    children: Vec::new(),
-                },
-            );
-            if let Some(p) = self.blocks.get_mut(&parent) {
-                p.children.push(id);
+            let r = self.index.commit(0, id, &specs[i], false, 0, Some(id), None, now, now_us / 1000, 0);
+            if r.is_ok() {
+                self.stats.stored += 1;
             }
-            self.by_key.insert(it.key, id);
-            self.stats.stored += 1;
-            self.emit(
-                Event::inserted(id, 1, Tier::Dram, parent)
-                    .with_key(hash)
-                    .with_tokens(it.tokens)
-                    .with_depth(it.depth)
-                    .with_count(wanted)
-                    .with_time(now_us),
-            );
         }
     }
 
     fn release(&mut self) {
-        self.leased.clear();
+        self.request += 1;
     }
 
     fn stats(&self) -> PoolStats {
@@ -433,7 +294,7 @@ impl Pool for SimPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvpool_policy_sdk::{EventKind, Params, NO_ID};
+    use kvpool_policy_sdk::{Event, EventKind, Params, NO_ID, NO_PARENT};
     use std::cell::RefCell;
     use std::rc::Rc;
 
@@ -484,7 +345,7 @@ mod tests {
         request(&mut p, &[7], 1);
         request(&mut p, &[8], 2); // evicts 7
         request(&mut p, &[7], 3); // 7 again, under a fresh id
-        p.flush();
+        p.ask_victims(0);
         let log = log.borrow();
         let ins: Vec<&Event> = log.iter().filter(|e| e.kind == EventKind::Inserted).collect();
         assert_eq!(ins.len(), 3);
@@ -502,8 +363,8 @@ mod tests {
         request(&mut p, &[1], 1);
         let id1 = p.resident_id(1).unwrap();
         rec.borrow_mut().clear();
-        assert_eq!(p.lookup(&[1, 2, 3], 5), 1);
-        p.flush();
+        assert_eq!(p.lookup(&[1, 2, 3], 5_000), 1);
+        p.ask_victims(0);
         let log = rec.borrow();
         let m: Vec<(u64, u64, u32, u64, u32, u64)> = log
             .iter()
@@ -513,15 +374,15 @@ mod tests {
         assert_eq!(
             m,
             vec![
-                (NO_ID, trace_key_hash(2), 1, id1, 1, 5),
+                (NO_ID, trace_key_hash(2), 1, id1, 1, 5_000),
                 // The block before it is absent too: no resident parent to name.
-                (NO_ID, trace_key_hash(3), 2, NO_PARENT, 1, 5),
+                (NO_ID, trace_key_hash(3), 2, NO_PARENT, 1, 5_000),
             ]
         );
         drop(log);
         // Asked again: the host counts the misses of each key it remembers.
-        p.lookup(&[1, 2], 6);
-        p.flush();
+        p.lookup(&[1, 2], 6_000);
+        p.ask_victims(0);
         let last = rec.borrow().iter().rev().find(|e| e.kind == EventKind::Missed).copied().unwrap();
         assert_eq!((last.key, last.count), (trace_key_hash(2), 2));
         assert_eq!(p.stats().misses, 4);
@@ -534,16 +395,15 @@ mod tests {
         request(&mut p, &[1, 2, 3], 1);
         request(&mut p, &[10], 2);
         request(&mut p, &[20], 3); // needs one block: LRU names 1, which takes 2 and 3 along
-        p.flush();
+        p.ask_victims(0);
         assert_eq!(p.stats().cascaded, 2);
         assert_eq!(p.len(), 2);
         let log = log.borrow();
         let removed: Vec<u64> = log.iter().filter(|e| e.kind == EventKind::Removed).map(|e| e.key).collect();
         assert_eq!(removed, vec![trace_key_hash(3), trace_key_hash(2), trace_key_hash(1)], "deepest first");
         // No resident block is left without its parent.
-        for b in p.blocks.values() {
-            assert!(b.parent == NO_PARENT || p.blocks.contains_key(&b.parent));
-        }
+        assert_eq!((p.resident_id(1), p.resident_id(2), p.resident_id(3)), (None, None, None));
+        assert!(p.resident_id(10).is_some() && p.resident_id(20).is_some());
     }
 
     #[test]
@@ -559,7 +419,7 @@ mod tests {
         let mut p = SimPool::new(Box::new(RejectDepth1), Box::new(kvpool_policies::LeafLru::new()), 10);
         request(&mut p, &[1, 2, 3, 4], 1);
         assert_eq!(p.len(), 1);
-        assert_eq!((p.stats().rejected, p.stats().chain_rejected), (3, 2));
+        assert_eq!(p.stats().rejected, 3);
     }
 
     #[test]
@@ -605,7 +465,7 @@ mod tests {
             for r in &trace {
                 request(&mut p, &r.hash_ids, r.timestamp * 1000);
             }
-            let history = p.eviction_mut().victims(Tier::Dram, 1_000, &[]);
+            let history = p.ask_victims(1_000);
             let warm_snap = p.warm_snapshot();
             let cold_snap: Events =
                 warm_snap.iter().filter(|e| e.kind == EventKind::Inserted).map(|e| e.with_count(0)).collect();

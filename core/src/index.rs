@@ -6,9 +6,11 @@
 //! outside (free a copy, delete a file, write sled) is returned to the caller as data.
 
 use crate::{Dropped, MetaOp, PinRequest, PutSpec};
-use kvpool_policy_sdk::{Admit, AdmitBatch, AdmitRequest, Event, EventKind, Events, Pin, Tier, NO_PARENT};
+use kvpool_policy_sdk::{
+    key_hash, Admit, AdmitBatch, AdmitRequest, Event, EventKind, Events, Pin, Tier, NO_DEPTH, NO_PARENT,
+};
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::time::Instant;
 
 /// A DRAM copy as the index holds it.
@@ -95,6 +97,16 @@ pub(crate) struct Block<D> {
     pub(crate) moving: bool,
     /// Recency tick of the last insert or read (orders the snapshot a new policy is fed).
     pub(crate) last_access: u64,
+    /// Key hash for policies ([`key_hash`]): the same for the key across evictions and re-puts.
+    pub(crate) hash: u64,
+    /// Position in the prefix chain (0 for a root), [`NO_DEPTH`] when the parent was unknown.
+    pub(crate) depth: u32,
+    /// Requests that wanted the key: its remembered misses before the put, then one per read.
+    pub(crate) wanted: u32,
+    /// Wall clock (µs) of the last insert or read.
+    pub(crate) last_us: u64,
+    /// Resident blocks whose parent is this block (the chain rule's input).
+    pub(crate) children: Vec<u64>,
 }
 
 impl<D> Block<D> {
@@ -117,8 +129,21 @@ impl<D> Block<D> {
         self.lease_until.is_some_and(|t| t > now)
     }
 
+    /// An event about this block; `time` is stamped by [`Index::emit`] (or the snapshot).
     fn event(&self, id: u64, kind: EventKind, tier: Tier) -> Event {
-        Event { kind, id, size: self.size, tokens: self.tokens, tier, parent: self.parent, pin: self.pin }
+        Event {
+            kind,
+            id,
+            key: self.hash,
+            size: self.size,
+            tokens: self.tokens,
+            tier,
+            parent: self.parent,
+            pin: self.pin,
+            depth: self.depth,
+            count: self.wanted,
+            time: 0,
+        }
     }
 
     fn has(&self, tier: Tier) -> bool {
@@ -186,8 +211,14 @@ pub struct Evicted<D> {
     /// Copies to free and files to delete, outside the lock.
     pub dropped: Vec<Dropped<D>>,
     pub meta: Vec<MetaOp>,
-    /// Copies that left the tier now (demotions not counted).
+    /// Copies that left the tier now (demotions not counted), cascaded ones included.
     pub gone: usize,
+    /// Blocks removed by the chain rule: resident descendants of a victim that lost its last
+    /// copy, which the policy did not name.
+    pub cascaded: usize,
+    /// Victims kept by the chain rule: a resident descendant was leased, in flight or
+    /// hard-pinned, so removing the victim would have stranded it.
+    pub refused: usize,
 }
 
 /// How a demotion ended.
@@ -224,6 +255,13 @@ pub struct Index<D> {
     soft_pins: BTreeSet<(u64, u64)>,
     events: Events,
     tick: u64,
+    /// Wall clock (µs): the latest time passed in, stamped on events.
+    clock_us: u64,
+    /// Recent misses, for `count` and the warm snapshot.
+    misses: MissLog,
+    /// Resident blocks whose parent key is not resident (or was replaced), by that key: they are
+    /// linked to the parent when it is put again, so the chain rule sees them.
+    orphans: hashbrown::HashMap<ScopedKey, Vec<u64>, std::hash::RandomState>,
     copies: [u64; 2],
     tenants: HashMap<u32, TenantCounters>,
     gran: Granularity,
@@ -232,6 +270,44 @@ pub struct Index<D> {
 
 /// A tenant-scoped key as stored in the index.
 type ScopedKey = (u32, Box<[u8]>);
+
+/// Misses the index remembers by default (the warm snapshot's "recent misses").
+pub const DEFAULT_MISS_MEMORY: usize = 65_536;
+
+/// Recent misses, bounded: (key hash, depth, parent, time µs), oldest first, and how many of
+/// each key hash the log holds.
+#[derive(Debug, Default)]
+struct MissLog {
+    cap: usize,
+    log: VecDeque<(u64, u32, u64, u64)>,
+    counts: HashMap<u64, u32>,
+}
+
+impl MissLog {
+    /// Record a miss of `hash`; returns how many misses of it the log now holds (at least 1).
+    fn push(&mut self, hash: u64, depth: u32, parent: u64, time: u64) -> u32 {
+        if self.cap == 0 {
+            return 1;
+        }
+        while self.log.len() >= self.cap {
+            let Some((h, ..)) = self.log.pop_front() else { break };
+            if let Some(c) = self.counts.get_mut(&h) {
+                *c -= 1;
+                if *c == 0 {
+                    self.counts.remove(&h);
+                }
+            }
+        }
+        self.log.push_back((hash, depth, parent, time));
+        let c = self.counts.entry(hash).or_insert(0);
+        *c += 1;
+        *c
+    }
+
+    fn count(&self, hash: u64) -> u32 {
+        self.counts.get(&hash).copied().unwrap_or(0)
+    }
+}
 
 /// A borrowed scoped key: looks up a [`ScopedKey`] without allocating one. It hashes exactly as
 /// the tuple does (the tenant, then the key with its length).
@@ -266,6 +342,9 @@ impl<D: CopyHandle> Index<D> {
             soft_pins: BTreeSet::new(),
             events: Events::new(),
             tick: 0,
+            clock_us: 0,
+            misses: MissLog { cap: DEFAULT_MISS_MEMORY, ..MissLog::default() },
+            orphans: hashbrown::HashMap::with_hasher(std::hash::RandomState::new()),
             copies: [0; 2],
             tenants: HashMap::new(),
             gran,
@@ -295,8 +374,46 @@ impl<D: CopyHandle> Index<D> {
         t.bytes[slot(tier)] -= fp;
     }
 
+    /// Queue an event for the policies, stamped with the index's clock.
     fn emit(&mut self, e: Event) {
-        self.events.push(e);
+        self.events.push(e.with_time(self.clock_us));
+    }
+
+    /// Advance the clock events are stamped with (wall clock, µs; it never goes back).
+    fn clock(&mut self, wall_us: u64) {
+        self.clock_us = self.clock_us.max(wall_us);
+    }
+
+    /// How many recent misses to remember (for `count` and the warm snapshot; 0 turns it off).
+    pub fn set_miss_memory(&mut self, n: usize) {
+        self.misses.cap = n;
+        while self.misses.log.len() > n {
+            let Some((h, ..)) = self.misses.log.pop_front() else { break };
+            if let Some(c) = self.misses.counts.get_mut(&h) {
+                *c -= 1;
+                if *c == 0 {
+                    self.misses.counts.remove(&h);
+                }
+            }
+        }
+    }
+
+    /// Report a miss of `key` to the policies: chain position `depth`, `parent` the resident
+    /// block before it (or none).
+    fn missed(&mut self, tenant: u32, key: &[u8], depth: u32, parent: u64) {
+        let hash = key_hash(tenant, key);
+        let count = self.misses.push(hash, depth, parent, self.clock_us);
+        self.emit(Event::missed(hash, depth, parent).with_count(count));
+    }
+
+    /// Depth of a block whose parent is `parent` (a resident id or none) and whose parent key
+    /// is `parent_key`.
+    fn depth_under(&self, parent: u64, parent_key: Option<&[u8]>) -> u32 {
+        match (parent_key, self.blocks.get(&parent)) {
+            (None, _) => 0,
+            (Some(_), Some(p)) if p.depth != NO_DEPTH => p.depth + 1,
+            _ => NO_DEPTH,
+        }
     }
 
     /// Events since the last call, for the policies (in order).
@@ -377,6 +494,11 @@ impl<D: CopyHandle> Index<D> {
                 ssd: Some(file),
                 moving: false,
                 last_access: 0,
+                hash: key_hash(tenant, &key),
+                depth: NO_DEPTH,
+                wanted: 0,
+                last_us: r.created_ms.saturating_mul(1000),
+                children: Vec::new(),
             };
             self.copy_added(tenant, Tier::Ssd, b.size);
             self.tenant_mut(tenant).resident += 1;
@@ -384,18 +506,51 @@ impl<D: CopyHandle> Index<D> {
             self.blocks.insert(id, b);
             out.kept += 1;
         }
-        let links: Vec<(u64, u64)> = self
+        let mut links: Vec<(u64, Option<u64>)> = self
             .blocks
             .iter()
             .filter_map(|(&id, b)| {
                 let pk = b.parent_key.as_ref()?;
-                let pid = *self.by_key.get(&probe(b.tenant, pk))?;
-                Some((id, pid))
+                Some((id, self.by_key.get(&probe(b.tenant, pk)).copied()))
             })
             .collect();
+        links.sort_unstable();
         for (id, pid) in links {
-            if let Some(b) = self.blocks.get_mut(&id) {
-                b.parent = pid;
+            match pid {
+                Some(pid) => {
+                    self.blocks.get_mut(&id).expect("listed").parent = pid;
+                    self.blocks.get_mut(&pid).expect("indexed").children.push(id);
+                }
+                None => {
+                    let b = &self.blocks[&id];
+                    let pk = (b.tenant, b.parent_key.clone().expect("listed with a parent key"));
+                    self.orphans.entry(pk).or_default().push(id);
+                }
+            }
+        }
+        // Depths: roots are 0, a block under a known parent one more; orphans stay unknown.
+        let ids: Vec<u64> = self.blocks.keys().copied().collect();
+        let mut path = Vec::new();
+        for id in ids {
+            let mut cur = id;
+            let mut d = loop {
+                let b = &self.blocks[&cur];
+                if b.depth != NO_DEPTH {
+                    break b.depth;
+                }
+                if b.parent_key.is_none() {
+                    break 0;
+                }
+                if b.parent == NO_PARENT || path.len() > self.blocks.len() {
+                    break NO_DEPTH;
+                }
+                path.push(cur);
+                cur = b.parent;
+            };
+            self.blocks.get_mut(&cur).expect("walked").depth = d;
+            while let Some(x) = path.pop() {
+                d = if d == NO_DEPTH { NO_DEPTH } else { d + 1 };
+                self.blocks.get_mut(&x).expect("walked").depth = d;
             }
         }
         out.snapshot = self.snapshot();
@@ -415,6 +570,8 @@ impl<D: CopyHandle> Index<D> {
     ) -> (Vec<Pending>, AdmitBatch) {
         let mut pending = Vec::with_capacity(items.len());
         let mut batch = AdmitBatch::default();
+        // Rows of this put by key: a parent may be an earlier row (a chain put in one call).
+        let mut rows: Vec<(&[u8], u64, u32)> = Vec::new();
         for it in items {
             if !upsert && self.by_key.contains_key(&probe(tenant, it.key)) {
                 pending.push(Pending::Skip(PutStatus::AlreadyExists));
@@ -426,29 +583,46 @@ impl<D: CopyHandle> Index<D> {
             }
             let id = self.next_id;
             self.next_id += 1;
-            let parent = it.parent.and_then(|p| self.by_key.get(&probe(tenant, p)).copied()).unwrap_or(NO_PARENT);
+            let resident = it.parent.and_then(|p| self.by_key.get(&probe(tenant, p)).copied());
+            let in_batch = || it.parent.and_then(|p| rows.iter().rev().find(|r| r.0 == p).map(|r| (r.1, r.2)));
+            let (parent, depth) = match (resident, in_batch()) {
+                (Some(pid), _) => (pid, self.depth_under(pid, it.parent)),
+                (None, Some((rid, d))) => (rid, if d == NO_DEPTH { NO_DEPTH } else { d + 1 }),
+                (None, None) => (NO_PARENT, self.depth_under(NO_PARENT, it.parent)),
+            };
+            rows.push((it.key, id, depth));
             pending.push(Pending::Ask { id, row: batch.len() });
             batch.push(AdmitRequest {
                 id,
+                key: key_hash(tenant, it.key),
                 size: it.size,
                 tokens: it.tokens,
                 seq_tokens: it.seq_tokens,
                 tier: Tier::Dram,
                 parent,
+                depth,
             });
         }
         (pending, batch)
     }
 
     /// Second half: combine admission decisions (and placement tiers, when a placement policy
-    /// answered) into plans. Rejections count against the tenant.
+    /// answered) into plans. The chain rule for admission applies first: a row whose parent row
+    /// in `batch` is rejected is rejected too ([`AdmitBatch::enforce_chain`]). Rejections count
+    /// against the tenant.
     pub fn decide_put(
         &mut self,
         tenant: u32,
         pending: &[Pending],
+        batch: &AdmitBatch,
         decisions: &[Admit],
         placed: Option<&[Tier]>,
     ) -> Vec<PutPlan> {
+        let mut decisions = decisions.to_vec();
+        if decisions.len() < batch.len() {
+            decisions.resize(batch.len(), Admit::Into(Tier::Dram));
+        }
+        batch.enforce_chain(&mut decisions);
         let has_ssd = self.has_ssd;
         let mut rejected = 0;
         let plans = pending
@@ -512,7 +686,25 @@ impl<D: CopyHandle> Index<D> {
             }
         };
         self.tick += 1;
+        self.clock(wall_ms.saturating_mul(1000));
         let key: Box<[u8]> = spec.key.into();
+        let hash = key_hash(tenant, spec.key);
+        // Resident blocks that were waiting for this key as their parent.
+        let children: Vec<u64> = self
+            .orphans
+            .remove(&probe(tenant, spec.key))
+            .unwrap_or_default()
+            .into_iter()
+            .filter(|c| self.blocks.contains_key(c))
+            .collect();
+        for c in &children {
+            self.blocks.get_mut(c).expect("filtered").parent = id;
+        }
+        match (parent, spec.parent) {
+            (NO_PARENT, Some(pk)) => self.orphans.entry((tenant, pk.into())).or_default().push(id),
+            (NO_PARENT, None) => {}
+            (pid, _) => self.blocks.get_mut(&pid).expect("indexed").children.push(id),
+        }
         let block = Block {
             tenant,
             key: key.clone(),
@@ -530,6 +722,11 @@ impl<D: CopyHandle> Index<D> {
             ssd,
             moving: false,
             last_access: self.tick,
+            hash,
+            depth: self.depth_under(parent, spec.parent),
+            wanted: self.misses.count(hash),
+            last_us: self.clock_us,
+            children,
         };
         // Only blocks with an SSD copy are persisted: a DRAM copy does not survive a restart.
         if block.ssd.is_some() {
@@ -556,6 +753,26 @@ impl<D: CopyHandle> Index<D> {
     fn drop_block(&mut self, id: u64) -> Option<(Dropped<D>, Option<MetaOp>)> {
         let b = self.blocks.remove(&id)?;
         self.by_key.remove(&probe(b.tenant, &b.key));
+        // Chain links: out of the parent's children (or the orphans waiting for it); the
+        // children wait for this key to come back.
+        if let Some(p) = self.blocks.get_mut(&b.parent) {
+            p.children.retain(|&c| c != id);
+        } else if let Some(pk) = &b.parent_key {
+            if let Some(w) = self.orphans.get_mut(&probe(b.tenant, pk)) {
+                w.retain(|&c| c != id);
+                if w.is_empty() {
+                    self.orphans.remove(&probe(b.tenant, pk));
+                }
+            }
+        }
+        if !b.children.is_empty() {
+            for c in &b.children {
+                if let Some(cb) = self.blocks.get_mut(c) {
+                    cb.parent = NO_PARENT;
+                }
+            }
+            self.orphans.entry((b.tenant, b.key.clone())).or_default().extend(b.children.iter().copied());
+        }
         self.tenant_mut(b.tenant).resident -= 1;
         self.leased.remove(&id);
         self.moving.remove(&id);
@@ -574,11 +791,24 @@ impl<D: CopyHandle> Index<D> {
 
     // ---- reads --------------------------------------------------------------------------
 
-    /// Locate and lease the keys of a get; hits update recency.
-    pub fn plan_get(&mut self, tenant: u32, keys: &[Vec<u8>], lease_until: Instant) -> Vec<Located<D>> {
+    /// Locate and lease the keys of a get; hits update recency and count as reads of the key,
+    /// misses are reported to the policies (`wall_us`: wall clock, µs). A missing key's chain
+    /// position is one more than the previous key's of the same get, or its index in the get
+    /// when nothing before says otherwise (gets name chains from their root).
+    pub fn plan_get(&mut self, tenant: u32, keys: &[Vec<u8>], lease_until: Instant, wall_us: u64) -> Vec<Located<D>> {
+        self.clock(wall_us);
         let mut out = Vec::with_capacity(keys.len());
-        for k in keys {
+        // (id, depth) of the previous key of the get, when known.
+        let mut prev: Option<(u64, u32)> = None;
+        for (i, k) in keys.iter().enumerate() {
             let Some(&id) = self.by_key.get(&probe(tenant, k)) else {
+                let depth = match prev {
+                    Some((_, d)) if d != NO_DEPTH => d + 1,
+                    _ => i as u32,
+                };
+                let parent = prev.map_or(NO_PARENT, |p| p.0);
+                self.missed(tenant, k, depth, parent);
+                prev = Some((NO_PARENT, depth));
                 let has_ssd = self.has_ssd;
                 let t = self.tenant_mut(tenant);
                 t.misses[0] += 1;
@@ -590,9 +820,13 @@ impl<D: CopyHandle> Index<D> {
             };
             self.tick += 1;
             let tick = self.tick;
+            let now_us = self.clock_us;
             let b = self.blocks.get_mut(&id).expect("index and blocks agree");
             b.lease_until = Some(lease_until);
             b.last_access = tick;
+            b.last_us = now_us;
+            b.wanted = b.wanted.saturating_add(1);
+            prev = Some((id, b.depth));
             let (loc, ev) = match &b.dram {
                 Some(d) => (
                     Located::Dram { id, copy: d.clone(), checksum: b.checksum },
@@ -620,9 +854,30 @@ impl<D: CopyHandle> Index<D> {
         out
     }
 
-    /// Number of leading chain blocks resident in any tier. No lease, no recency update.
-    pub fn lookup(&self, tenant: u32, chain: &[Vec<u8>]) -> usize {
-        chain.iter().take_while(|k| self.by_key.contains_key(&probe(tenant, k))).count()
+    /// Number of leading chain blocks resident in any tier. No lease, no recency update; every
+    /// absent key of the chain is reported to the policies as a miss at its chain position
+    /// (`wall_us`: wall clock, µs).
+    pub fn lookup(&mut self, tenant: u32, chain: &[Vec<u8>], wall_us: u64) -> usize {
+        let hit = chain.iter().take_while(|k| self.by_key.contains_key(&probe(tenant, k))).count();
+        if hit == chain.len() {
+            return hit;
+        }
+        self.clock(wall_us);
+        let mut prev = if hit == 0 { NO_PARENT } else { self.by_key[&probe(tenant, &chain[hit - 1])] };
+        for (i, k) in chain.iter().enumerate().skip(hit) {
+            if let Some(&id) = self.by_key.get(&probe(tenant, k)) {
+                prev = id;
+                continue;
+            }
+            self.missed(tenant, k, i as u32, prev);
+            prev = NO_PARENT;
+        }
+        hit
+    }
+
+    /// The block id of a resident key (no lease, no event).
+    pub fn id_of(&self, tenant: u32, key: &[u8]) -> Option<u64> {
+        self.by_key.get(&probe(tenant, key)).copied()
     }
 
     pub fn exists(&self, tenant: u32, keys: &[Vec<u8>]) -> Vec<bool> {
@@ -721,20 +976,48 @@ impl<D: CopyHandle> Index<D> {
             .filter_map(|id| self.blocks.get(id).map(|b| (id, b)))
             .map(|(&id, b)| AdmitRequest {
                 id,
+                key: b.hash,
                 size: b.size,
                 tokens: b.tokens,
                 seq_tokens: b.seq_tokens,
                 tier: Tier::Ssd,
                 parent: b.parent,
+                depth: b.depth,
             })
             .collect()
+    }
+
+    /// Resident descendants of `id` in pre-order (`id` first), or `None` when one of them is
+    /// leased, in flight or hard-pinned (the chain rule then keeps `id`).
+    fn free_subtree(&self, id: u64, now: Instant) -> Option<Vec<u64>> {
+        let mut sub = vec![id];
+        let mut i = 0;
+        while i < sub.len() {
+            let b = &self.blocks[&sub[i]];
+            for c in &b.children {
+                let cb = self.blocks.get(c)?;
+                if cb.leased(now) || cb.moving || cb.pin == Pin::Hard {
+                    return None;
+                }
+                sub.push(*c);
+            }
+            i += 1;
+        }
+        Some(sub)
     }
 
     /// Evict `victims` from `tier`: DRAM victims admitted to SSD (`decisions`, one per row of
     /// [`Index::demotion_batch`]) start a demotion; the others lose their copy in `tier`, and
     /// blocks left with no copy leave the index. Leased blocks are never dropped from the pool.
+    ///
+    /// Chain rule: a victim that loses its last copy takes its resident descendants along (every
+    /// copy, deepest first, counted in `cascaded`, `Removed` events for each), since a lookup
+    /// stops at the first absent block and they could never be hit; when one of them is leased,
+    /// in flight or hard-pinned, the victim stays (counted in `refused`).
     pub fn evict(&mut self, victims: &[u64], tier: Tier, decisions: &[Admit], now: Instant) -> Evicted<D> {
-        let mut out = Evicted { demotions: Vec::new(), dropped: Vec::new(), meta: Vec::new(), gone: 0 };
+        let mut out =
+            Evicted { demotions: Vec::new(), dropped: Vec::new(), meta: Vec::new(), gone: 0, cascaded: 0, refused: 0 };
+        let named: HashSet<u64> = victims.iter().copied().collect();
         for (row, &id) in victims.iter().enumerate() {
             let Some(b) = self.blocks.get_mut(&id) else { continue };
             if !b.has(tier) || b.moving {
@@ -759,14 +1042,34 @@ impl<D: CopyHandle> Index<D> {
             if !other_copy && b.leased(now) {
                 continue;
             }
-            out.gone += 1;
-            self.tenant_mut(tenant).evictions[slot(tier)] += 1;
             if !other_copy {
-                let (d, m) = self.drop_block(id).expect("exists");
-                out.dropped.push(d);
-                out.meta.extend(m);
+                let Some(sub) = self.free_subtree(id, now) else {
+                    out.refused += 1;
+                    continue;
+                };
+                for &x in sub.iter().rev() {
+                    let b = &self.blocks[&x];
+                    let (t, in_tier) = (b.tenant, b.has(tier));
+                    let copies = [Tier::Dram, Tier::Ssd].map(|k| b.has(k));
+                    for (k, has) in copies.into_iter().enumerate() {
+                        if has {
+                            self.tenant_mut(t).evictions[k] += 1;
+                        }
+                    }
+                    if in_tier {
+                        out.gone += 1;
+                    }
+                    if !named.contains(&x) {
+                        out.cascaded += 1;
+                    }
+                    let (d, m) = self.drop_block(x).expect("exists");
+                    out.dropped.push(d);
+                    out.meta.extend(m);
+                }
                 continue;
             }
+            out.gone += 1;
+            self.tenant_mut(tenant).evictions[slot(tier)] += 1;
             let b = self.blocks.get_mut(&id).expect("exists");
             let dropped = match tier {
                 Tier::Dram => Dropped { dram: b.dram.take(), ssd: None },
@@ -864,14 +1167,24 @@ impl<D: CopyHandle> Index<D> {
 
     // ---- policy snapshot ----------------------------------------------------------------
 
-    /// The block set as `Inserted` events, least recently used first, every parent before its
-    /// children (so a policy that tracks chains sees consistent links).
+    /// The warm snapshot a new policy starts from: the recent misses the index remembers as
+    /// `Missed` events, oldest first (with the count of each key's remembered misses), then the
+    /// block set as `Inserted` events, one per copy, least recently used first, every parent
+    /// before its children (so a policy that tracks chains sees consistent links), each with
+    /// its key hash, depth, count of requests and last access.
     pub fn snapshot(&self) -> Events {
         let blocks = &self.blocks;
+        let mut ev = Events::new();
+        ev.reserve(blocks.len() + self.misses.log.len());
+        for &(hash, depth, parent, time) in &self.misses.log {
+            // The parent a miss named may have gone since: name only resident ones.
+            let parent = if blocks.contains_key(&parent) { parent } else { NO_PARENT };
+            let count = self.misses.count(hash).max(1);
+            ev.push(Event::missed(hash, depth, parent).with_count(count).with_time(time));
+        }
         let mut order: Vec<(u64, u64)> = blocks.iter().map(|(&id, b)| (b.last_access, id)).collect();
         order.sort_unstable();
         let mut done = HashSet::with_capacity(blocks.len());
-        let mut ev = Events::new();
         let mut stack = Vec::new();
         for (_, id) in order {
             let mut cur = id;
@@ -889,10 +1202,10 @@ impl<D: CopyHandle> Index<D> {
                 }
                 let b = &blocks[&x];
                 if b.ssd.is_some() {
-                    ev.push(b.event(x, EventKind::Inserted, Tier::Ssd));
+                    ev.push(b.event(x, EventKind::Inserted, Tier::Ssd).with_time(b.last_us));
                 }
                 if b.dram.is_some() {
-                    ev.push(b.event(x, EventKind::Inserted, Tier::Dram));
+                    ev.push(b.event(x, EventKind::Inserted, Tier::Dram).with_time(b.last_us));
                 }
             }
         }
@@ -916,6 +1229,10 @@ impl<D: CopyHandle> crate::IndexView for Index<D> {
             .filter(|(id, b)| b.pin != Pin::Hard && exclude.binary_search(id).is_err() && b.has(tier))
             .map(|(_, b)| b.size)
             .sum()
+    }
+
+    fn resident_children(&self, id: u64) -> Vec<u64> {
+        self.blocks.get(&id).map(|b| b.children.clone()).unwrap_or_default()
     }
 
     fn snapshot(&self) -> Events {

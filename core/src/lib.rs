@@ -14,7 +14,7 @@ mod tests;
 
 pub use index::{
     BlockRecord, CopyHandle, Demoted, Evicted, Granularity, Index, Located, Pending, PutPlan, PutStatus, Recovered,
-    RemoveStatus, TenantCounters,
+    RemoveStatus, TenantCounters, DEFAULT_MISS_MEMORY,
 };
 pub use policies::{Admitter, Evictor, Native, NewSlot, Placer, Policies};
 
@@ -28,7 +28,9 @@ pub trait IndexView {
     fn pin(&self, id: u64) -> Pin;
     /// Bytes in `tier` of blocks that are neither hard-pinned nor in `exclude` (sorted).
     fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64;
-    /// The block set as events, for rebuilding a policy.
+    /// Resident blocks whose parent is `id` (the chain rule's input).
+    fn resident_children(&self, id: u64) -> Vec<u64>;
+    /// The warm snapshot ([`Index::snapshot`]), for starting or rebuilding a policy.
     fn snapshot(&self) -> Events;
 }
 
@@ -120,7 +122,7 @@ impl<D: CopyHandle> Pool<D> {
     ) -> Vec<PutPlan> {
         let (pending, batch) = self.index.plan_put(tenant, items, upsert, max_copy);
         if batch.is_empty() {
-            return self.index.decide_put(tenant, &pending, &[], None);
+            return self.index.decide_put(tenant, &pending, &batch, &[], None);
         }
         self.flush();
         let decisions = self.policies.admission.admit(&batch);
@@ -129,7 +131,7 @@ impl<D: CopyHandle> Pool<D> {
             .placement
             .as_mut()
             .map(|p| placed_tiers(&p.place(&placement_batch(&batch), nodes), batch.len()));
-        self.index.decide_put(tenant, &pending, &decisions, placed.as_deref())
+        self.index.decide_put(tenant, &pending, &batch, &decisions, placed.as_deref())
     }
 
     /// Choose victims in `tier` for `bytes`, validated against the index.

@@ -37,6 +37,10 @@ pub struct Metrics {
     pub capacity: IntGaugeVec,
     pub blocks: IntGaugeVec,
     pub evictions: IntCounterVec,
+    /// Blocks removed by the chain rule (descendants of a victim that lost its last copy).
+    pub evictions_cascaded: IntCounter,
+    /// Victims kept by the chain rule (a descendant was leased, in flight or hard-pinned).
+    pub evictions_refused: IntCounter,
     pub demotions: IntCounter,
     pub promotions: IntCounter,
     pub rejected_puts: IntCounterVec,
@@ -118,6 +122,16 @@ impl Metrics {
             capacity: gauge_vec(&reg, "capacity_bytes", "Capacity, by tier", &["tier"]),
             blocks: gauge_vec(&reg, "blocks", "Block copies resident, by tier", &["tier"]),
             evictions: counter_vec(&reg, "evictions_total", "Block copies evicted from a tier", &["tier"]),
+            evictions_cascaded: counter(
+                &reg,
+                "evictions_cascaded_total",
+                "Blocks evicted by the chain rule along with an ancestor that lost its last copy",
+            ),
+            evictions_refused: counter(
+                &reg,
+                "evictions_refused_total",
+                "Victims kept by the chain rule (a descendant was leased, in flight or hard-pinned)",
+            ),
             demotions: counter(&reg, "demotions_total", "Blocks copied DRAM -> SSD on eviction"),
             promotions: counter(&reg, "promotions_total", "Blocks copied SSD -> DRAM on a hit"),
             rejected_puts: counter_vec(&reg, "rejected_puts_total", "Put items not stored, by reason", &["reason"]),

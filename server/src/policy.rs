@@ -42,6 +42,9 @@ impl BlockOracle for Oracle<'_> {
     fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64 {
         self.0.evictable_bytes(tier, exclude)
     }
+    fn resident_children(&self, id: u64) -> Vec<u64> {
+        self.0.resident_children(id)
+    }
     fn snapshot(&self) -> Events {
         self.0.snapshot()
     }

@@ -68,6 +68,11 @@ fn wall_ms() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_millis() as u64).unwrap_or(0)
 }
 
+/// Wall clock in µs: the time policies see on events.
+fn wall_us() -> u64 {
+    SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
+}
+
 pub fn checksum(data: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(data)
 }
@@ -387,7 +392,7 @@ impl Store {
                 pol.placement.as_mut().map(|p| placed_tiers(&p.place(&placement_batch(&batch), &nodes), batch.len()));
             (decisions, placed)
         };
-        let plans = self.index.lock().decide_put(tenant, &pending, &decisions, placed.as_deref());
+        let plans = self.index.lock().decide_put(tenant, &pending, &batch, &decisions, placed.as_deref());
         plans
             .into_iter()
             .map(|p| match p {
@@ -537,6 +542,8 @@ impl Store {
         };
         let evicted = out.gone + out.demotions.len();
         self.metrics.evictions.with_label_values(&[tier.name()]).inc_by(evicted as u64);
+        self.metrics.evictions_cascaded.inc_by(out.cascaded as u64);
+        self.metrics.evictions_refused.inc_by(out.refused as u64);
         let mut gone = out.gone;
         self.release(out.dropped);
         for (id, copy) in out.demotions {
@@ -633,7 +640,7 @@ impl Store {
     /// Locate and lease the keys of a get; hits update recency.
     pub fn plan_get(&self, tenant: u32, keys: &[Vec<u8>]) -> Vec<GetPlan> {
         let lease = Instant::now() + self.cfg.lease_ttl;
-        let located = self.index.lock().plan_get(tenant, keys, lease);
+        let located = self.index.lock().plan_get(tenant, keys, lease, wall_us());
         let m = &self.metrics;
         located
             .into_iter()
@@ -736,7 +743,7 @@ impl Store {
 
     /// Number of leading chain blocks resident in any tier. No lease, no recency update.
     pub fn lookup(&self, tenant: u32, chain: &[Vec<u8>]) -> u32 {
-        let n = self.index.lock().lookup(tenant, chain);
+        let n = self.index.lock().lookup(tenant, chain, wall_us());
         self.metrics.lookup_blocks.with_label_values(&["hit"]).inc_by(n as u64);
         self.metrics.lookup_blocks.with_label_values(&["miss"]).inc_by((chain.len() - n) as u64);
         n as u32
