@@ -15,8 +15,8 @@
 //! - both policies see every event, flushed before each decision, as the store feeds them;
 //! - a snapshot for a swapped-in policy is the index's warm snapshot.
 //!
-//! A live server through the client implements [`Pool`] too (`crate::live`); the replay driver
-//! ([`crate::sim::CacheSim`]) only knows the trait.
+//! The replay driver ([`crate::sim::CacheSim`]) only knows the trait, so that a live server
+//! through the client can implement it too (not done yet: see bench/RESULTS.md).
 
 use kvpool_core::{Granularity, Index, IndexView, PinRequest, Policies, PutPlan, PutSpec, PutStatus};
 use kvpool_policy_sdk::{key_hash, AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, Tier};
@@ -44,6 +44,8 @@ pub struct PoolStats {
     pub stored: u64,
     /// Put blocks rejected by admission (the policy or the chain rule after a rejected parent).
     pub rejected: u64,
+    /// Of those, rejected by the chain rule (a parent row rejected) rather than by the policy.
+    pub chain_rejected: u64,
     /// Blocks removed because a victim named by the policy was their ancestor.
     pub cascaded: u64,
     /// Victims kept because removing them would strand a leased or hard-pinned descendant.
@@ -176,17 +178,20 @@ impl SimPool {
     }
 
     /// The warm snapshot a swapped-in policy is started from ([`Index::snapshot`]).
+    #[cfg(test)]
     pub fn warm_snapshot(&self) -> Events {
         self.index.snapshot()
     }
 
     /// Ask the eviction policy directly (tests), after flushing pending events.
+    #[cfg(test)]
     pub fn ask_victims(&mut self, bytes: u64) -> Vec<u64> {
         self.flush();
         self.policies.eviction.victims(&self.index, Tier::Dram, bytes, &[])
     }
 
     /// The block id of a resident key.
+    #[cfg(test)]
     pub fn resident_id(&self, key: u64) -> Option<u64> {
         self.index.id_of(0, &trace_key(key))
     }
@@ -233,6 +238,7 @@ impl Pool for SimPool {
             .collect();
         // Admission: Index::plan_put, the admission slot, Index::decide_put (chain rule).
         let (pending, batch) = self.index.plan_put(0, &specs, false, u64::MAX);
+        let mut policy_rejected = 0;
         let plans = if batch.is_empty() {
             self.index.decide_put(0, &pending, &batch, &[], None)
         } else {
@@ -241,17 +247,17 @@ impl Pool for SimPool {
             if decisions.len() != batch.len() {
                 self.stats.invalid_admissions += 1;
             }
+            policy_rejected = decisions.iter().take(batch.len()).filter(|d| **d == Admit::Reject).count() as u64;
             self.index.decide_put(0, &pending, &batch, &decisions, None)
         };
+        let rejected = plans.iter().filter(|p| **p == PutPlan::Skip(PutStatus::Rejected)).count() as u64;
+        self.stats.rejected += rejected;
+        self.stats.chain_rejected += rejected.saturating_sub(policy_rejected);
         let admitted: Vec<(usize, u64)> = plans
             .iter()
             .enumerate()
             .filter_map(|(i, p)| match *p {
                 PutPlan::Store { id, .. } => Some((i, id)),
-                PutPlan::Skip(PutStatus::Rejected) => {
-                    self.stats.rejected += 1;
-                    None
-                }
                 PutPlan::Skip(_) => None,
             })
             .collect();
@@ -419,7 +425,7 @@ mod tests {
         let mut p = SimPool::new(Box::new(RejectDepth1), Box::new(kvpool_policies::LeafLru::new()), 10);
         request(&mut p, &[1, 2, 3, 4], 1);
         assert_eq!(p.len(), 1);
-        assert_eq!(p.stats().rejected, 3);
+        assert_eq!((p.stats().rejected, p.stats().chain_rejected), (3, 2));
     }
 
     #[test]

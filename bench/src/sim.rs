@@ -186,7 +186,7 @@ impl WasmSet {
     }
 
     /// An eviction instance, and a cell that follows the size of its linear memory.
-    pub fn eviction_probed(&self, name: &str) -> Result<(Box<dyn EvictionPolicy>, Rc<Cell<usize>>), SimError> {
+    pub fn eviction_probed(&self, name: &str) -> Result<(Box<dyn EvictionPolicy>, MemoryProbe), SimError> {
         let m = self.module(name, PolicyKind::Eviction).ok_or_else(|| unknown("Wasm eviction", name, &[]))?;
         let inner = WasmEviction::new(m).map_err(|source| SimError::Host { name: name.into(), source })?;
         let memory = Rc::new(Cell::new(0));
@@ -238,6 +238,9 @@ pub fn policy_by_name(spec: &str, params: &Params) -> Result<Box<dyn EvictionPol
     }
     native_eviction(spec, params)
 }
+
+/// Size of a Wasm instance's linear memory, as last seen.
+pub type MemoryProbe = Rc<Cell<usize>>;
 
 /// A replay of requests through a [`Pool`].
 pub struct CacheSim {

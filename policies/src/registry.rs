@@ -5,9 +5,9 @@ use crate as p;
 use kvpool_policy_sdk::{AdmissionPolicy, EvictionPolicy, FromParams, ParamError, Params, PlacementPolicy};
 
 /// Standard eviction policies.
-pub const EVICTION: [&str; 5] = ["lru", "leaf-lru", "arc", "s3fifo", "sieve"];
+pub const EVICTION: [&str; 6] = ["lru", "leaf-lru", "arc", "s3fifo", "sieve", "chain-experts"];
 /// Standard admission policies.
-pub const ADMISSION: [&str; 3] = ["threshold", "seen-twice", "size-range"];
+pub const ADMISSION: [&str; 5] = ["threshold", "seen-twice", "size-range", "doorkeeper", "ghost"];
 /// Standard placement policies.
 pub const PLACEMENT: [&str; 3] = ["consistent-hash", "least-loaded", "prefix-affinity"];
 
@@ -49,6 +49,7 @@ pub fn eviction(name: &str, params: &Params) -> Result<Box<dyn EvictionPolicy + 
         "arc" => build(name, params, b::<p::Arc>),
         "s3fifo" => build(name, params, b::<p::S3Fifo>),
         "sieve" => build(name, params, b::<p::Sieve>),
+        "chain-experts" => build(name, params, b::<p::ChainExperts>),
         _ => unknown("eviction", name, &EVICTION),
     }
 }
@@ -62,6 +63,8 @@ pub fn admission(name: &str, params: &Params) -> Result<Box<dyn AdmissionPolicy 
         "threshold" => build(name, params, b::<p::ThresholdAdmission>),
         "seen-twice" => build(name, params, b::<p::SeenTwice>),
         "size-range" => build(name, params, b::<p::SizeRange>),
+        "doorkeeper" => build(name, params, b::<p::Doorkeeper>),
+        "ghost" => build(name, params, b::<p::GhostAdmission>),
         _ => unknown("admission", name, &ADMISSION),
     }
 }
