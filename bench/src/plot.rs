@@ -119,21 +119,8 @@ pub fn write_png(path: &Path, points: &[Point], title: &str) -> Result<(), PlotE
         .y_desc("MB/s (best over batch and concurrency)")
         .draw()
         .map_err(draw_err)?;
-    for (i, (label, pts)) in series.into_iter().enumerate() {
-        let color = COLORS[i % COLORS.len()];
-        chart
-            .draw_series(LineSeries::new(pts.into_iter().filter(|p| p.1 > 0.0), color.stroke_width(2)))
-            .map_err(draw_err)?
-            .label(label)
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-    }
-    chart
-        .configure_series_labels()
-        .position(SeriesLabelPosition::UpperLeft)
-        .background_style(WHITE.mix(0.8))
-        .border_style(BLACK)
-        .draw()
-        .map_err(draw_err)?;
+    let series = series.into_iter().map(|(l, pts)| (l, pts.into_iter().filter(|p| p.1 > 0.0).collect())).collect();
+    draw_lines(&mut chart, series)?;
     root.present().map_err(draw_err)?;
     Ok(())
 }
@@ -178,22 +165,30 @@ pub fn scale_plot(path: &Path, r: &crate::scale::ScaleReport) -> Result<(), Plot
             .build_cartesian_2d((xmin / 1.5..xmax * 1.5).log_scale(), (ymin / 2.0..ymax * 2.0).log_scale())
             .map_err(draw_err)?;
         chart.configure_mesh().x_desc("resident blocks").y_desc(ylabel).draw().map_err(draw_err)?;
-        for (i, (label, pts)) in series.into_iter().enumerate() {
-            let color = COLORS[i % COLORS.len()];
-            chart
-                .draw_series(LineSeries::new(pts, color.stroke_width(2)))
-                .map_err(draw_err)?
-                .label(label)
-                .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-        }
-        chart
-            .configure_series_labels()
-            .position(SeriesLabelPosition::UpperLeft)
-            .background_style(WHITE.mix(0.8))
-            .border_style(BLACK)
-            .draw()
-            .map_err(draw_err)?;
+        draw_lines(&mut chart, series.into_iter().map(|(l, pts)| (l.to_string(), pts)).collect())?;
     }
     root.present().map_err(draw_err)?;
+    Ok(())
+}
+
+type LogLog<'a> = ChartContext<'a, BitMapBackend<'a>, Cartesian2d<LogCoord<f64>, LogCoord<f64>>>;
+
+/// One coloured line per series, and the legend in the upper left.
+fn draw_lines(chart: &mut LogLog<'_>, series: Vec<(String, Vec<(f64, f64)>)>) -> Result<(), PlotError> {
+    for (i, (label, pts)) in series.into_iter().enumerate() {
+        let color = COLORS[i % COLORS.len()];
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))
+            .map_err(draw_err)?
+            .label(label)
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    chart
+        .configure_series_labels()
+        .position(SeriesLabelPosition::UpperLeft)
+        .background_style(WHITE.mix(0.8))
+        .border_style(BLACK)
+        .draw()
+        .map_err(draw_err)?;
     Ok(())
 }
