@@ -5,12 +5,15 @@
 //! reference-counted segment range), a `u64` locator for an SSD copy. Whatever must happen
 //! outside (free a copy, delete a file, write sled) is returned to the caller as data.
 
+use crate::blocks::Blocks;
 use crate::{Dropped, MetaOp, PinRequest, PutSpec};
 use kvpool_policy_sdk::{
     key_hash, Admit, AdmitBatch, AdmitRequest, Event, EventKind, Events, Pin, Tier, NO_DEPTH, NO_PARENT,
 };
 use serde::{Deserialize, Serialize};
+use smallvec::SmallVec;
 use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::sync::Arc;
 use std::time::Instant;
 
 /// A DRAM copy as the index holds it.
@@ -79,12 +82,14 @@ fn slot(tier: Tier) -> usize {
 }
 
 pub(crate) struct Block<D> {
+    pub(crate) id: u64,
     pub(crate) tenant: u32,
-    pub(crate) key: Box<[u8]>,
+    /// Shared with the children's `parent_key` (a chain's keys are stored once).
+    pub(crate) key: Arc<[u8]>,
     pub(crate) size: u64,
     pub(crate) tokens: u32,
     pub(crate) seq_tokens: u64,
-    pub(crate) parent_key: Option<Box<[u8]>>,
+    pub(crate) parent_key: Option<Arc<[u8]>>,
     pub(crate) parent: u64,
     pub(crate) checksum: u64,
     pub(crate) created_ms: u64,
@@ -105,8 +110,9 @@ pub(crate) struct Block<D> {
     pub(crate) wanted: u32,
     /// Wall clock (µs) of the last insert or read.
     pub(crate) last_us: u64,
-    /// Resident blocks whose parent is this block (the chain rule's input).
-    pub(crate) children: Vec<u64>,
+    /// Resident blocks whose parent is this block (the chain rule's input); most blocks of a
+    /// chain have one, which needs no allocation.
+    pub(crate) children: SmallVec<[u64; 1]>,
 }
 
 impl<D> Block<D> {
@@ -245,8 +251,7 @@ pub struct Recovered {
 /// The block index.
 pub struct Index<D> {
     /// Keyed with SipHash (std's randomly keyed hasher): keys are chosen by clients.
-    by_key: hashbrown::HashMap<ScopedKey, u64, std::hash::RandomState>,
-    pub(crate) blocks: HashMap<u64, Block<D>>,
+    blocks: Blocks<D>,
     next_id: u64,
     /// Ids with a lease that may still be running (expired ones are pruned lazily).
     leased: BTreeSet<u64>,
@@ -269,7 +274,7 @@ pub struct Index<D> {
 }
 
 /// A tenant-scoped key as stored in the index.
-type ScopedKey = (u32, Box<[u8]>);
+type ScopedKey = (u32, Arc<[u8]>);
 
 /// Misses the index remembers by default (the warm snapshot's "recent misses").
 pub const DEFAULT_MISS_MEMORY: usize = 65_536;
@@ -334,8 +339,7 @@ fn probe(tenant: u32, key: &[u8]) -> KeyRef<'_> {
 impl<D: CopyHandle> Index<D> {
     pub fn new(gran: Granularity, has_ssd: bool) -> Index<D> {
         Index {
-            by_key: hashbrown::HashMap::with_hasher(std::hash::RandomState::new()),
-            blocks: HashMap::new(),
+            blocks: Blocks::new(),
             next_id: 1,
             leased: BTreeSet::new(),
             moving: BTreeSet::new(),
@@ -409,7 +413,7 @@ impl<D: CopyHandle> Index<D> {
     /// Depth of a block whose parent is `parent` (a resident id or none) and whose parent key
     /// is `parent_key`.
     fn depth_under(&self, parent: u64, parent_key: Option<&[u8]>) -> u32 {
-        match (parent_key, self.blocks.get(&parent)) {
+        match (parent_key, self.blocks.get(parent)) {
             (None, _) => 0,
             (Some(_), Some(p)) if p.depth != NO_DEPTH => p.depth + 1,
             _ => NO_DEPTH,
@@ -444,23 +448,28 @@ impl<D: CopyHandle> Index<D> {
     // ---- recovery -----------------------------------------------------------------------
 
     /// Rebuild from persisted records. Only SSD copies survive a restart, and only those whose
-    /// extent the SSD tier lets `adopt` claim (locator, size): pass records newest first, so that
+    /// extent the SSD tier lets `adopt` claim: it gets every candidate's (locator, size) in one
+    /// slice, in record order, and answers which it claimed. Pass records newest first, so that
     /// when a crash left two records naming one extent, the newer keeps it. Their bytes are
     /// verified when first read, as every SSD read is.
     pub fn recover(
         &mut self,
-        records: impl IntoIterator<Item = (u32, Vec<u8>, Option<BlockRecord>)>,
-        mut adopt: impl FnMut(u64, u64) -> bool,
+        records: Vec<(u32, Vec<u8>, Option<BlockRecord>)>,
+        adopt: impl FnOnce(&[(u64, u64)]) -> Vec<bool>,
         wall_ms: u64,
     ) -> Recovered {
         let mut out = Recovered::default();
-        let records = records.into_iter();
         // One allocation for the whole set instead of a rehash at every doubling.
-        let (n, _) = records.size_hint();
-        self.blocks.reserve(n);
-        self.by_key.reserve(n);
+        self.blocks.reserve(records.len());
+        let has_ssd = self.has_ssd;
+        let candidate = move |rec: &Option<BlockRecord>| {
+            rec.as_ref().and_then(|r| r.ssd_file.filter(|_| has_ssd).map(|f| (f, r.size)))
+        };
+        let extents: Vec<(u64, u64)> = records.iter().filter_map(|(_, _, r)| candidate(r)).collect();
+        let claimed = adopt(&extents);
+        let mut claimed = claimed.into_iter();
         for (tenant, key, rec) in records {
-            let usable = rec.as_ref().is_some_and(|r| self.has_ssd && r.ssd_file.is_some_and(|f| adopt(f, r.size)));
+            let usable = candidate(&rec).is_some() && claimed.next().unwrap_or(false);
             let Some(r) = rec.filter(|_| usable) else {
                 out.meta.push(MetaOp::Remove { tenant, key: key.into() });
                 out.dropped += 1;
@@ -476,10 +485,12 @@ impl<D: CopyHandle> Index<D> {
             if pin == Pin::Soft {
                 self.soft_pins.insert((r.pin_until_ms, id));
             }
-            let key: Box<[u8]> = key.into();
+            let key: Arc<[u8]> = key.into();
             let b = Block {
+                id,
                 tenant,
-                key: key.clone(),
+                hash: key_hash(tenant, &key),
+                key,
                 size: r.size,
                 tokens: r.tokens,
                 seq_tokens: r.seq_tokens,
@@ -494,47 +505,50 @@ impl<D: CopyHandle> Index<D> {
                 ssd: Some(file),
                 moving: false,
                 last_access: 0,
-                hash: key_hash(tenant, &key),
                 depth: NO_DEPTH,
                 wanted: 0,
                 last_us: r.created_ms.saturating_mul(1000),
-                children: Vec::new(),
+                children: SmallVec::new(),
             };
             self.copy_added(tenant, Tier::Ssd, b.size);
             self.tenant_mut(tenant).resident += 1;
-            self.by_key.insert((tenant, key), id);
-            self.blocks.insert(id, b);
+            self.blocks.insert(b);
             out.kept += 1;
         }
         let mut links: Vec<(u64, Option<u64>)> = self
             .blocks
             .iter()
-            .filter_map(|(&id, b)| {
+            .filter_map(|(id, b)| {
                 let pk = b.parent_key.as_ref()?;
-                Some((id, self.by_key.get(&probe(b.tenant, pk)).copied()))
+                Some((id, self.blocks.id_of(b.tenant, pk)))
             })
             .collect();
         links.sort_unstable();
         for (id, pid) in links {
             match pid {
                 Some(pid) => {
-                    self.blocks.get_mut(&id).expect("listed").parent = pid;
-                    self.blocks.get_mut(&pid).expect("indexed").children.push(id);
+                    let p = self.blocks.get_mut(pid).expect("indexed");
+                    p.children.push(id);
+                    let pk = p.key.clone();
+                    let b = self.blocks.get_mut(id).expect("listed");
+                    b.parent = pid;
+                    // The record's copy of the parent key gives way to the parent's own.
+                    b.parent_key = Some(pk);
                 }
                 None => {
-                    let b = &self.blocks[&id];
+                    let b = self.blocks.get(id).expect("listed");
                     let pk = (b.tenant, b.parent_key.clone().expect("listed with a parent key"));
                     self.orphans.entry(pk).or_default().push(id);
                 }
             }
         }
         // Depths: roots are 0, a block under a known parent one more; orphans stay unknown.
-        let ids: Vec<u64> = self.blocks.keys().copied().collect();
+        let ids: Vec<u64> = self.blocks.ids().collect();
         let mut path = Vec::new();
         for id in ids {
             let mut cur = id;
             let mut d = loop {
-                let b = &self.blocks[&cur];
+                let b = self.blocks.get(cur).expect("walked");
                 if b.depth != NO_DEPTH {
                     break b.depth;
                 }
@@ -547,10 +561,10 @@ impl<D: CopyHandle> Index<D> {
                 path.push(cur);
                 cur = b.parent;
             };
-            self.blocks.get_mut(&cur).expect("walked").depth = d;
+            self.blocks.get_mut(cur).expect("walked").depth = d;
             while let Some(x) = path.pop() {
                 d = if d == NO_DEPTH { NO_DEPTH } else { d + 1 };
-                self.blocks.get_mut(&x).expect("walked").depth = d;
+                self.blocks.get_mut(x).expect("walked").depth = d;
             }
         }
         out.snapshot = self.snapshot();
@@ -573,7 +587,7 @@ impl<D: CopyHandle> Index<D> {
         // Rows of this put by key: a parent may be an earlier row (a chain put in one call).
         let mut rows: Vec<(&[u8], u64, u32)> = Vec::new();
         for it in items {
-            if !upsert && self.by_key.contains_key(&probe(tenant, it.key)) {
+            if !upsert && self.blocks.id_of(tenant, it.key).is_some() {
                 pending.push(Pending::Skip(PutStatus::AlreadyExists));
                 continue;
             }
@@ -583,7 +597,7 @@ impl<D: CopyHandle> Index<D> {
             }
             let id = self.next_id;
             self.next_id += 1;
-            let resident = it.parent.and_then(|p| self.by_key.get(&probe(tenant, p)).copied());
+            let resident = it.parent.and_then(|p| self.blocks.id_of(tenant, p));
             let in_batch = || it.parent.and_then(|p| rows.iter().rev().find(|r| r.0 == p).map(|r| (r.1, r.2)));
             let (parent, depth) = match (resident, in_batch()) {
                 (Some(pid), _) => (pid, self.depth_under(pid, it.parent)),
@@ -666,18 +680,18 @@ impl<D: CopyHandle> Index<D> {
     ) -> Result<(Option<Dropped<D>>, Vec<MetaOp>), PutStatus> {
         let mut meta = Vec::with_capacity(2);
         let mut replaced = None;
-        if let Some(&old) = self.by_key.get(&probe(tenant, spec.key)) {
+        if let Some(old) = self.blocks.id_of(tenant, spec.key) {
             if !upsert {
                 return Err(PutStatus::AlreadyExists);
             }
-            if self.blocks.get(&old).is_some_and(|b| b.leased(now)) {
+            if self.blocks.get(old).is_some_and(|b| b.leased(now)) {
                 return Err(PutStatus::Leased);
             }
             let (d, m) = self.drop_block(old).expect("indexed block exists");
             replaced = Some(d);
             meta.extend(m);
         }
-        let parent = spec.parent.and_then(|p| self.by_key.get(&probe(tenant, p)).copied()).unwrap_or(NO_PARENT);
+        let parent = spec.parent.and_then(|p| self.blocks.id_of(tenant, p)).unwrap_or(NO_PARENT);
         let (pin, pin_until_ms) = match spec.pin {
             PinRequest::None => (Pin::None, 0),
             PinRequest::Hard => (Pin::Hard, 0),
@@ -687,31 +701,40 @@ impl<D: CopyHandle> Index<D> {
         };
         self.tick += 1;
         self.clock(wall_ms.saturating_mul(1000));
-        let key: Box<[u8]> = spec.key.into();
+        let key: Arc<[u8]> = spec.key.into();
         let hash = key_hash(tenant, spec.key);
         // Resident blocks that were waiting for this key as their parent.
-        let children: Vec<u64> = self
+        let children: SmallVec<[u64; 1]> = self
             .orphans
             .remove(&probe(tenant, spec.key))
             .unwrap_or_default()
             .into_iter()
-            .filter(|c| self.blocks.contains_key(c))
+            .filter(|&c| self.blocks.contains(c))
             .collect();
         for c in &children {
-            self.blocks.get_mut(c).expect("filtered").parent = id;
+            self.blocks.get_mut(*c).expect("filtered").parent = id;
         }
-        match (parent, spec.parent) {
-            (NO_PARENT, Some(pk)) => self.orphans.entry((tenant, pk.into())).or_default().push(id),
-            (NO_PARENT, None) => {}
-            (pid, _) => self.blocks.get_mut(&pid).expect("indexed").children.push(id),
-        }
+        let parent_key: Option<Arc<[u8]>> = match (parent, spec.parent) {
+            (NO_PARENT, Some(pk)) => {
+                let pk: Arc<[u8]> = pk.into();
+                self.orphans.entry((tenant, pk.clone())).or_default().push(id);
+                Some(pk)
+            }
+            (NO_PARENT, None) => None,
+            (pid, _) => {
+                let p = self.blocks.get_mut(pid).expect("indexed");
+                p.children.push(id);
+                Some(p.key.clone())
+            }
+        };
         let block = Block {
+            id,
             tenant,
-            key: key.clone(),
+            key,
             size: spec.size,
             tokens: spec.tokens,
             seq_tokens: spec.seq_tokens,
-            parent_key: spec.parent.map(Into::into),
+            parent_key,
             parent,
             checksum,
             created_ms: wall_ms,
@@ -730,7 +753,7 @@ impl<D: CopyHandle> Index<D> {
         };
         // Only blocks with an SSD copy are persisted: a DRAM copy does not survive a restart.
         if block.ssd.is_some() {
-            meta.push(MetaOp::Put { tenant, key: key.clone(), record: block.record() });
+            meta.push(MetaOp::Put { tenant, key: Box::from(&*block.key), record: block.record() });
         }
         for tier in [Tier::Dram, Tier::Ssd] {
             if block.has(tier) {
@@ -743,20 +766,18 @@ impl<D: CopyHandle> Index<D> {
         if pin == Pin::Soft {
             self.soft_pins.insert((pin_until_ms, id));
         }
-        self.by_key.insert((tenant, key), id);
-        self.blocks.insert(id, block);
+        self.blocks.insert(block);
         Ok((replaced, meta))
     }
 
     /// Take a block out of the index: its copies for the caller to free, and the removal of its
     /// record when it had one (only blocks with an SSD copy have one).
     fn drop_block(&mut self, id: u64) -> Option<(Dropped<D>, Option<MetaOp>)> {
-        let b = self.blocks.remove(&id)?;
-        self.by_key.remove(&probe(b.tenant, &b.key));
+        let b = self.blocks.remove(id)?;
         // Chain links: out of the parent's children (or the orphans waiting for it); the
         // children wait for this key to come back.
-        if let Some(p) = self.blocks.get_mut(&b.parent) {
-            p.children.retain(|&c| c != id);
+        if let Some(p) = self.blocks.get_mut(b.parent) {
+            p.children.retain(|c| *c != id);
         } else if let Some(pk) = &b.parent_key {
             if let Some(w) = self.orphans.get_mut(&probe(b.tenant, pk)) {
                 w.retain(|&c| c != id);
@@ -767,7 +788,7 @@ impl<D: CopyHandle> Index<D> {
         }
         if !b.children.is_empty() {
             for c in &b.children {
-                if let Some(cb) = self.blocks.get_mut(c) {
+                if let Some(cb) = self.blocks.get_mut(*c) {
                     cb.parent = NO_PARENT;
                 }
             }
@@ -785,7 +806,7 @@ impl<D: CopyHandle> Index<D> {
                 self.emit(b.event(id, EventKind::Removed, tier));
             }
         }
-        let meta = b.ssd.is_some().then_some(MetaOp::Remove { tenant: b.tenant, key: b.key });
+        let meta = b.ssd.is_some().then(|| MetaOp::Remove { tenant: b.tenant, key: Box::from(&*b.key) });
         Some((Dropped { dram: b.dram, ssd: b.ssd.map(|f| (f, b.size)) }, meta))
     }
 
@@ -801,7 +822,7 @@ impl<D: CopyHandle> Index<D> {
         // (id, depth) of the previous key of the get, when known.
         let mut prev: Option<(u64, u32)> = None;
         for (i, k) in keys.iter().enumerate() {
-            let Some(&id) = self.by_key.get(&probe(tenant, k)) else {
+            let Some(id) = self.blocks.id_of(tenant, k) else {
                 let depth = match prev {
                     Some((_, d)) if d != NO_DEPTH => d + 1,
                     _ => i as u32,
@@ -821,7 +842,7 @@ impl<D: CopyHandle> Index<D> {
             self.tick += 1;
             let tick = self.tick;
             let now_us = self.clock_us;
-            let b = self.blocks.get_mut(&id).expect("index and blocks agree");
+            let b = self.blocks.get_mut(id).expect("index and blocks agree");
             b.lease_until = Some(lease_until);
             b.last_access = tick;
             b.last_us = now_us;
@@ -858,14 +879,14 @@ impl<D: CopyHandle> Index<D> {
     /// absent key of the chain is reported to the policies as a miss at its chain position
     /// (`wall_us`: wall clock, µs).
     pub fn lookup(&mut self, tenant: u32, chain: &[Vec<u8>], wall_us: u64) -> usize {
-        let hit = chain.iter().take_while(|k| self.by_key.contains_key(&probe(tenant, k))).count();
+        let hit = chain.iter().take_while(|k| self.blocks.id_of(tenant, k).is_some()).count();
         if hit == chain.len() {
             return hit;
         }
         self.clock(wall_us);
-        let mut prev = if hit == 0 { NO_PARENT } else { self.by_key[&probe(tenant, &chain[hit - 1])] };
+        let mut prev = if hit == 0 { NO_PARENT } else { self.blocks.id_of(tenant, &chain[hit - 1]).expect("counted") };
         for (i, k) in chain.iter().enumerate().skip(hit) {
-            if let Some(&id) = self.by_key.get(&probe(tenant, k)) {
+            if let Some(id) = self.blocks.id_of(tenant, k) {
                 prev = id;
                 continue;
             }
@@ -877,11 +898,11 @@ impl<D: CopyHandle> Index<D> {
 
     /// The block id of a resident key (no lease, no event).
     pub fn id_of(&self, tenant: u32, key: &[u8]) -> Option<u64> {
-        self.by_key.get(&probe(tenant, key)).copied()
+        self.blocks.id_of(tenant, key)
     }
 
     pub fn exists(&self, tenant: u32, keys: &[Vec<u8>]) -> Vec<bool> {
-        keys.iter().map(|k| self.by_key.contains_key(&probe(tenant, k))).collect()
+        keys.iter().map(|k| self.blocks.id_of(tenant, k).is_some()).collect()
     }
 
     // ---- removal ------------------------------------------------------------------------
@@ -897,8 +918,8 @@ impl<D: CopyHandle> Index<D> {
         let st = keys
             .iter()
             .map(|k| {
-                let Some(&id) = self.by_key.get(&probe(tenant, k)) else { return RemoveStatus::NotFound };
-                if !force && self.blocks[&id].leased(now) {
+                let Some(id) = self.blocks.id_of(tenant, k) else { return RemoveStatus::NotFound };
+                if !force && self.blocks.get(id).is_some_and(|b| b.leased(now)) {
                     return RemoveStatus::Leased;
                 }
                 let (d, m) = self.drop_block(id).expect("indexed block exists");
@@ -914,7 +935,7 @@ impl<D: CopyHandle> Index<D> {
     /// Returns (removed, skipped, copies to free, sled removals).
     pub fn remove_all(&mut self, tenant: u32, force: bool, now: Instant) -> (u64, u64, Vec<Dropped<D>>, Vec<MetaOp>) {
         let ids: Vec<(u64, bool)> =
-            self.blocks.iter().filter(|(_, b)| b.tenant == tenant).map(|(&id, b)| (id, b.leased(now))).collect();
+            self.blocks.iter().filter(|(_, b)| b.tenant == tenant).map(|(id, b)| (id, b.leased(now))).collect();
         let (mut removed, mut skipped, mut dropped, mut meta) = (0, 0, Vec::new(), Vec::new());
         for (id, leased) in ids {
             if leased && !force {
@@ -936,7 +957,7 @@ impl<D: CopyHandle> Index<D> {
     /// or dropped when an SSD copy exists); the in-flight bytes are protected by the handle.
     pub fn excluded(&mut self, now: Instant, tier: Tier) -> Vec<u64> {
         let blocks = &self.blocks;
-        self.leased.retain(|id| blocks.get(id).is_some_and(|b| b.leased(now)));
+        self.leased.retain(|&id| blocks.get(id).is_some_and(|b| b.leased(now)));
         let mut ex: Vec<u64> =
             if tier == Tier::Dram && self.has_ssd { Vec::new() } else { self.leased.iter().copied().collect() };
         ex.extend(self.moving.iter().copied());
@@ -953,7 +974,7 @@ impl<D: CopyHandle> Index<D> {
             if freed >= bytes {
                 break;
             }
-            let Some(b) = self.blocks.get(&id) else { continue };
+            let Some(b) = self.blocks.get(id) else { continue };
             let eligible = match tier {
                 Tier::Dram => b.dram.as_ref().is_some_and(|d| !d.in_use()),
                 Tier::Ssd => b.ssd.is_some(),
@@ -973,8 +994,8 @@ impl<D: CopyHandle> Index<D> {
     pub fn demotion_batch(&self, victims: &[u64]) -> AdmitBatch {
         victims
             .iter()
-            .filter_map(|id| self.blocks.get(id).map(|b| (id, b)))
-            .map(|(&id, b)| AdmitRequest {
+            .filter_map(|&id| self.blocks.get(id).map(|b| (id, b)))
+            .map(|(id, b)| AdmitRequest {
                 id,
                 key: b.hash,
                 size: b.size,
@@ -993,13 +1014,13 @@ impl<D: CopyHandle> Index<D> {
         let mut sub = vec![id];
         let mut i = 0;
         while i < sub.len() {
-            let b = &self.blocks[&sub[i]];
-            for c in &b.children {
+            let b = self.blocks.get(sub[i]).expect("resident");
+            for &c in &b.children {
                 let cb = self.blocks.get(c)?;
                 if cb.leased(now) || cb.moving || cb.pin == Pin::Hard {
                     return None;
                 }
-                sub.push(*c);
+                sub.push(c);
             }
             i += 1;
         }
@@ -1019,7 +1040,7 @@ impl<D: CopyHandle> Index<D> {
             Evicted { demotions: Vec::new(), dropped: Vec::new(), meta: Vec::new(), gone: 0, cascaded: 0, refused: 0 };
         let named: HashSet<u64> = victims.iter().copied().collect();
         for (row, &id) in victims.iter().enumerate() {
-            let Some(b) = self.blocks.get_mut(&id) else { continue };
+            let Some(b) = self.blocks.get_mut(id) else { continue };
             if !b.has(tier) || b.moving {
                 continue;
             }
@@ -1048,7 +1069,7 @@ impl<D: CopyHandle> Index<D> {
                     continue;
                 };
                 for &x in sub.iter().rev() {
-                    let b = &self.blocks[&x];
+                    let b = self.blocks.get(x).expect("in the subtree");
                     let (t, in_tier) = (b.tenant, b.has(tier));
                     let copies = [Tier::Dram, Tier::Ssd].map(|k| b.has(k));
                     for (k, has) in copies.into_iter().enumerate() {
@@ -1070,12 +1091,12 @@ impl<D: CopyHandle> Index<D> {
             }
             out.gone += 1;
             self.tenant_mut(tenant).evictions[slot(tier)] += 1;
-            let b = self.blocks.get_mut(&id).expect("exists");
+            let b = self.blocks.get_mut(id).expect("exists");
             let dropped = match tier {
                 Tier::Dram => Dropped { dram: b.dram.take(), ssd: None },
                 _ => {
                     // The SSD copy was the persisted one.
-                    out.meta.push(MetaOp::Remove { tenant, key: b.key.clone() });
+                    out.meta.push(MetaOp::Remove { tenant, key: Box::from(&*b.key) });
                     Dropped { dram: None, ssd: b.ssd.take().map(|f| (f, size)) }
                 }
             };
@@ -1093,7 +1114,7 @@ impl<D: CopyHandle> Index<D> {
     /// the newest record.
     pub fn finish_demotion(&mut self, id: u64, written: Option<u64>, wall_ms: u64) -> Demoted<D> {
         self.moving.remove(&id);
-        let Some(b) = self.blocks.get_mut(&id).filter(|b| b.moving) else {
+        let Some(b) = self.blocks.get_mut(id).filter(|b| b.moving) else {
             return Demoted::Vanished;
         };
         b.moving = false;
@@ -1109,7 +1130,7 @@ impl<D: CopyHandle> Index<D> {
         b.created_ms = b.created_ms.max(wall_ms);
         let removed = b.event(id, EventKind::Removed, Tier::Dram);
         let inserted = b.event(id, EventKind::Inserted, Tier::Ssd);
-        let meta = MetaOp::Put { tenant, key: b.key.clone(), record: b.record() };
+        let meta = MetaOp::Put { tenant, key: Box::from(&*b.key), record: b.record() };
         self.copy_removed(tenant, Tier::Dram, size);
         self.copy_added(tenant, Tier::Ssd, size);
         self.tenant_mut(tenant).demotions += 1;
@@ -1121,7 +1142,7 @@ impl<D: CopyHandle> Index<D> {
     /// An SSD copy was read back into DRAM: keep the DRAM copy when the block still has that
     /// SSD copy and no DRAM copy. `Err` gives the copy back (nothing changed).
     pub fn install_promoted(&mut self, id: u64, locator: u64, copy: D) -> Result<(), D> {
-        let Some(b) = self.blocks.get_mut(&id).filter(|b| b.dram.is_none() && b.ssd == Some(locator)) else {
+        let Some(b) = self.blocks.get_mut(id).filter(|b| b.dram.is_none() && b.ssd == Some(locator)) else {
             return Err(copy);
         };
         b.dram = Some(copy);
@@ -1136,16 +1157,16 @@ impl<D: CopyHandle> Index<D> {
     /// Drop an SSD copy whose bytes cannot be trusted (read error or checksum mismatch); the
     /// block goes with it unless it still has a DRAM copy. Never served again.
     pub fn drop_corrupt(&mut self, id: u64, locator: u64) -> Option<(Dropped<D>, Option<MetaOp>)> {
-        let b = self.blocks.get_mut(&id).filter(|b| b.ssd == Some(locator))?;
+        let b = self.blocks.get_mut(id).filter(|b| b.ssd == Some(locator))?;
         let (tenant, size) = (b.tenant, b.size);
         self.tenant_mut(tenant).corrupt += 1;
-        let b = self.blocks.get_mut(&id).expect("exists");
+        let b = self.blocks.get_mut(id).expect("exists");
         if b.dram.is_none() {
             return self.drop_block(id);
         }
         b.ssd = None;
         let ev = b.event(id, EventKind::Removed, Tier::Ssd);
-        let meta = MetaOp::Remove { tenant, key: b.key.clone() };
+        let meta = MetaOp::Remove { tenant, key: Box::from(&*b.key) };
         self.copy_removed(tenant, Tier::Ssd, size);
         self.emit(ev);
         Some((Dropped { dram: None, ssd: Some((locator, size)) }, Some(meta)))
@@ -1158,7 +1179,7 @@ impl<D: CopyHandle> Index<D> {
                 break;
             }
             self.soft_pins.pop_first();
-            if let Some(b) = self.blocks.get_mut(&id) {
+            if let Some(b) = self.blocks.get_mut(id) {
                 b.pin = Pin::None;
                 self.emit(Event::pin_changed(id, Pin::None));
             }
@@ -1178,34 +1199,38 @@ impl<D: CopyHandle> Index<D> {
         ev.reserve(blocks.len() + self.misses.log.len());
         for &(hash, depth, parent, time) in &self.misses.log {
             // The parent a miss named may have gone since: name only resident ones.
-            let parent = if blocks.contains_key(&parent) { parent } else { NO_PARENT };
+            let parent = if blocks.contains(parent) { parent } else { NO_PARENT };
             let count = self.misses.count(hash).max(1);
             ev.push(Event::missed(hash, depth, parent).with_count(count).with_time(time));
         }
-        let mut order: Vec<(u64, u64)> = blocks.iter().map(|(&id, b)| (b.last_access, id)).collect();
+        // Walk by slot: a scratch array marks the blocks already sent.
+        let mut order: Vec<(u64, usize)> = blocks.slots().map(|(s, b)| (b.last_access, s)).collect();
         order.sort_unstable();
-        let mut done = HashSet::with_capacity(blocks.len());
+        let mut done = vec![false; blocks.slot_bound()];
         let mut stack = Vec::new();
-        for (_, id) in order {
-            let mut cur = id;
-            while !done.contains(&cur) && blocks.contains_key(&cur) {
+        for (_, s) in order {
+            let mut cur = s;
+            while !done[cur] {
                 stack.push(cur);
-                let p = blocks[&cur].parent;
+                let p = blocks.at_slot(cur).expect("a block's slot").parent;
                 if p == NO_PARENT || stack.len() > blocks.len() {
                     break;
                 }
-                cur = p;
+                match blocks.slot_of(p) {
+                    Some(ps) => cur = ps,
+                    None => break,
+                }
             }
             while let Some(x) = stack.pop() {
-                if !done.insert(x) {
+                if std::mem::replace(&mut done[x], true) {
                     continue;
                 }
-                let b = &blocks[&x];
+                let b = blocks.at_slot(x).expect("stacked");
                 if b.ssd.is_some() {
-                    ev.push(b.event(x, EventKind::Inserted, Tier::Ssd).with_time(b.last_us));
+                    ev.push(b.event(b.id, EventKind::Inserted, Tier::Ssd).with_time(b.last_us));
                 }
                 if b.dram.is_some() {
-                    ev.push(b.event(x, EventKind::Inserted, Tier::Dram).with_time(b.last_us));
+                    ev.push(b.event(b.id, EventKind::Inserted, Tier::Dram).with_time(b.last_us));
                 }
             }
         }
@@ -1215,12 +1240,12 @@ impl<D: CopyHandle> Index<D> {
 
 impl<D: CopyHandle> crate::IndexView for Index<D> {
     fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
-        let b = self.blocks.get(&id)?;
+        let b = self.blocks.get(id)?;
         b.has(tier).then_some(b.size)
     }
 
     fn pin(&self, id: u64) -> Pin {
-        self.blocks.get(&id).map_or(Pin::None, |b| b.pin)
+        self.blocks.get(id).map_or(Pin::None, |b| b.pin)
     }
 
     fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64 {
@@ -1232,7 +1257,7 @@ impl<D: CopyHandle> crate::IndexView for Index<D> {
     }
 
     fn resident_children(&self, id: u64) -> Vec<u64> {
-        self.blocks.get(&id).map(|b| b.children.clone()).unwrap_or_default()
+        self.blocks.get(id).map(|b| b.children.to_vec()).unwrap_or_default()
     }
 
     fn snapshot(&self) -> Events {

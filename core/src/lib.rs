@@ -7,6 +7,7 @@
 //! [`Policies`] in two locks, so that reads never wait on a policy call; [`Pool`] drives both
 //! in one thread, the way the benchmark's replay and the unit tests do.
 
+mod blocks;
 mod index;
 mod policies;
 #[cfg(test)]

@@ -243,9 +243,9 @@ fn recovery_keeps_complete_ssd_copies_and_relinks_chains() {
     let mut ix: Index<Copy> = Index::new(GRAN, true);
     let r = ix.recover(
         records,
-        |loc, size| {
-            claimed.push((loc, size));
-            loc != 3
+        |extents| {
+            claimed.extend_from_slice(extents);
+            extents.iter().map(|&(loc, _)| loc != 3).collect()
         },
         0,
     );

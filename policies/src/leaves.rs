@@ -26,7 +26,8 @@ pub(crate) struct Node {
     pub class: u8,
     /// Per tier: tick of the copy's last insert or read; 0 when there is no copy.
     pub at: [u64; 3],
-    pub size: [u64; 3],
+    /// The block's size (the same in every tier).
+    pub size: u64,
     /// Per tier: resident children with a copy in that tier.
     pub children: [u32; 3],
 }
@@ -191,15 +192,8 @@ impl Leaves {
                 let fresh = !self.nodes.contains_key(&e.id);
                 if fresh {
                     let class = init(e).min(self.classes as u8 - 1);
-                    let node = Node {
-                        parent: e.parent,
-                        key: e.key,
-                        pin: e.pin,
-                        class,
-                        at: [0; 3],
-                        size: [0; 3],
-                        children: [0; 3],
-                    };
+                    let node =
+                        Node { parent: e.parent, key: e.key, pin: e.pin, class, at: [0; 3], size: 0, children: [0; 3] };
                     self.nodes.insert(e.id, node);
                 }
                 let n = self.nodes.get(&e.id).expect("just ensured");
@@ -208,7 +202,7 @@ impl Leaves {
                 let before = self.queues_of(n);
                 let n = self.nodes.get_mut(&e.id).expect("just ensured");
                 n.at[t] = tick;
-                n.size[t] = e.size;
+                n.size = e.size;
                 n.pin = e.pin;
                 let parent = n.parent;
                 self.requeue(e.id, before, Some(t));
@@ -247,7 +241,6 @@ impl Leaves {
                 let parent = n.parent;
                 let n = self.nodes.get_mut(&e.id).expect("present");
                 n.at[t] = 0;
-                n.size[t] = 0;
                 let gone = n.at.iter().all(|&a| a == 0);
                 self.requeue(e.id, before, None);
                 if parent != NO_PARENT {
@@ -400,7 +393,7 @@ impl Leaves {
                 out.push(id);
                 let n = &nodes[&id];
                 picked(n);
-                freed = freed.saturating_add(n.size[t]);
+                freed = freed.saturating_add(n.size);
                 if let Some(p) = nodes.get(&n.parent) {
                     let taken = taken_children.entry(n.parent).or_insert(0);
                     *taken += 1;
@@ -435,7 +428,7 @@ impl Leaves {
                 }
                 chosen.insert(id);
                 out.push(id);
-                freed = freed.saturating_add(nodes[&id].size[t]);
+                freed = freed.saturating_add(nodes[&id].size);
             }
             if freed >= bytes {
                 break;

@@ -241,11 +241,21 @@ pub struct SsdSection {
     /// fsync every block file before it is committed (survives power loss, costs latency;
     /// without it a process crash still loses nothing that was committed).
     pub fsync: bool,
+    /// Memory sled may use to cache the SSD blocks' records (sled's own default is 1 GiB, and
+    /// left alone it holds every record: about 260 B per SSD block).
+    pub metadata_cache: Size,
 }
 
 impl Default for SsdSection {
     fn default() -> Self {
-        SsdSection { dir: None, capacity: Size(8 << 30), high_watermark: 0.95, low_watermark: 0.85, fsync: false }
+        SsdSection {
+            dir: None,
+            capacity: Size(8 << 30),
+            high_watermark: 0.95,
+            low_watermark: 0.85,
+            fsync: false,
+            metadata_cache: Size(64 << 20),
+        }
     }
 }
 

@@ -275,6 +275,7 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         ssd_high: cfg.ssd.high_watermark,
         ssd_low: cfg.ssd.low_watermark,
         ssd_fsync: cfg.ssd.fsync,
+        meta_cache: cfg.ssd.metadata_cache.0,
         lease_ttl: Duration::from_millis(cfg.cache.lease_ttl_ms),
         soft_pin_ttl: Duration::from_millis(cfg.cache.soft_pin_ttl_ms),
         put_wait: Duration::from_millis(cfg.cache.put_wait_ms),

@@ -66,8 +66,9 @@ fn apply(blocks: &sled::Tree, op: &MetaOp) -> Result<(), MetaError> {
 }
 
 impl Meta {
-    pub fn open(dir: &Path) -> Result<Meta, MetaError> {
-        let db = sled::Config::new().path(dir).flush_every_ms(Some(200)).open()?;
+    /// Open (or create) the database in `dir`; sled caches up to `cache_bytes` of it.
+    pub fn open(dir: &Path, cache_bytes: u64) -> Result<Meta, MetaError> {
+        let db = sled::Config::new().path(dir).cache_capacity(cache_bytes).flush_every_ms(Some(200)).open()?;
         let blocks = db.open_tree("blocks")?;
         let kv = db.open_tree("kv")?;
         let (tx, rx) = mpsc::channel::<Msg>();

@@ -42,6 +42,8 @@ pub enum StoreError {
     Ssd(#[from] ssd::SsdError),
     #[error(transparent)]
     Segment(#[from] dram::SegmentAllocError),
+    #[error("cannot start a thread: {0}")]
+    Io(#[source] std::io::Error),
 }
 
 /// Settings the store needs (a slice of the server config).
@@ -58,6 +60,8 @@ pub struct StoreConfig {
     pub ssd_high: f64,
     pub ssd_low: f64,
     pub ssd_fsync: bool,
+    /// sled's cache of the persisted records, bytes.
+    pub meta_cache: u64,
     pub lease_ttl: Duration,
     pub soft_pin_ttl: Duration,
     pub put_wait: Duration,
@@ -253,7 +257,7 @@ pub struct Store {
 impl Store {
     /// Open the tiers and sled, and rebuild the index from sled (SSD copies survive a restart).
     pub fn open(cfg: StoreConfig, metrics: Arc<Metrics>, policies: Policies) -> Result<Arc<Store>, StoreError> {
-        let meta = Meta::open(&cfg.data_dir.join("meta"))?;
+        let meta = Meta::open(&cfg.data_dir.join("meta"), cfg.meta_cache)?;
         let dram = DramTier::new(cfg.dram_bytes, cfg.dram_populate)?;
         let ssd = match (&cfg.ssd_dir, cfg.ssd_bytes) {
             (Some(dir), cap) if cap > 0 => {
@@ -270,16 +274,18 @@ impl Store {
         let started = Instant::now();
         let mut records = meta.all();
         let read_ms = started.elapsed().as_millis() as u64;
-        records.sort_by_key(|(_, _, r)| std::cmp::Reverse(r.as_ref().map_or(0, |r| r.created_ms)));
+        records.sort_unstable_by_key(|(_, _, r)| std::cmp::Reverse(r.as_ref().map_or(0, |r| r.created_ms)));
         let t = Instant::now();
-        let rec = index.recover(records, |loc, size| ssd.as_ref().is_some_and(|s| s.adopt(loc, size)), wall_ms());
+        let rec = index.recover(
+            records,
+            |extents| match &ssd {
+                Some(s) => s.adopt_all(extents),
+                None => vec![false; extents.len()],
+            },
+            wall_ms(),
+        );
         let index_ms = t.elapsed().as_millis() as u64;
         meta.enqueue(rec.meta);
-        let mut policies = policies;
-        // The same parents-first snapshot a policy swap replays.
-        let t = Instant::now();
-        policies.feed(&rec.snapshot);
-        let policy_ms = t.elapsed().as_millis() as u64;
         if rec.kept + rec.dropped > 0 {
             tracing::info!(
                 kept = rec.kept,
@@ -287,7 +293,6 @@ impl Store {
                 ms = started.elapsed().as_millis() as u64,
                 read_ms,
                 index_ms,
-                policy_ms,
                 "recovered block index from sled (SSD copies kept and verified on first read, DRAM copies dropped)"
             );
         }
@@ -302,7 +307,38 @@ impl Store {
             kick: tokio::sync::Notify::new(),
         });
         store.update_gauges();
+        if !rec.snapshot.is_empty() {
+            store.warm_policies(rec.snapshot)?;
+        }
         Ok(store)
+    }
+
+    /// Feed the recovered blocks to the policies on a thread of its own, so that lookups and
+    /// gets serve at once (they need only the index). The thread holds the policy lock from
+    /// before this returns until the feed is done: whatever needs a policy (a put's admission,
+    /// an eviction) waits for the policies to know every recovered block, and events of reads
+    /// meanwhile reach them after the snapshot, in order.
+    fn warm_policies(self: &Arc<Self>, snapshot: Events) -> Result<(), StoreError> {
+        let (locked, wait) = std::sync::mpsc::sync_channel(1);
+        let store = Arc::clone(self);
+        std::thread::Builder::new()
+            .name("kvpool-warm".into())
+            .spawn(move || {
+                let mut pol = store.policies.lock();
+                let _ = locked.send(());
+                let t = Instant::now();
+                // The same parents-first snapshot a policy swap replays.
+                pol.feed(&snapshot);
+                tracing::info!(
+                    events = snapshot.len(),
+                    ms = t.elapsed().as_millis() as u64,
+                    "policies warmed with the recovered blocks"
+                );
+            })
+            .map_err(StoreError::Io)?;
+        // Until the thread holds the lock, nothing may take it first.
+        let _ = wait.recv();
+        Ok(())
     }
 
     /// Address and length of the DRAM segment (registered once with the copy engine).
@@ -615,8 +651,9 @@ impl Store {
     /// One round of background work: soft-pin expiry, event flush, watermarks.
     pub async fn maintain(&self) {
         self.index.lock().expire_soft_pins(wall_ms());
-        {
-            let mut pol = self.policies.lock();
+        // Busy (warming after a restart, or a long call): the next round feeds the events, and
+        // this task does not tie up a runtime thread waiting.
+        if let Some(mut pol) = self.policies.try_lock() {
             self.feed(&mut pol);
         }
         let cap = self.dram.capacity() as f64;

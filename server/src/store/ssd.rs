@@ -79,6 +79,65 @@ impl FreeMap {
         Some(foff)
     }
 
+    /// Claim many extents (offset, length) in priority order: one that overlaps an earlier one
+    /// of the list, or anything not free, is refused. On a map that is one free range (a tier
+    /// at recovery) this sorts and sweeps once instead of splitting the range per extent.
+    fn claim_all(&mut self, extents: &[(u64, u64)]) -> Vec<bool> {
+        let whole = match (self.by_offset.len(), self.by_offset.first()) {
+            (1, Some(&r)) => r,
+            _ => return extents.iter().map(|&(o, l)| self.claim(o, l)).collect(),
+        };
+        let (fo, fend) = (whole.0, whole.0 + whole.1);
+        let mut ok = vec![false; extents.len()];
+        let mut order: Vec<usize> = (0..extents.len())
+            .filter(|&i| {
+                let (o, l) = extents[i];
+                l > 0 && o >= fo && o.checked_add(l).is_some_and(|e| e <= fend)
+            })
+            .collect();
+        order.sort_unstable_by_key(|&i| (extents[i].0, i));
+        let mut kept: Vec<(u64, u64)> = Vec::with_capacity(order.len());
+        let mut i = 0;
+        while i < order.len() {
+            // A cluster: extents that overlap, directly or through each other.
+            let (o, l) = extents[order[i]];
+            let (mut j, mut end) = (i + 1, o + l);
+            while j < order.len() && extents[order[j]].0 < end {
+                end = end.max(extents[order[j]].0 + extents[order[j]].1);
+                j += 1;
+            }
+            if j == i + 1 {
+                ok[order[i]] = true;
+                kept.push((o, l));
+            } else {
+                // Rare (a crash between an extent's reuse and the old record's removal):
+                // the earlier in the list wins, greedily.
+                let mut members = order[i..j].to_vec();
+                members.sort_unstable();
+                let mut taken: Vec<(u64, u64)> = Vec::new();
+                for m in members {
+                    let (mo, ml) = extents[m];
+                    if taken.iter().all(|&(to, tl)| mo + ml <= to || to + tl <= mo) {
+                        taken.push((mo, ml));
+                        ok[m] = true;
+                    }
+                }
+                taken.sort_unstable();
+                kept.extend(taken);
+            }
+            i = j;
+        }
+        // What is left free: the gaps between the kept extents.
+        self.take(whole.0, whole.1);
+        let mut at = fo;
+        for (o, l) in kept {
+            self.insert(at, o - at);
+            at = o + l;
+        }
+        self.insert(at, fend - at);
+        ok
+    }
+
     /// Claim exactly `offset .. offset + len`; false when any of it is not free.
     fn claim(&mut self, offset: u64, len: u64) -> bool {
         let Some(&(fo, fl)) = self.by_offset.range(..=(offset, u64::MAX)).next_back() else { return false };
@@ -147,10 +206,24 @@ impl SsdTier {
     /// Claim the extent a recovered record names; false when it lies outside the segment or
     /// overlaps an extent claimed before (recovery claims newest records first).
     pub fn adopt(&self, offset: u64, len: u64) -> bool {
-        let fp = Self::footprint(len);
-        offset.is_multiple_of(SSD_UNIT)
-            && offset.checked_add(fp).is_some_and(|e| e <= self.capacity)
-            && self.free.lock().claim(offset, fp)
+        self.adopt_all(&[(offset, len)])[0]
+    }
+
+    /// [`SsdTier::adopt`] for many extents (offset, block length) at once, in priority order:
+    /// where two overlap, the earlier in the list keeps its extent. Recovery claims every
+    /// record's extent this way, in one sweep.
+    pub fn adopt_all(&self, extents: &[(u64, u64)]) -> Vec<bool> {
+        // Misaligned or out-of-range extents become empty ones, which are never claimed.
+        let fps: Vec<(u64, u64)> = extents
+            .iter()
+            .map(|&(offset, len)| {
+                let fp = Self::footprint(len);
+                let fits =
+                    offset.is_multiple_of(SSD_UNIT) && offset.checked_add(fp).is_some_and(|e| e <= self.capacity);
+                (offset, if fits { fp } else { 0 })
+            })
+            .collect();
+        self.free.lock().claim_all(&fps)
     }
 
     fn check(&self, offset: u64, len: u64) -> Result<(), SsdError> {
@@ -231,6 +304,39 @@ mod tests {
         assert!(!f.claim(42 * SSD_UNIT, SSD_UNIT), "already claimed");
         assert!(!f.claim(99 * SSD_UNIT, 2 * SSD_UNIT), "past the end");
         assert_eq!(f.free, 95 * SSD_UNIT);
+    }
+
+    /// The sweep gives the same answer and the same free space as claiming one by one, in
+    /// priority order, overlaps and out-of-range extents included.
+    #[test]
+    fn bulk_claims_agree_with_one_by_one() {
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut rnd = move |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for round in 0..200 {
+            let n = 1 + rnd(60) as usize;
+            let extents: Vec<(u64, u64)> = (0..n)
+                .map(|_| {
+                    let len = if rnd(10) == 0 { 0 } else { (1 + rnd(4)) * SSD_UNIT };
+                    ((rnd(110)) * SSD_UNIT, len)
+                })
+                .collect();
+            let whole = || {
+                let mut f = FreeMap::default();
+                f.insert(0, 100 * SSD_UNIT);
+                f
+            };
+            let (mut one, mut bulk) = (whole(), whole());
+            let want: Vec<bool> = extents.iter().map(|&(o, l)| l > 0 && one.claim(o, l)).collect();
+            assert_eq!(bulk.claim_all(&extents), want, "round {round}: {extents:?}");
+            assert_eq!(bulk.free, one.free);
+            assert_eq!(bulk.by_offset, one.by_offset);
+            assert_eq!(bulk.by_size, one.by_size);
+        }
     }
 
     #[test]

@@ -16,6 +16,7 @@ fn cfg(dir: &std::path::Path) -> StoreConfig {
         ssd_high: 0.95,
         ssd_low: 0.85,
         ssd_fsync: false,
+        meta_cache: 64 << 20,
         lease_ttl: Duration::from_secs(5),
         soft_pin_ttl: Duration::from_secs(60),
         put_wait: Duration::from_millis(100),
@@ -55,7 +56,7 @@ async fn a_file_per_block_ssd_tier_is_migrated_into_the_segment() {
     std::fs::create_dir_all(&ssd).unwrap();
     {
         // The earlier layout: `<id>.blk` files named by the records.
-        let meta = meta::Meta::open(&dir.path().join("meta")).unwrap();
+        let meta = meta::Meta::open(&dir.path().join("meta"), 64 << 20).unwrap();
         for (i, key) in ["a", "b", "short", "gone"].iter().enumerate() {
             let data = vec![i as u8 + 1; 10_000];
             let file = i as u64 + 1;
@@ -88,7 +89,7 @@ async fn two_records_naming_one_extent_leave_it_to_the_newer() {
     {
         let s = SsdTier::open(&dir.path().join("ssd"), 64 << 20, false).unwrap();
         s.write(0, &[9u8; 5000]).unwrap();
-        let meta = meta::Meta::open(&dir.path().join("meta")).unwrap();
+        let meta = meta::Meta::open(&dir.path().join("meta"), 64 << 20).unwrap();
         meta.kv.insert("ssd-layout", b"segment-v1".as_slice()).unwrap();
         // "old" was removed and its extent reused by "new", but the removal never reached sled.
         meta.put_now(1, b"old", &record(5000, checksum(&[3u8; 5000]), 0, 10)).unwrap();
