@@ -422,13 +422,7 @@ impl EngineLoop {
         let Some(x) = self.xfers.get_mut(&xfer) else { return };
         x.cancelled = true;
         // Not started: skipped.
-        let mut dropped = self.batcher.take_where(|_, p| p.xfer == xfer).len();
-        for job in self.queue.iter_mut() {
-            let before = job.pieces.len();
-            job.pieces.retain(|p| p.xfer != xfer);
-            dropped += before - job.pieces.len();
-        }
-        self.queue.retain(|j| !j.pieces.is_empty());
+        let dropped = self.batcher.take_where(|_, p| p.xfer == xfer).len() + self.unqueue(xfer);
         self.done_pieces(xfer, dropped);
         // Running: HIXL cannot cancel a request; the caller must Disconnect (async). Sync
         // transfers return by their own timeout.
@@ -444,15 +438,21 @@ impl EngineLoop {
                 self.drop_link(peer);
             }
             // The dropped requests went back to the queue: take this post's pieces out again.
-            let mut dropped = 0;
-            for job in self.queue.iter_mut() {
-                let before = job.pieces.len();
-                job.pieces.retain(|p| p.xfer != xfer);
-                dropped += before - job.pieces.len();
-            }
-            self.queue.retain(|j| !j.pieces.is_empty());
+            let dropped = self.unqueue(xfer);
             self.done_pieces(xfer, dropped);
         }
+    }
+
+    /// Take the pieces of `xfer` out of the queued jobs (and jobs left empty); returns how many.
+    fn unqueue(&mut self, xfer: u64) -> usize {
+        let mut dropped = 0;
+        for job in self.queue.iter_mut() {
+            let before = job.pieces.len();
+            job.pieces.retain(|p| p.xfer != xfer);
+            dropped += before - job.pieces.len();
+        }
+        self.queue.retain(|j| !j.pieces.is_empty());
+        dropped
     }
 
     fn done_pieces(&mut self, xfer: u64, n: usize) {

@@ -38,13 +38,13 @@
 //! small share, default 10).
 
 use crate::filters::Sketch;
+use crate::ghosts::Ghosts;
 use crate::hash::IdMap;
 use crate::leaves::{Change, Leaves, Node};
 use kvpool_policy_sdk::{
     Event, EventKind, Events, EvictionPolicy, FromParams, ParamError, Params, Tier, NO_DEPTH, NO_PARENT,
 };
 use std::cell::Cell;
-use std::collections::VecDeque;
 
 /// An ordering of the leaves.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,40 +69,6 @@ impl Mode {
 
     fn parse(s: &str) -> Option<Mode> {
         Mode::ALL.into_iter().find(|m| m.name() == s)
-    }
-}
-
-/// Keys evicted from one class (ARC's B1 or B2), oldest forgotten first.
-#[derive(Debug, Default)]
-struct Ghosts {
-    keys: IdMap<u64, ()>,
-    order: VecDeque<u64>,
-}
-
-impl Ghosts {
-    fn put(&mut self, key: u64, cap: usize) {
-        while self.keys.len() >= cap.max(1) {
-            match self.order.pop_front() {
-                Some(old) => {
-                    self.keys.remove(&old);
-                }
-                None => break,
-            }
-        }
-        if self.keys.insert(key, ()).is_none() {
-            self.order.push_back(key);
-        }
-        // Keys taken back out leave stale entries behind: drop them once they dominate.
-        if self.order.len() > 2 * self.keys.len() + 64 {
-            let keys = &self.keys;
-            self.order.retain(|k| keys.contains_key(k));
-        }
-    }
-    fn take(&mut self, key: u64) -> bool {
-        self.keys.remove(&key).is_some()
-    }
-    fn len(&self) -> usize {
-        self.keys.len()
     }
 }
 

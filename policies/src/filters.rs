@@ -13,9 +13,9 @@
 //! first reuse of every block: on chat, where a turn's blocks are reused by the next turn or
 //! never, that is most of the hits (see `bench/RESULTS.md`).
 
+use crate::ghosts::Ghosts;
 use crate::hash::IdMap;
 use kvpool_policy_sdk::{AdmissionPolicy, Admit, AdmitBatch, EventKind, Events, FromParams, ParamError, Params, Tier};
-use std::collections::VecDeque;
 
 /// Which tiers a filter applies to, and whether each is under pressure.
 #[derive(Debug, Clone)]
@@ -258,8 +258,7 @@ impl AdmissionPolicy for Doorkeeper {
 #[derive(Debug, Clone)]
 pub struct GhostAdmission {
     ghost_pct: u64,
-    keys: IdMap<u64, ()>,
-    order: VecDeque<u64>,
+    ghosts: Ghosts,
     /// Resident blocks by id -> key, to know the key of an evicted block.
     resident: IdMap<u64, u64>,
     pressure: Pressure,
@@ -269,8 +268,7 @@ impl GhostAdmission {
     pub fn new(ghost_pct: u64, tier: Option<Tier>) -> GhostAdmission {
         GhostAdmission {
             ghost_pct: ghost_pct.max(1),
-            keys: IdMap::default(),
-            order: VecDeque::new(),
+            ghosts: Ghosts::default(),
             resident: IdMap::default(),
             pressure: Pressure::new(tier),
         }
@@ -278,21 +276,7 @@ impl GhostAdmission {
 
     fn remember(&mut self, key: u64) {
         let cap = ((self.pressure.total() * self.ghost_pct / 100) as usize).max(1024);
-        while self.keys.len() >= cap {
-            match self.order.pop_front() {
-                Some(old) => {
-                    self.keys.remove(&old);
-                }
-                None => break,
-            }
-        }
-        if self.keys.insert(key, ()).is_none() {
-            self.order.push_back(key);
-        }
-        if self.order.len() > 2 * self.keys.len() + 64 {
-            let keys = &self.keys;
-            self.order.retain(|k| keys.contains_key(k));
-        }
+        self.ghosts.put(key, cap);
     }
 }
 
@@ -333,7 +317,7 @@ impl AdmissionPolicy for GhostAdmission {
         batch
             .iter()
             .map(|r| {
-                if !self.pressure.filtering(r.tier) || self.keys.remove(&r.key).is_some() {
+                if !self.pressure.filtering(r.tier) || self.ghosts.take(r.key) {
                     Admit::Into(r.tier)
                 } else {
                     self.remember(r.key);

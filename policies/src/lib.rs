@@ -8,6 +8,7 @@ pub mod admission;
 pub mod arc;
 pub mod experts;
 pub mod filters;
+mod ghosts;
 pub mod hash;
 pub mod leaf_lru;
 mod leaves;
