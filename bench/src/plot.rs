@@ -141,6 +141,10 @@ pub fn scale_plot(path: &Path, r: &crate::scale::ScaleReport) -> Result<(), Plot
     let bytes: Vec<(f64, f64)> = r.rows.iter().map(|w| (x(w.blocks), w.bytes_per_block.max(1.0))).collect();
     let p50: Vec<(f64, f64)> = r.rows.iter().map(|w| (x(w.blocks), w.lookup_p50_us.max(1) as f64)).collect();
     let p99: Vec<(f64, f64)> = r.rows.iter().map(|w| (x(w.blocks), w.lookup_p99_us.max(1) as f64)).collect();
+    let l50: Vec<(f64, f64)> =
+        r.rows.iter().filter_map(|w| w.local_p50_us.map(|v| (x(w.blocks), v.max(1) as f64))).collect();
+    let l99: Vec<(f64, f64)> =
+        r.rows.iter().filter_map(|w| w.local_p99_us.map(|v| (x(w.blocks), v.max(1) as f64))).collect();
     let goal_bytes: Vec<(f64, f64)> = bytes.iter().map(|p| (p.0, 200.0)).collect();
     let goal_p99: Vec<(f64, f64)> = p99.iter().map(|p| (p.0, 200.0)).collect();
     type Series<'a> = Vec<(&'a str, Vec<(f64, f64)>)>;
@@ -150,10 +154,17 @@ pub fn scale_plot(path: &Path, r: &crate::scale::ScaleReport) -> Result<(), Plot
             &right,
             "lookup of a 64-block chain (client-side)",
             "microseconds",
-            vec![("p50", p50), ("p99", p99), ("goal p99 200 us", goal_p99)],
+            vec![
+                ("QUIC p50", p50),
+                ("QUIC p99", p99),
+                ("same-host p50", l50),
+                ("same-host p99", l99),
+                ("goal p99 200 us", goal_p99),
+            ],
         ),
     ];
     for (area, title, ylabel, series) in panels {
+        let series: Series<'_> = series.into_iter().filter(|s| !s.1.is_empty()).collect();
         let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.1.iter().copied()).collect();
         let (xmin, xmax) = all.iter().fold((f64::MAX, 0.0f64), |(a, b), p| (a.min(p.0), b.max(p.0)));
         let (ymin, ymax) = all.iter().fold((f64::MAX, 0.0f64), |(a, b), p| (a.min(p.1), b.max(p.1)));

@@ -36,10 +36,14 @@ pub struct ScaleArgs {
     /// Put requests in flight while filling
     #[arg(long, default_value_t = 4)]
     fill_concurrency: usize,
-    /// Transport of the measuring client (quic or shm): lookups carry no bulk bytes, so QUIC is
-    /// what a remote connector sees
+    /// Transport of the client that fills the server (quic or shm). Lookups are timed on both
+    /// paths: over QUIC (what a remote connector sees) and over the same-host control socket.
     #[arg(long, default_value = "quic")]
     transport: String,
+    /// Tokio runtime of the measuring clients: "current" (one thread, the lowest latency) or
+    /// "multi" (two workers, as the blocking client and the Python binding use)
+    #[arg(long, default_value = "current")]
+    client_runtime: String,
     /// Also write the results as JSON to this file
     #[arg(long)]
     json: Option<PathBuf>,
@@ -54,8 +58,12 @@ pub struct ScaleRow {
     pub rss_bytes: u64,
     /// (RSS at this count - RSS of the empty server) / blocks.
     pub bytes_per_block: f64,
+    /// Lookups over QUIC.
     pub lookup_p50_us: u64,
     pub lookup_p99_us: u64,
+    /// Lookups over the same-host control socket (absent when the server offers none).
+    pub local_p50_us: Option<u64>,
+    pub local_p99_us: Option<u64>,
     pub fill_seconds: f64,
 }
 
@@ -112,6 +120,16 @@ fn key(chain: u64, pos: usize, len: usize) -> Vec<u8> {
 
 async fn connect(dir: &std::path::Path, transport: &str) -> Result<Client> {
     let mut cfg = ClientConfig::from_data_dir(dir)?;
+    if transport == "local" {
+        // Same-host: shared memory with the control socket, or fail.
+        cfg.transport = TransportChoice::Shm;
+        cfg.client_name = "kvpool-bench-scale".into();
+        let c = Client::connect(cfg).await?;
+        if c.control_in_use() != "local" {
+            bail!("the server offers no same-host control channel");
+        }
+        return Ok(c);
+    }
     cfg.client_name = "kvpool-bench-scale".into();
     cfg.request_timeout = Duration::from_secs(120);
     cfg.transport = match transport {
@@ -186,7 +204,11 @@ async fn lookups(client: &Client, a: &ScaleArgs, chains: u64) -> Result<(u64, u6
 }
 
 pub fn scale(a: ScaleArgs) -> Result<()> {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let rt = match a.client_runtime.as_str() {
+        "current" => tokio::runtime::Builder::new_current_thread().enable_all().build()?,
+        "multi" => tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?,
+        other => bail!("unknown client runtime {other} (current or multi)"),
+    };
     rt.block_on(run(a))
 }
 
@@ -202,6 +224,14 @@ async fn run(a: ScaleArgs) -> Result<()> {
     let dram = (max.div_ceil(chain) * chain * per_block * 5 / 4).max(64 << 20);
     let server = LocalServer::start(&dram.to_string(), &[])?;
     let client = connect(server.path(), &a.transport).await?;
+    let quic = connect(server.path(), "quic").await?;
+    let local = match connect(server.path(), "local").await {
+        Ok(c) => Some(c),
+        Err(e) => {
+            tracing::warn!("lookups over QUIC only: {e:#}");
+            None
+        }
+    };
     tokio::time::sleep(Duration::from_millis(300)).await;
     let empty_rss = rss(server.pid())?;
     println!(
@@ -213,8 +243,8 @@ async fn run(a: ScaleArgs) -> Result<()> {
         empty_rss as f64 / (1 << 20) as f64
     );
     println!(
-        "{:>12} {:>12} {:>12} {:>12} {:>12} {:>10}",
-        "blocks", "RSS MiB", "B/block", "lookup p50", "lookup p99", "fill s"
+        "{:>12} {:>10} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8}",
+        "blocks", "RSS MiB", "B/block", "QUIC p50", "QUIC p99", "local p50", "local p99", "fill s"
     );
     let mut rows = Vec::new();
     let mut have = 0u64;
@@ -229,28 +259,45 @@ async fn run(a: ScaleArgs) -> Result<()> {
         if stats.blocks != blocks {
             bail!("the server holds {} blocks, expected {blocks}", stats.blocks);
         }
-        let (p50, p99) = lookups(&client, &a, chains).await?;
+        // RSS first: the shared buffers of a same-host client are mapped into the server too.
         let r = rss(server.pid())?;
+        let (p50, p99) = lookups(&quic, &a, chains).await?;
+        let (l50, l99) = match &local {
+            Some(c) => {
+                let (a50, a99) = lookups(c, &a, chains).await?;
+                (Some(a50), Some(a99))
+            }
+            None => (None, None),
+        };
         let row = ScaleRow {
             blocks,
             rss_bytes: r,
             bytes_per_block: r.saturating_sub(empty_rss) as f64 / blocks as f64,
             lookup_p50_us: p50,
             lookup_p99_us: p99,
+            local_p50_us: l50,
+            local_p99_us: l99,
             fill_seconds,
         };
+        let us = |v: Option<u64>| v.map_or("-".to_string(), |v| format!("{v} us"));
         println!(
-            "{:>12} {:>12.1} {:>12.0} {:>9} us {:>9} us {:>10.1}",
+            "{:>12} {:>10.1} {:>9.0} {:>10} {:>10} {:>10} {:>10} {:>8.1}",
             row.blocks,
             r as f64 / (1 << 20) as f64,
             row.bytes_per_block,
-            p50,
-            p99,
+            us(Some(p50)),
+            us(Some(p99)),
+            us(l50),
+            us(l99),
             fill_seconds
         );
         rows.push(row);
     }
     client.close().await;
+    quic.close().await;
+    if let Some(c) = &local {
+        c.close().await;
+    }
     drop(server);
 
     let restart_blocks = parse_count(&a.restart_blocks)?;
@@ -263,13 +310,27 @@ async fn run(a: ScaleArgs) -> Result<()> {
             last.bytes_per_block,
             200.0,
         ));
-        goals.push(goal(&format!("lookup p99 at {} blocks <= 200 us", last.blocks), last.lookup_p99_us as f64, 200.0));
+        goals.push(goal(
+            &format!("QUIC lookup p99 at {} blocks <= 200 us", last.blocks),
+            last.lookup_p99_us as f64,
+            200.0,
+        ));
+        if let Some(l99) = last.local_p99_us {
+            goals.push(goal(&format!("same-host lookup p99 at {} blocks <= 200 us", last.blocks), l99 as f64, 200.0));
+        }
         if let Some(first) = rows.first().filter(|f| f.blocks < last.blocks) {
             goals.push(goal(
-                &format!("lookup p99 at {} blocks within 2x of {} blocks", last.blocks, first.blocks),
+                &format!("QUIC lookup p99 at {} blocks within 2x of {} blocks", last.blocks, first.blocks),
                 last.lookup_p99_us as f64 / first.lookup_p99_us.max(1) as f64,
                 2.0,
             ));
+            if let (Some(l), Some(f)) = (last.local_p99_us, first.local_p99_us) {
+                goals.push(goal(
+                    &format!("same-host lookup p99 at {} blocks within 2x of {} blocks", last.blocks, first.blocks),
+                    l as f64 / f.max(1) as f64,
+                    2.0,
+                ));
+            }
         }
     }
     if let Some(r) = &restart {

@@ -65,6 +65,9 @@ impl Client {
     pub fn transport_in_use(&self) -> &'static str {
         self.inner.transport_in_use()
     }
+    pub fn control_in_use(&self) -> &'static str {
+        self.inner.control_in_use()
+    }
     pub fn close(&self) {
         self.run(self.inner.close())
     }

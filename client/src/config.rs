@@ -56,6 +56,9 @@ pub struct ClientConfig {
     pub quic: kvpool_net::QuicTuning,
     /// Data path for block bytes.
     pub transport: TransportChoice,
+    /// When the shared-memory transport is in use, send requests over the server's same-host
+    /// control socket instead of QUIC streams (a fraction of QUIC's round trip).
+    pub local_control: bool,
 }
 
 impl ClientConfig {
@@ -69,6 +72,7 @@ impl ClientConfig {
             request_timeout: Duration::from_secs(30),
             quic: kvpool_net::QuicTuning::default(),
             transport: TransportChoice::Auto,
+            local_control: true,
         }
     }
 

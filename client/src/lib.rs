@@ -16,6 +16,7 @@ mod admin;
 pub mod blocking;
 mod config;
 mod error;
+mod local;
 mod onesided;
 mod shm;
 #[cfg(feature = "test-hooks")]
@@ -105,6 +106,8 @@ pub struct GetIntoResult {
 struct Session {
     conn: quinn::Connection,
     hello: HelloOk,
+    /// The same-host control channel of this connection, when attached.
+    local: Option<Arc<local::LocalLink>>,
 }
 
 struct Inner {
@@ -236,7 +239,7 @@ fn finish_session(conn: quinn::Connection, hello: Result<HelloOk>) -> Result<Ses
     match hello {
         Ok(hello) => {
             tracing::debug!(tenant = %hello.tenant, server = %hello.server, version = hello.version, "connected to kvpool");
-            Ok(Session { conn, hello })
+            Ok(Session { conn, hello, local: None })
         }
         Err(e) => {
             conn.close(kvpool_proto::close::OK.into(), b"hello failed");
@@ -248,7 +251,7 @@ fn finish_session(conn: quinn::Connection, hello: Result<HelloOk>) -> Result<Ses
 /// Set up the same-host transport on a fresh connection when the configuration allows it and the
 /// server offers it: ask for a token, attach on the shm socket, share every live buffer.
 async fn attach_shm(
-    session: &Session,
+    session: &mut Session,
     cfg: &ClientConfig,
     addr: SocketAddr,
     registry: &Arc<shm::Registry>,
@@ -283,12 +286,43 @@ async fn attach_shm(
         .map_err(|e| ClientError::Io(format!("attaching to the shm socket: {e}")))?;
         Ok(Some(link))
     };
-    match attempt.await {
-        Ok(link) => registry.relink(link),
-        Err(e) if cfg.transport == TransportChoice::Shm => Err(e),
+    let attached = match attempt.await {
+        Ok(link) => {
+            let on = link.is_some();
+            registry.relink(link)?;
+            on
+        }
+        Err(e) if cfg.transport == TransportChoice::Shm => return Err(e),
         Err(e) => {
             tracing::debug!(error = %e, "same-host transport not available; using QUIC");
-            registry.relink(None)
+            return registry.relink(None);
+        }
+    };
+    if attached && cfg.local_control {
+        session.local = attach_local(session, cfg).await;
+    }
+    Ok(())
+}
+
+/// The same-host control channel, or `None` (requests then go over QUIC) when the server does
+/// not offer it or it cannot be bound.
+async fn attach_local(session: &Session, cfg: &ClientConfig) -> Option<Arc<local::LocalLink>> {
+    let attempt = timed(cfg.request_timeout, async {
+        let (mut tx, mut rx) = session.conn.open_bi().await?;
+        write_request(&mut tx, &Request::LocalAttach).await?;
+        tx.finish()?;
+        let offer = match read_response(&session.conn, &mut rx).await? {
+            Response::LocalOffer(o) => o,
+            other => return Err(unexpected("LocalOffer", &other)),
+        };
+        local::LocalLink::open(offer).await
+    });
+    match attempt.await {
+        Ok(link) => Some(Arc::new(link)),
+        Err(e) if local::not_offered(&e) => None,
+        Err(e) => {
+            tracing::warn!(error = %e, "same-host control channel not available; requests go over QUIC");
+            None
         }
     }
 }
@@ -344,9 +378,9 @@ impl Client {
         let addr = resolve(&cfg.server).await?;
         let (endpoint, bufs) = client_endpoint(&addr, &cfg.quic)?;
         let quic = quic_config(&cfg, &addr, &bufs)?;
-        let session = establish(&endpoint, &quic, addr, &cfg).await?;
+        let mut session = establish(&endpoint, &quic, addr, &cfg).await?;
         let registry = Arc::new(shm::Registry::default());
-        attach_shm(&session, &cfg, addr, &registry).await?;
+        attach_shm(&mut session, &cfg, addr, &registry).await?;
         Ok(Client {
             inner: Arc::new(Inner {
                 cfg,
@@ -414,8 +448,8 @@ impl Client {
             return Ok(s);
         }
         tracing::info!(server = %self.inner.cfg.server, "connection lost, reconnecting");
-        let fresh = establish(&self.inner.endpoint, &self.inner.quic, self.inner.addr, &self.inner.cfg).await?;
-        attach_shm(&fresh, &self.inner.cfg, self.inner.addr, &self.inner.registry).await?;
+        let mut fresh = establish(&self.inner.endpoint, &self.inner.quic, self.inner.addr, &self.inner.cfg).await?;
+        attach_shm(&mut fresh, &self.inner.cfg, self.inner.addr, &self.inner.registry).await?;
         *self.inner.session.write().unwrap_or_else(|p| p.into_inner()) = fresh.clone();
         Ok(fresh)
     }
@@ -434,6 +468,10 @@ impl Client {
     async fn call(&self, req: Request) -> Result<Response> {
         let frame = self.encode_checked(&req)?;
         self.timed(async {
+            let s = self.session().await?;
+            if let Some(link) = s.local.as_ref().filter(|l| l.usable() && l.fits(frame.len())) {
+                return link.call(&frame).await;
+            }
             let (conn, mut tx, mut rx) = self.open().await?;
             tx.write_all(&frame).await?;
             tx.finish()?;

@@ -179,6 +179,17 @@ impl crate::Client {
         }
     }
 
+    /// The path requests without bulk bytes take on the current connection: `"local"` (the
+    /// server's same-host control socket) or `"quic"`.
+    pub fn control_in_use(&self) -> &'static str {
+        let s = self.current();
+        if s.local.as_ref().is_some_and(|l| l.usable()) {
+            "local"
+        } else {
+            "quic"
+        }
+    }
+
     /// Put blocks whose values are in buffers. Same-host: the server copies them from the
     /// buffers (no bytes cross a socket); otherwise they are sent over QUIC. One status per entry.
     pub async fn put_from_batch<K: AsRef<[u8]>>(

@@ -108,6 +108,7 @@ fn small_id(rng: &mut StdRng) -> u64 {
 /// A well-formed version 2 request.
 fn request_v2(rng: &mut StdRng) -> Request {
     match rng.gen_range(0..10) {
+        0 if rng.gen_bool(0.2) => Request::LocalAttach,
         0 => Request::ShmAttach,
         1 => Request::PutIntent(PutIntentRequest { mode: mode(rng), items: put_items(rng) }),
         2 => {

@@ -85,6 +85,7 @@ struct Tally {
     handler_inputs: u64,
     decoder_inputs: u64,
     shm_socket_inputs: u64,
+    control_socket_inputs: u64,
     by_answer: BTreeMap<String, u64>,
 }
 
@@ -365,11 +366,101 @@ async fn fuzz_socket(w: &Worker, rng: &mut StdRng, n: u64) -> Result<u64> {
     Ok(n)
 }
 
+/// Connections to the same-host control socket: genuine, wrong, short or missing tokens, then
+/// envelopes of generated requests, noise, lies about their length, and cut-off bodies. Every
+/// answer must be a well-formed envelope; the sockets may be closed, never the server.
+async fn fuzz_control(w: &Worker, rng: &mut StdRng, n: u64) -> Result<u64> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let local = w.shared.data_path.as_ref().and_then(|d| d.local.as_ref()).context("control socket")?;
+    let path = local.path().to_owned();
+    let mut last = Vec::new();
+    for _ in 0..n {
+        // A session that asked for the channel lives while its socket is fuzzed.
+        let session = Session::new(w.principals[rng.gen_range(0..w.principals.len())].clone(), 2);
+        let (_, send) =
+            run_on(w, session.clone(), MemRecv::new(encode_frame(&Request::LocalAttach)?), MemSend::default())
+                .await
+                .map_err(anyhow::Error::msg)?;
+        let len = u32::from_le_bytes(send.written[..4].try_into()?) as usize;
+        let offer = match codec::decode::<Response>(&send.written[4..4 + len])? {
+            Response::LocalOffer(o) => o,
+            other => bail!("no control offer: {other:?}"),
+        };
+        let mut token = offer.token.clone();
+        match rng.gen_range(0..10) {
+            0 => token.truncate(rng.gen_range(0..32)),
+            1 => token[rng.gen_range(0..32)] ^= 1 << rng.gen_range(0..8),
+            _ => {}
+        }
+        let mut sock = tokio::net::UnixStream::connect(&path).await?;
+        if sock.write_all(&token).await.is_err() {
+            continue;
+        }
+        if token.len() < 32 {
+            // The server waits for the rest of the token, then gives up (paused time runs on).
+            let mut rest = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(10), sock.read_to_end(&mut rest)).await;
+            continue;
+        }
+        let mut status = [0u8; 1];
+        if sock.read_exact(&mut status).await.is_err() || status[0] != 0 {
+            if token == offer.token {
+                bail!("a genuine token was refused");
+            }
+            continue;
+        }
+        for _ in 0..rng.gen_range(1..5) {
+            let body: Vec<u8> = match rng.gen_range(0..8) {
+                0 => (0..rng.gen_range(0..64)).map(|_| rng.gen()).collect(),
+                _ => gen::input(rng, w.principals.len(), &last).bytes,
+            };
+            let declared = match rng.gen_range(0..20) {
+                0 => offer.max_request + 1,
+                1 => rng.gen(),
+                _ => body.len() as u32,
+            };
+            let mut env = declared.to_le_bytes().to_vec();
+            env.extend_from_slice(&body);
+            let cut = if rng.gen_bool(0.05) { rng.gen_range(0..=env.len()) } else { env.len() };
+            let body_len = body.len();
+            last = body;
+            if sock.write_all(&env[..cut]).await.is_err() {
+                break;
+            }
+            if cut < env.len() || declared as usize > body_len {
+                // An incomplete envelope: the server's deadline ends the socket.
+                let mut rest = Vec::new();
+                let _ = tokio::time::timeout(Duration::from_secs(600), sock.read_to_end(&mut rest)).await;
+                break;
+            }
+            if (declared as usize) < body_len {
+                // The rest of the body reads as the next envelope; only the socket is at stake.
+                break;
+            }
+            let mut head = [0u8; 9];
+            if sock.read_exact(&mut head).await.is_err() {
+                if declared <= offer.max_request {
+                    bail!("a well-formed envelope of {declared} bytes got no answer");
+                }
+                break;
+            }
+            let m = u32::from_le_bytes(head[5..9].try_into()?);
+            if head[0] > 1 || m > offer.max_response {
+                bail!("malformed answer envelope: end {} length {m}", head[0]);
+            }
+            let mut answer = vec![0u8; m as usize];
+            sock.read_exact(&mut answer).await?;
+        }
+    }
+    Ok(n)
+}
+
 fn worker(args: &Args, index: u64, deadline: Instant) -> Result<Tally> {
     let rt = tokio::runtime::Builder::new_current_thread().enable_all().start_paused(true).build()?;
     rt.block_on(async {
         let dir = tempfile::tempdir()?;
         let node = kvpool_server::open_node(&config(dir.path())).await?;
+        tokio::spawn(kvpool_server::service::local::serve(node.shared.clone()));
         let principal = |k: &str| node.shared.auth.check(k).context("fuzz key");
         let mut w = Worker {
             principals: KEYS.iter().map(|k| principal(k)).collect::<Result<_>>()?,
@@ -435,6 +526,7 @@ fn worker(args: &Args, index: u64, deadline: Instant) -> Result<Tally> {
         }
         check_canaries(&w).await?;
         tally.shm_socket_inputs += fuzz_socket(&w, &mut rng, args.socket_inputs).await?;
+        tally.control_socket_inputs += fuzz_control(&w, &mut rng, args.socket_inputs).await?;
         // The socket fuzz left the server serving: a real attach still works, the canaries hold.
         w.reconnect().await?;
         check_canaries(&w).await?;
@@ -460,18 +552,20 @@ fn main() -> Result<()> {
         total.handler_inputs += t.handler_inputs;
         total.decoder_inputs += t.decoder_inputs;
         total.shm_socket_inputs += t.shm_socket_inputs;
+        total.control_socket_inputs += t.control_socket_inputs;
         for (k, v) in t.by_answer {
             *total.by_answer.entry(k).or_default() += v;
         }
     }
     let secs = started.elapsed().as_secs_f64();
     println!(
-        "kvpool-fuzz: {} handler inputs (protocol versions 1 and 2), {} decoder inputs and {} shm socket \
-         connections in {secs:.1} s ({:.0} handler inputs/s), 0 panics, 0 protocol violations, canaries intact, \
+        "kvpool-fuzz: {} handler inputs (protocol versions 1 and 2), {} decoder inputs, {} shm socket \
+         connections and {} control socket connections in {secs:.1} s ({:.0} handler inputs/s), 0 panics, 0 protocol violations, canaries intact, \
          no DRAM leaked",
         total.handler_inputs,
         total.decoder_inputs,
         total.shm_socket_inputs,
+        total.control_socket_inputs,
         total.handler_inputs as f64 / secs
     );
     println!("answers: {:?}", total.by_answer);

@@ -44,10 +44,13 @@ pub enum Request {
     Write(WriteRequest),
     /// Read bytes of a located (leased) block: answered with `Data`, then the raw bytes.
     Read(ReadRequest),
+    /// Ask for the same-host control channel: answered with the Unix socket on which this
+    /// connection's requests may also be sent, and the token that binds a socket to it.
+    LocalAttach,
 }
 
 /// Number of request variants this version knows (tags `0..REQUEST_TAGS`).
-pub const REQUEST_TAGS: u32 = 21;
+pub const REQUEST_TAGS: u32 = 22;
 /// Requests of version 1 (tags `0..V1_REQUEST_TAGS`); later tags need a version 2 hello.
 pub const V1_REQUEST_TAGS: u32 = 12;
 
@@ -305,6 +308,20 @@ pub enum Response {
     /// Answer to `GetInto`: per key, the value was copied into its buffer (`Ok`) or not; no raw
     /// bytes follow.
     Filled(GetResponse),
+    /// Answer to `LocalAttach`.
+    LocalOffer(LocalOffer),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LocalOffer {
+    /// Unix socket to connect to (same host).
+    pub socket_path: String,
+    /// Present this on every socket connection; valid while this QUIC connection lives.
+    pub token: Vec<u8>,
+    /// Largest request envelope body (frame plus raw bytes) the channel accepts.
+    pub max_request: u32,
+    /// Largest response envelope body the channel sends; a longer answer is an error.
+    pub max_response: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -713,7 +730,7 @@ mod tests {
             ),
             Some(20)
         );
-        assert_eq!(REQUEST_TAGS, 21);
+        assert_eq!(REQUEST_TAGS, 22);
         assert_eq!(codec::encode(&Response::Done).unwrap(), vec![15, 0, 0, 0]);
         assert_eq!(codec::encode(&ErrorCode::Expired).unwrap(), vec![23, 0, 0, 0]);
     }

@@ -521,6 +521,13 @@ impl Client {
         self.inner.transport_in_use()
     }
 
+    /// The path of requests on this connection: `"local"` (the server's same-host control
+    /// socket) or `"quic"`.
+    #[getter]
+    fn control(&self) -> &'static str {
+        self.inner.control_in_use()
+    }
+
     /// The tenant the API key belongs to.
     #[getter]
     fn tenant(&self) -> String {
@@ -835,9 +842,10 @@ impl Client {
 
     fn __repr__(&self) -> String {
         format!(
-            "kvpool.Client(server={:?}, transport={})",
+            "kvpool.Client(server={:?}, transport={}, control={})",
             self.inner.as_async().config().server,
-            self.inner.transport_in_use()
+            self.inner.transport_in_use(),
+            self.inner.control_in_use()
         )
     }
 }

@@ -37,6 +37,7 @@ def store(request: pytest.FixtureRequest, server: Server):  # type: ignore[no-un
                   api_key=server.api_key, fingerprint=server.fingerprint)
     assert rc == 0
     assert st.client.transport == ("shm" if request.param == "tcp" else "quic")
+    assert st.client.control == ("local" if request.param == "tcp" else "quic")
     yield st
     st.remove_all(True)
     st.close()

@@ -254,7 +254,20 @@ fn data_path(cfg: &Config, store: &Store, data_dir: &Path) -> Option<service::Da
         }
         _ => None,
     };
-    Some(service::DataPath { transport, segment, shm })
+    // The control channel goes with shm: both serve clients on this host only.
+    let local = shm.as_ref().and_then(|s| {
+        let mut path = s.path().as_os_str().to_owned();
+        path.push(".ctl");
+        let path = PathBuf::from(path);
+        match service::local::LocalControl::bind(&path, cfg.transport.shm_allowed_uids.clone(), cfg.limits.max_frame.0 as u32) {
+            Ok(l) => Some(l),
+            Err(e) => {
+                warn!(socket = %path.display(), error = %e, "cannot open the control socket; same-host clients send requests over QUIC");
+                None
+            }
+        }
+    });
+    Some(service::DataPath { transport, segment, shm, local })
 }
 
 /// Open the data directory, the store and the policy engine (restoring active modules).
@@ -364,7 +377,10 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     let endpoint = quinn::Endpoint::new(kvpool_net::endpoint_config(), Some((*configs.network).clone()), sock, runtime)
         .map_err(listen_err)?;
     let quic_addr = endpoint.local_addr().map_err(listen_err)?;
-    let mut tasks = vec![tokio::spawn(service::serve(endpoint.clone(), shared.clone(), Arc::new(configs)))];
+    let mut tasks = vec![
+        tokio::spawn(service::serve(endpoint.clone(), shared.clone(), Arc::new(configs))),
+        tokio::spawn(service::local::serve(shared.clone())),
+    ];
 
     let metrics_addr = match cfg.server.metrics_listen.trim() {
         "" | "off" => None,

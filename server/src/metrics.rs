@@ -60,6 +60,9 @@ pub struct Metrics {
     /// Current path MTU of live connections: `min` and `max`.
     pub quic_mtu: IntGaugeVec,
     pub connections: IntGauge,
+    /// Requests answered on the same-host control socket, and control sockets refused.
+    pub local_requests: IntCounter,
+    pub local_refused: IntCounter,
     pub auth_failures: IntCounter,
     pub lookup_blocks: IntCounterVec,
     pub policy_faults: IntGaugeVec,
@@ -155,6 +158,12 @@ impl Metrics {
             ),
             quic_mtu: gauge_vec(&reg, "quic_path_mtu_bytes", "Path MTU of live client connections", &["stat"]),
             auth_failures: counter(&reg, "auth_failures_total", "Hellos refused"),
+            local_requests: counter(&reg, "local_requests_total", "Requests answered on the same-host control socket"),
+            local_refused: counter(
+                &reg,
+                "local_refused_total",
+                "Control socket connections refused (user, token, or socket limit)",
+            ),
             lookup_blocks: counter_vec(
                 &reg,
                 "lookup_blocks_total",

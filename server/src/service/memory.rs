@@ -76,11 +76,26 @@ pub struct MemSend {
     pub reset: Option<u32>,
     /// Accept at most this many bytes, then block (a client that stopped reading).
     pub capacity: Option<usize>,
+    /// Accept at most this many bytes, then fail the write (a bounded response buffer).
+    pub limit: Option<usize>,
+    /// A write failed because of `limit`.
+    pub overflowed: bool,
+}
+
+impl MemSend {
+    /// Collects at most `limit` bytes; a write past it fails and sets `overflowed`.
+    pub fn bounded(limit: usize) -> MemSend {
+        MemSend { limit: Some(limit), ..MemSend::default() }
+    }
 }
 
 impl AsyncWrite for MemSend {
     fn poll_write(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let me = &mut *self;
+        if me.limit.is_some_and(|l| me.written.len() + buf.len() > l) {
+            me.overflowed = true;
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::OutOfMemory, "response exceeds the buffer limit")));
+        }
         let room = me.capacity.map_or(buf.len(), |c| c.saturating_sub(me.written.len()).min(buf.len()));
         if room == 0 && !buf.is_empty() {
             return Poll::Pending;

@@ -24,6 +24,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant as Deadline;
 use tracing::{debug, info, warn, Instrument};
 
+pub mod local;
 pub mod memory;
 mod session;
 #[cfg(test)]
@@ -441,6 +442,7 @@ fn op_name(r: &Request) -> &'static str {
         Request::PolicyList => "policy_list",
         Request::PolicyRollback(_) => "policy_rollback",
         Request::ShmAttach => "shm_attach",
+        Request::LocalAttach => "local_attach",
         Request::PutIntent(_) => "put_intent",
         Request::PutDone(_) => "put_done",
         Request::GetLocate(_) => "get_locate",
@@ -599,6 +601,7 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
             Response::PolicyList(PolicyListResponse { policies: s.policies.list() })
         }
         v2 @ (Request::ShmAttach
+        | Request::LocalAttach
         | Request::PutIntent(_)
         | Request::PutDone(_)
         | Request::GetLocate(_)

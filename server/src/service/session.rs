@@ -35,6 +35,8 @@ pub struct Session {
     /// Negotiated protocol version.
     pub version: u16,
     shm: Mutex<Option<Ticket>>,
+    /// Binding of same-host control sockets to this connection; dropping it closes them.
+    local: Mutex<Option<super::local::LocalTicket>>,
     grants: Mutex<HashMap<u64, Arc<Reserved>>>,
     leases: Mutex<HashMap<u64, Arc<LeaseHold>>>,
     next: AtomicU64,
@@ -46,6 +48,7 @@ impl Session {
             principal,
             version,
             shm: Mutex::new(None),
+            local: Mutex::new(None),
             grants: Mutex::new(HashMap::new()),
             leases: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
@@ -64,6 +67,11 @@ impl Session {
     /// A new shm ticket for this connection (an earlier one, and its buffers, are dropped).
     pub fn set_shm(&self, ticket: Ticket) {
         *self.shm.lock() = Some(ticket);
+    }
+
+    /// A new control-channel ticket for this connection (sockets bound by an earlier one close).
+    pub fn set_local(&self, ticket: super::local::LocalTicket) {
+        *self.local.lock() = Some(ticket);
     }
 
     /// Keep a reservation for `ttl`; returns its name.

@@ -24,6 +24,8 @@ pub struct DataPath {
     pub segment: RegionId,
     /// The Unix socket same-host clients attach their buffers through; `None` when disabled.
     pub shm: Option<kvpool_transport::shm::ShmServer>,
+    /// The same-host control channel (requests over a Unix socket); `None` when disabled.
+    pub local: Option<super::local::LocalControl>,
 }
 
 /// Location of bytes that are not in registered memory (read them with `Read`).
@@ -52,6 +54,10 @@ pub(super) async fn dispatch<R: RequestRecv, W: RequestSend>(
         Request::ShmAttach => {
             expect_end(recv, deadline).await?;
             shm_attach(session, s)?
+        }
+        Request::LocalAttach => {
+            expect_end(recv, deadline).await?;
+            local_attach(session, s)?
         }
         Request::PutFrom(p) => {
             expect_end(recv, deadline).await?;
@@ -100,6 +106,15 @@ fn shm_attach(session: &Arc<Session>, s: &Shared) -> Result<Response, Fail> {
     let offer = ShmOffer { socket_path: shm.path().display().to_string(), token: ticket.token.to_vec() };
     session.set_shm(ticket);
     Ok(Response::ShmOffer(offer))
+}
+
+fn local_attach(session: &Arc<Session>, s: &Shared) -> Result<Response, Fail> {
+    let local = s.data_path.as_ref().and_then(|d| d.local.as_ref()).ok_or_else(|| {
+        unsupported("this server offers no same-host control channel (transport.protocol is not \"shm\")")
+    })?;
+    let (ticket, offer) = local.issue(session).map_err(|e| Fail::Reply(error(ErrorCode::Internal, e.to_string())))?;
+    session.set_local(ticket);
+    Ok(Response::LocalOffer(offer))
 }
 
 /// The data path and this connection's attached peer, or why shm cannot be used.

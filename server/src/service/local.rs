@@ -1,0 +1,250 @@
+//! The same-host control channel: requests of an authenticated QUIC connection sent over a Unix
+//! socket instead of a QUIC stream.
+//!
+//! A request on QUIC costs a round trip through two userspace QUIC stacks, about 100 µs on a
+//! loaded 2-core host; a Unix socket round trip is a fraction of that. A client on the server's
+//! host asks `LocalAttach` on its QUIC connection and gets the socket path and a token. Each
+//! socket connection presents the token once and then carries one request at a time, each in an
+//! envelope that stands for one QUIC stream (`docs/PROTOCOL.md`, "Same-host control channel").
+//! Requests run through the same handler, on the same session (tenant, leases, reservations,
+//! shared buffers), as on QUIC. Peer credentials are checked as on the shm socket. The sockets of
+//! a connection close when the QUIC connection ends or attaches again.
+
+use super::memory::{MemRecv, MemSend};
+use super::{error, handle_stream, Session, Shared};
+use kvpool_proto::frame::encode_frame;
+use kvpool_proto::{ErrorCode, LocalOffer, Response};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::Duration;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::UnixStream;
+use tracing::{debug, info, warn};
+
+/// Bytes of a token.
+pub const TOKEN_LEN: usize = 32;
+/// Time a new socket connection has to present its token.
+const BIND_TIMEOUT: Duration = Duration::from_secs(5);
+/// Socket connections one QUIC connection may bind at once.
+pub const MAX_SOCKETS_PER_CONNECTION: usize = 64;
+/// Raw bytes a request or response envelope may carry beyond one frame: small values travel in
+/// band; bulk bytes go through shared buffers (`PutFrom` / `GetInto`) or over QUIC.
+const RAW_ALLOWANCE: u32 = 64 << 10;
+
+type Tokens = Arc<Mutex<HashMap<[u8; TOKEN_LEN], Binding>>>;
+
+#[derive(Clone)]
+struct Binding {
+    session: Weak<Session>,
+    /// Closed (sender dropped) when the ticket is dropped.
+    alive: tokio::sync::watch::Receiver<()>,
+    sockets: Arc<AtomicUsize>,
+}
+
+/// A session's right to bind control sockets. Dropping it (the QUIC connection ended, or it
+/// attached again) forgets the token and closes the sockets bound with it.
+pub struct LocalTicket {
+    token: [u8; TOKEN_LEN],
+    tokens: Tokens,
+    _alive: tokio::sync::watch::Sender<()>,
+}
+
+impl Drop for LocalTicket {
+    fn drop(&mut self) {
+        self.tokens.lock().remove(&self.token);
+    }
+}
+
+/// The control socket of a server: its path, who may connect, and the live tokens.
+pub struct LocalControl {
+    path: PathBuf,
+    allowed_uids: Vec<u32>,
+    tokens: Tokens,
+    max_request: u32,
+    max_response: u32,
+    listener: Mutex<Option<std::os::unix::net::UnixListener>>,
+}
+
+impl LocalControl {
+    /// Bind `path` (a stale socket there is replaced). Users other than `allowed_uids` (empty:
+    /// only the server's own user) are refused. Nothing is served until [`serve`] runs.
+    pub fn bind(path: &Path, allowed_uids: Vec<u32>, max_frame: u32) -> io::Result<LocalControl> {
+        let _ = std::fs::remove_file(path);
+        let listener = std::os::unix::net::UnixListener::bind(path)?;
+        listener.set_nonblocking(true)?;
+        let allowed_uids =
+            if allowed_uids.is_empty() { vec![rustix::process::getuid().as_raw()] } else { allowed_uids };
+        let max = max_frame.saturating_add(4).saturating_add(RAW_ALLOWANCE);
+        Ok(LocalControl {
+            path: path.to_owned(),
+            allowed_uids,
+            tokens: Arc::default(),
+            max_request: max,
+            max_response: max,
+            listener: Mutex::new(Some(listener)),
+        })
+    }
+
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// A token binding sockets to `session`, and the offer that carries it to the client.
+    pub fn issue(&self, session: &Arc<Session>) -> io::Result<(LocalTicket, LocalOffer)> {
+        let mut token = [0u8; TOKEN_LEN];
+        getrandom::getrandom(&mut token).map_err(|e| io::Error::other(e.to_string()))?;
+        let (tx, rx) = tokio::sync::watch::channel(());
+        let binding = Binding { session: Arc::downgrade(session), alive: rx, sockets: Arc::default() };
+        self.tokens.lock().insert(token, binding);
+        let offer = LocalOffer {
+            socket_path: self.path.display().to_string(),
+            token: token.to_vec(),
+            max_request: self.max_request,
+            max_response: self.max_response,
+        };
+        Ok((LocalTicket { token, tokens: self.tokens.clone(), _alive: tx }, offer))
+    }
+}
+
+impl Drop for LocalControl {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Accept control sockets until the runtime stops. Returns at once when the server has no
+/// control channel or it is already served.
+pub async fn serve(shared: Arc<Shared>) {
+    let Some(local) = shared.data_path.as_ref().and_then(|d| d.local.as_ref()) else { return };
+    let Some(std_listener) = local.listener.lock().take() else { return };
+    let listener = match tokio::net::UnixListener::from_std(std_listener) {
+        Ok(l) => l,
+        Err(e) => return warn!(error = %e, "cannot serve the control socket"),
+    };
+    info!(socket = %local.path.display(), "same-host control channel offered");
+    loop {
+        let sock = match listener.accept().await {
+            Ok((sock, _)) => sock,
+            Err(e) => {
+                // Out of descriptors and the like: wait instead of spinning.
+                debug!(error = %e, "control socket accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve_socket(sock, &shared).await {
+                debug!(error = %e, "control socket ended");
+            }
+        });
+    }
+}
+
+/// A refusal: status 1, then an error frame; the server closes the socket after it.
+async fn refuse(sock: &mut UnixStream, shared: &Shared, code: ErrorCode, message: String) -> io::Result<()> {
+    shared.metrics.local_refused.inc();
+    debug!(%message, "control socket refused");
+    let mut out = vec![1u8];
+    out.extend(encode_frame(&Response::Error(error(code, message))).map_err(io::Error::other)?);
+    sock.write_all(&out).await
+}
+
+/// One control socket: credentials, token, then one envelope after another.
+async fn serve_socket(mut sock: UnixStream, shared: &Arc<Shared>) -> io::Result<()> {
+    let Some(local) = shared.data_path.as_ref().and_then(|d| d.local.as_ref()) else { return Ok(()) };
+    let cred = sock.peer_cred()?;
+    if !local.allowed_uids.contains(&cred.uid()) {
+        let m = format!("user {} may not use the control socket of this server", cred.uid());
+        return refuse(&mut sock, shared, ErrorCode::Forbidden, m).await;
+    }
+    let mut token = [0u8; TOKEN_LEN];
+    match tokio::time::timeout(BIND_TIMEOUT, sock.read_exact(&mut token)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(e),
+        Err(_) => return refuse(&mut sock, shared, ErrorCode::Timeout, "no token in time".into()).await,
+    }
+    let Some(binding) = local.tokens.lock().get(&token).cloned() else {
+        let m = "unknown token (the QUIC connection that got it has ended, or attached again)".to_string();
+        return refuse(&mut sock, shared, ErrorCode::Unauthorized, m).await;
+    };
+    if binding.sockets.fetch_add(1, Ordering::AcqRel) >= MAX_SOCKETS_PER_CONNECTION {
+        binding.sockets.fetch_sub(1, Ordering::AcqRel);
+        let m = format!("at most {MAX_SOCKETS_PER_CONNECTION} control sockets per connection");
+        return refuse(&mut sock, shared, ErrorCode::Rejected, m).await;
+    }
+    let _count = SocketCount(binding.sockets.clone());
+    sock.write_all(&[0]).await?;
+    let mut alive = binding.alive.clone();
+    loop {
+        let mut head = [0u8; 4];
+        tokio::select! {
+            r = sock.read_exact(&mut head) => match r {
+                Ok(_) => {}
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+                Err(e) => return Err(e),
+            },
+            // The QUIC connection ended: its sockets go with it.
+            _ = alive.changed() => return Ok(()),
+        }
+        let len = u32::from_le_bytes(head);
+        if len > local.max_request {
+            let m = format!("a request envelope of {len} bytes; the limit is {}", local.max_request);
+            let frame = encode_frame(&Response::Error(error(ErrorCode::FrameTooLarge, m))).map_err(io::Error::other)?;
+            return answer(&mut sock, 0, 0, &frame).await;
+        }
+        let mut body = vec![0u8; len as usize];
+        match tokio::time::timeout(shared.timeouts.request, sock.read_exact(&mut body)).await {
+            Ok(r) => r?,
+            Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "request envelope incomplete in time")),
+        };
+        let Some(session) = binding.session.upgrade() else { return Ok(()) };
+        let mut recv = MemRecv::new(body);
+        let mut send = MemSend::bounded(local.max_response as usize);
+        handle_stream(&mut recv, &mut send, &session, shared).await;
+        drop(session);
+        shared.metrics.local_requests.inc();
+        if send.overflowed {
+            let m = format!(
+                "the answer exceeds the control channel's {} bytes; move bulk bytes with GetInto or over QUIC",
+                local.max_response
+            );
+            let frame = encode_frame(&Response::Error(error(ErrorCode::ValueTooLarge, m))).map_err(io::Error::other)?;
+            answer(&mut sock, 0, 0, &frame).await?;
+        } else if let Some(code) = send.reset {
+            answer(&mut sock, 1, code, &send.written).await?;
+        } else {
+            answer(&mut sock, 0, 0, &send.written).await?;
+        }
+    }
+}
+
+/// One response envelope: end (0 finished, 1 reset), reset code, length, bytes.
+async fn answer(sock: &mut UnixStream, end: u8, code: u32, bytes: &[u8]) -> io::Result<()> {
+    let mut head = [0u8; 9];
+    head[0] = end;
+    head[1..5].copy_from_slice(&code.to_le_bytes());
+    head[5..9].copy_from_slice(&(bytes.len() as u32).to_le_bytes());
+    // One write for small answers: the client wakes once.
+    if bytes.len() <= 64 << 10 {
+        let mut out = Vec::with_capacity(9 + bytes.len());
+        out.extend_from_slice(&head);
+        out.extend_from_slice(bytes);
+        sock.write_all(&out).await
+    } else {
+        sock.write_all(&head).await?;
+        sock.write_all(bytes).await
+    }
+}
+
+struct SocketCount(Arc<AtomicUsize>);
+
+impl Drop for SocketCount {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
