@@ -64,6 +64,9 @@ pub struct ScaleRow {
     /// Lookups over the same-host control socket (absent when the server offers none).
     pub local_p50_us: Option<u64>,
     pub local_p99_us: Option<u64>,
+    /// Mean time the server spent on one lookup (from reading its frame to writing the answer),
+    /// over this row's lookups on both paths.
+    pub server_mean_us: f64,
     pub fill_seconds: f64,
 }
 
@@ -182,6 +185,12 @@ async fn fill(client: &Client, a: &ScaleArgs, from: u64, to: u64) -> Result<()> 
     Ok(())
 }
 
+/// (count, count x mean µs) of the server's lookups so far, from its stats.
+async fn lookup_totals(client: &Client) -> Result<(u64, f64)> {
+    let stats = client.stats().await?;
+    Ok(stats.ops.iter().find(|o| o.op == "lookup").map_or((0, 0.0), |o| (o.count, o.count as f64 * o.mean_us)))
+}
+
 /// Lookups of random resident chains (one request each, one at a time): p50 and p99 in µs.
 async fn lookups(client: &Client, a: &ScaleArgs, chains: u64) -> Result<(u64, u64)> {
     let mut rng = rand::rngs::StdRng::seed_from_u64(chains);
@@ -243,8 +252,8 @@ async fn run(a: ScaleArgs) -> Result<()> {
         empty_rss as f64 / (1 << 20) as f64
     );
     println!(
-        "{:>12} {:>10} {:>9} {:>10} {:>10} {:>10} {:>10} {:>8}",
-        "blocks", "RSS MiB", "B/block", "QUIC p50", "QUIC p99", "local p50", "local p99", "fill s"
+        "{:>12} {:>10} {:>9} {:>10} {:>10} {:>10} {:>10} {:>12} {:>8}",
+        "blocks", "RSS MiB", "B/block", "QUIC p50", "QUIC p99", "local p50", "local p99", "server mean", "fill s"
     );
     let mut rows = Vec::new();
     let mut have = 0u64;
@@ -261,6 +270,7 @@ async fn run(a: ScaleArgs) -> Result<()> {
         }
         // RSS first: the shared buffers of a same-host client are mapped into the server too.
         let r = rss(server.pid())?;
+        let before = lookup_totals(&client).await?;
         let (p50, p99) = lookups(&quic, &a, chains).await?;
         let (l50, l99) = match &local {
             Some(c) => {
@@ -269,6 +279,8 @@ async fn run(a: ScaleArgs) -> Result<()> {
             }
             None => (None, None),
         };
+        let after = lookup_totals(&client).await?;
+        let server_mean_us = (after.1 - before.1) / (after.0 - before.0).max(1) as f64;
         let row = ScaleRow {
             blocks,
             rss_bytes: r,
@@ -277,11 +289,12 @@ async fn run(a: ScaleArgs) -> Result<()> {
             lookup_p99_us: p99,
             local_p50_us: l50,
             local_p99_us: l99,
+            server_mean_us,
             fill_seconds,
         };
         let us = |v: Option<u64>| v.map_or("-".to_string(), |v| format!("{v} us"));
         println!(
-            "{:>12} {:>10.1} {:>9.0} {:>10} {:>10} {:>10} {:>10} {:>8.1}",
+            "{:>12} {:>10.1} {:>9.0} {:>10} {:>10} {:>10} {:>10} {:>9.1} us {:>8.1}",
             row.blocks,
             r as f64 / (1 << 20) as f64,
             row.bytes_per_block,
@@ -289,6 +302,7 @@ async fn run(a: ScaleArgs) -> Result<()> {
             us(Some(p99)),
             us(l50),
             us(l99),
+            server_mean_us,
             fill_seconds
         );
         rows.push(row);

@@ -6,6 +6,10 @@ use clap::Parser;
 use kvpool_server::config::{self, Size};
 use std::path::PathBuf;
 
+// See server/Cargo.toml: small allocations stay cheap on a heap that has held millions of keys.
+#[global_allocator]
+static ALLOC: tikv_jemallocator::Jemalloc = tikv_jemallocator::Jemalloc;
+
 #[derive(Parser, Debug)]
 #[command(name = "kvpool-server", version, about = "kvpool KV-cache pool server")]
 struct Args {

@@ -214,7 +214,15 @@ async fn handle_connection(connecting: quinn::Connecting, shared: Arc<Shared>) -
     loop {
         let (mut send, mut recv) = conn.accept_bi().await?;
         let (session, s) = (session.clone(), shared.clone());
-        tokio::spawn(async move { handle_stream(&mut recv, &mut send, &session, &s).await });
+        let mut request = Box::pin(async move { handle_stream(&mut recv, &mut send, &session, &s).await });
+        // A small request (a lookup, a stats) is usually whole on arrival and answered in one
+        // poll: run that poll here and spare a task spawn and the wake-up of another worker.
+        // Anything that has to wait goes on as a task of its own.
+        let first =
+            std::future::poll_fn(|cx| std::task::Poll::Ready(std::future::Future::poll(request.as_mut(), cx))).await;
+        if first.is_pending() {
+            tokio::spawn(request);
+        }
     }
 }
 
