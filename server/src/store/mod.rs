@@ -1,5 +1,6 @@
 //! The block store of one node: the no-I/O core (`kvpool-core`: index and policy slots) behind
-//! two locks, the DRAM segment, the SSD tier, and sled metadata written off the critical section.
+//! two locks, the tiers (the DRAM segment and the SSD segment file, both behind the [`tier`]
+//! traits), and sled metadata written off the critical section.
 //!
 //! Locks: `policies` may be taken before `index`, never the other way round. The index lock is
 //! held for index work only (no policy call, no sled write, no file I/O), so a lookup or a get
@@ -15,6 +16,7 @@ pub mod meta;
 pub mod ssd;
 #[cfg(test)]
 mod tests;
+pub mod tier;
 
 pub use dram::DramBlock;
 
@@ -32,6 +34,8 @@ use ssd::SsdTier;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use tier::{Medium, Space, SsdExtent};
+use tokio::sync::Notify;
 use tracing::warn;
 
 #[derive(Debug, thiserror::Error)]
@@ -174,20 +178,20 @@ fn migrate_legacy_ssd(meta: &Meta, ssd: &SsdTier, dir: &std::path::Path) -> Resu
         let Some(file) = r.ssd_file else { continue };
         let copied = files.get(&file).filter(|(len, _)| *len == r.size).and_then(|(_, path)| {
             let data = std::fs::read(path).ok()?;
-            let extent = ssd.try_reserve(r.size)?;
-            match ssd.write(extent, &data) {
+            let mut extent = ssd.reserve(r.size)?;
+            match Medium::write(ssd, &mut extent, 0, &data) {
                 Ok(()) => Some(extent),
                 Err(_) => {
-                    ssd.free(extent, r.size);
+                    ssd.release(extent);
                     None
                 }
             }
         });
         match copied {
             Some(extent) => {
-                r.ssd_file = Some(extent);
+                r.ssd_file = Some(extent.offset);
                 meta.put_now(tenant, &key, &r)?;
-                placed.push((extent, r.size));
+                placed.push(extent);
                 moved += 1;
             }
             None => {
@@ -197,8 +201,8 @@ fn migrate_legacy_ssd(meta: &Meta, ssd: &SsdTier, dir: &std::path::Path) -> Resu
         }
     }
     // Recovery claims the extents again from the records.
-    for (extent, size) in placed {
-        ssd.free(extent, size);
+    for extent in placed {
+        ssd.release(extent);
     }
     meta.kv.insert(LAYOUT_KEY, LAYOUT).map_err(meta::MetaError::from)?;
     meta.flush()?;
@@ -355,13 +359,20 @@ impl Store {
         self.dram.capacity()
     }
 
+    /// Every tier of this node, fastest first, with its (high, low) watermarks.
+    fn spaces(&self) -> Vec<(&dyn Space, f64, f64)> {
+        let mut v: Vec<(&dyn Space, f64, f64)> = vec![(&self.dram, self.cfg.dram_high, self.cfg.dram_low)];
+        if let Some(s) = &self.ssd {
+            v.push((&**s, self.cfg.ssd_high, self.cfg.ssd_low));
+        }
+        v
+    }
+
     pub fn update_gauges(&self) {
         let m = &self.metrics;
-        m.bytes_used.with_label_values(&["dram"]).set(self.dram.used() as i64);
-        m.capacity.with_label_values(&["dram"]).set(self.dram.capacity() as i64);
-        if let Some(s) = &self.ssd {
-            m.bytes_used.with_label_values(&["ssd"]).set(s.used() as i64);
-            m.capacity.with_label_values(&["ssd"]).set(s.capacity() as i64);
+        for (s, _, _) in self.spaces() {
+            m.bytes_used.with_label_values(&[s.tier().name()]).set(s.used() as i64);
+            m.capacity.with_label_values(&[s.tier().name()]).set(s.capacity() as i64);
         }
         let (_, dram_blocks, ssd_blocks) = self.counts();
         m.blocks.with_label_values(&["dram"]).set(dram_blocks as i64);
@@ -379,19 +390,15 @@ impl Store {
     }
 
     pub fn tier_usage(&self) -> Vec<(Tier, u64, u64)> {
-        let mut v = vec![(Tier::Dram, self.dram.capacity(), self.dram.used())];
-        if let Some(s) = &self.ssd {
-            v.push((Tier::Ssd, s.capacity(), s.used()));
-        }
-        v
+        self.spaces().into_iter().map(|(s, _, _)| (s.tier(), s.capacity(), s.used())).collect()
     }
 
     /// Free what the index let go of: DRAM copies drop here, SSD extents go back to the tier.
     fn release(&self, dropped: impl IntoIterator<Item = Dropped<DramCopy>>) {
         for d in dropped {
             drop(d.dram);
-            if let (Some((extent, size)), Some(s)) = (d.ssd, &self.ssd) {
-                s.free(extent, size);
+            if let (Some((offset, len)), Some(s)) = (d.ssd, &self.ssd) {
+                s.release(SsdExtent { offset, len });
             }
         }
     }
@@ -404,9 +411,12 @@ impl Store {
 
     /// This node's free space, as a placement policy sees it.
     fn nodes(&self) -> NodeSet {
+        let mut free = [0u64; 3];
+        for (s, _, _) in self.spaces() {
+            free[s.tier() as usize] = s.free();
+        }
         let mut nodes = NodeSet::default();
-        let ssd_free = self.ssd.as_ref().map_or(0, |s| s.capacity().saturating_sub(s.used()));
-        nodes.push(0, [0, self.dram.capacity().saturating_sub(self.dram.used()), ssd_free], 0);
+        nodes.push(0, free, 0);
         nodes
     }
 
@@ -452,23 +462,46 @@ impl Store {
 
     /// Reserve DRAM for `len` bytes, evicting and then waiting for space until `deadline`.
     pub async fn reserve(&self, tenant: u32, len: u64, deadline: tokio::time::Instant) -> Result<DramBlock, ErrorCode> {
+        let b = self.reserve_in(&self.dram, len, Some(deadline)).await.ok_or_else(|| self.no_space(tenant))?;
+        if self.dram.used() as f64 > self.cfg.dram_high * self.dram.capacity() as f64 {
+            self.kick.notify_one();
+        }
+        Ok(b)
+    }
+
+    /// An extent of `len` bytes in tier `m`, evicting from it to make room. A tier whose space
+    /// comes back on its own (DRAM: reads in flight end) is waited on until `deadline`; any
+    /// other gives up after a few rounds of eviction that freed nothing usable.
+    async fn reserve_in<M: Medium>(
+        &self,
+        m: &M,
+        len: u64,
+        deadline: Option<tokio::time::Instant>,
+    ) -> Option<M::Extent> {
+        let mut rounds = 0;
         loop {
-            let notified = self.dram.freed.notified();
+            let notified = m.freed().map(Notify::notified);
             tokio::pin!(notified);
-            notified.as_mut().enable();
-            if let Some(b) = self.dram.allocate(len) {
-                if self.dram.used() as f64 > self.cfg.dram_high * self.dram.capacity() as f64 {
-                    self.kick.notify_one();
-                }
-                return Ok(b);
+            if let Some(n) = notified.as_mut().as_pin_mut() {
+                n.enable();
+            }
+            if let Some(e) = m.reserve(len) {
+                return Some(e);
             }
             // Free at least this block's room (more when fragmentation defeats the first round).
-            let need = DramTier::footprint(len).max(self.dram.capacity() / 64);
-            if self.evict(Tier::Dram, need).await > 0 {
+            let need = m.footprint(len).max(m.capacity() / 64);
+            rounds += 1;
+            if rounds <= 4 && Box::pin(self.evict(m.tier(), need)).await > 0 {
                 continue;
             }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Err(self.no_space(tenant));
+            match (notified.as_pin_mut(), deadline) {
+                (Some(n), Some(d)) => {
+                    if tokio::time::timeout_at(d, n).await.is_err() {
+                        return None;
+                    }
+                    rounds = 0;
+                }
+                _ => return None,
             }
         }
     }
@@ -522,20 +555,25 @@ impl Store {
         data: Vec<u8>,
     ) -> ErrorCode {
         let Some(ssd) = self.ssd.clone() else { return ErrorCode::NoSpace };
-        let Some(extent) = self.reserve_ssd(item.size).await else {
+        let Some(extent) = self.reserve_in(&*ssd, item.size, None).await else {
             return self.no_space(tenant);
         };
         let sum = checksum(&data);
         let s2 = ssd.clone();
-        let written = tokio::task::spawn_blocking(move || s2.write(extent, &data)).await;
+        // An SSD extent is an address (Copy): the write gets its own.
+        let written = tokio::task::spawn_blocking(move || {
+            let mut extent = extent;
+            Medium::write(&*s2, &mut extent, 0, &data)
+        })
+        .await;
         if !matches!(written, Ok(Ok(()))) {
             warn!(?written, "ssd write failed");
-            ssd.free(extent, item.size);
+            ssd.release(extent);
             return ErrorCode::Internal;
         }
-        let code = self.commit_copy(tenant, id, item, mode, sum, None, Some(extent));
+        let code = self.commit_copy(tenant, id, item, mode, sum, None, Some(extent.offset));
         if code != ErrorCode::Ok {
-            ssd.free(extent, item.size);
+            ssd.release(extent);
         }
         code
     }
@@ -590,34 +628,23 @@ impl Store {
         gone
     }
 
-    /// An SSD extent for `len` bytes, evicting from the SSD tier to make room.
-    async fn reserve_ssd(&self, len: u64) -> Option<u64> {
-        let ssd = self.ssd.as_ref()?;
-        for _ in 0..4 {
-            if let Some(extent) = ssd.try_reserve(len) {
-                return Some(extent);
-            }
-            let need = ssd::SsdTier::footprint(len).max(ssd.capacity() / 64);
-            if Box::pin(self.evict(Tier::Ssd, need)).await == 0 {
-                break;
-            }
-        }
-        None
-    }
-
     /// Copy a DRAM victim to SSD, then drop its DRAM copy. When SSD has no room the block is
     /// simply evicted. Returns whether the DRAM copy left.
     async fn demote(&self, id: u64, copy: DramCopy) -> bool {
         let Some(ssd) = self.ssd.clone() else { return false };
         let size = copy.0.len();
-        let written = match self.reserve_ssd(size).await {
+        let written = match self.reserve_in(&*ssd, size, None).await {
             Some(extent) => {
                 let (s2, data) = (ssd.clone(), copy.0.clone());
-                match tokio::task::spawn_blocking(move || s2.write(extent, data.bytes())).await {
-                    Ok(Ok(())) => Some(extent),
+                let write = move || {
+                    let mut extent = extent;
+                    Medium::write(&*s2, &mut extent, 0, data.bytes())
+                };
+                match tokio::task::spawn_blocking(write).await {
+                    Ok(Ok(())) => Some(extent.offset),
                     r => {
                         warn!(?r, "demotion write failed; block evicted instead");
-                        ssd.free(extent, size);
+                        ssd.release(extent);
                         None
                     }
                 }
@@ -640,8 +667,8 @@ impl Store {
             }
             Demoted::Vanished => {
                 drop(ix);
-                if let Some(extent) = written {
-                    ssd.free(extent, size);
+                if let Some(offset) = written {
+                    ssd.release(SsdExtent { offset, len: size });
                 }
             }
         }
@@ -656,18 +683,15 @@ impl Store {
         if let Some(mut pol) = self.policies.try_lock() {
             self.feed(&mut pol);
         }
-        let cap = self.dram.capacity() as f64;
-        if self.dram.used() as f64 > self.cfg.dram_high * cap {
-            let target = (self.cfg.dram_low * cap) as u64;
-            let excess = self.dram.used().saturating_sub(target);
-            self.evict(Tier::Dram, excess).await;
-        }
-        if let Some(s) = &self.ssd {
-            let cap = s.capacity() as f64;
-            if s.used() as f64 > self.cfg.ssd_high * cap {
-                let excess = s.used().saturating_sub((self.cfg.ssd_low * cap) as u64);
-                self.evict(Tier::Ssd, excess).await;
-            }
+        // Above its high watermark, a tier is brought down to its low one.
+        let over: Vec<(Tier, u64)> = self
+            .spaces()
+            .into_iter()
+            .filter(|(s, high, _)| s.used() as f64 > high * s.capacity() as f64)
+            .map(|(s, _, low)| (s.tier(), s.used().saturating_sub((low * s.capacity() as f64) as u64)))
+            .collect();
+        for (tier, excess) in over {
+            self.evict(tier, excess).await;
         }
         self.update_gauges();
     }
@@ -710,9 +734,13 @@ impl Store {
             && (self.dram.used() + DramTier::footprint(size)) as f64
                 <= self.cfg.dram_high * self.dram.capacity() as f64;
         let target = if promote { self.dram.allocate(size) } else { None };
+        let extent = SsdExtent { offset: file, len: size };
         let read = tokio::task::spawn_blocking(move || match target {
-            Some(mut blk) => ssd.read_into(file, blk.bytes_mut()).map(|()| (Some(blk), Vec::new())),
-            None => ssd.read(file, size).map(|v| (None, v)),
+            Some(mut blk) => Medium::read_into(&*ssd, &extent, 0, blk.bytes_mut()).map(|()| (Some(blk), Vec::new())),
+            None => {
+                let mut v = vec![0u8; size as usize];
+                Medium::read_into(&*ssd, &extent, 0, &mut v).map(|()| (None, v))
+            }
         })
         .await;
         let (blk, vec) = match read {
@@ -748,17 +776,11 @@ impl Store {
 
     async fn promote(&self, id: u64, file: u64, data: Vec<u8>) {
         let len = data.len() as u64;
-        let mut blk = match self.dram.allocate(len) {
-            Some(b) => b,
-            None => {
-                self.evict(Tier::Dram, DramTier::footprint(len)).await;
-                match self.dram.allocate(len) {
-                    Some(b) => b,
-                    None => return,
-                }
-            }
-        };
-        blk.bytes_mut().copy_from_slice(&data);
+        // Off the request path: evict for room, but never wait for it.
+        let Some(mut blk) = self.reserve_in(&self.dram, len, None).await else { return };
+        if Medium::write(&self.dram, &mut blk, 0, &data).is_err() {
+            return;
+        }
         self.install_promoted(id, file, Arc::new(blk));
     }
 
