@@ -879,7 +879,9 @@ impl<D: CopyHandle> Index<D> {
     /// absent key of the chain is reported to the policies as a miss at its chain position
     /// (`wall_us`: wall clock, µs).
     pub fn lookup(&mut self, tenant: u32, chain: &[Vec<u8>], wall_us: u64) -> usize {
-        let hit = chain.iter().take_while(|k| self.blocks.id_of(tenant, k).is_some()).count();
+        let hashes: SmallVec<[u64; 64]> = chain.iter().map(|k| self.blocks.hash_of(tenant, k)).collect();
+        let hit =
+            chain.iter().zip(&hashes).take_while(|(k, &h)| self.blocks.id_of_hashed(h, tenant, k).is_some()).count();
         if hit == chain.len() {
             return hit;
         }
@@ -902,7 +904,8 @@ impl<D: CopyHandle> Index<D> {
     }
 
     pub fn exists(&self, tenant: u32, keys: &[Vec<u8>]) -> Vec<bool> {
-        keys.iter().map(|k| self.blocks.id_of(tenant, k).is_some()).collect()
+        let hashes: SmallVec<[u64; 64]> = keys.iter().map(|k| self.blocks.hash_of(tenant, k)).collect();
+        keys.iter().zip(hashes).map(|(k, h)| self.blocks.id_of_hashed(h, tenant, k).is_some()).collect()
     }
 
     // ---- removal ------------------------------------------------------------------------
