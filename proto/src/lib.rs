@@ -22,6 +22,22 @@ pub(crate) mod key_list {
     }
 }
 
+/// A hex dump as `docs/PROTOCOL.md` writes them (hex pairs, `#` starts a comment) back into
+/// bytes, so that tests check the document's examples against the code; `None` on an odd digit.
+#[doc(hidden)]
+pub fn parse_hex_dump(text: &str) -> Option<Vec<u8>> {
+    let digits: Vec<u8> = text
+        .lines()
+        .map(|l| l.split('#').next().unwrap_or(""))
+        .flat_map(|l| l.bytes().filter(u8::is_ascii_hexdigit))
+        .collect();
+    if !digits.len().is_multiple_of(2) {
+        return None;
+    }
+    let nibble = |c: u8| (c as char).to_digit(16).map(|d| d as u8);
+    digits.chunks(2).map(|p| Some(nibble(p[0])? << 4 | nibble(p[1])?)).collect()
+}
+
 /// QUIC ALPN of this protocol.
 pub const ALPN: &[u8] = b"kvpool/1";
 /// Protocol version carried in `Hello`: the newest this build speaks. Servers accept 1 and 2.

@@ -584,14 +584,8 @@ mod tests {
         trailing.push(0);
         assert!(codec::decode::<Request>(&trailing).is_err());
     }
-    /// Parse a hex dump written as in docs/PROTOCOL.md: hex pairs, `#` starts a comment.
     fn dump(text: &str) -> Vec<u8> {
-        let digits: String = text
-            .lines()
-            .map(|l| l.split('#').next().unwrap_or(""))
-            .flat_map(|l| l.chars().filter(|c| c.is_ascii_hexdigit()))
-            .collect();
-        (0..digits.len()).step_by(2).map(|i| u8::from_str_radix(&digits[i..i + 2], 16).unwrap()).collect()
+        crate::parse_hex_dump(text).unwrap()
     }
 
     #[test]

@@ -246,15 +246,12 @@ fn documented_dumps() -> (Vec<u8>, Vec<u8>) {
     let doc = include_str!("../../docs/PROTOCOL.md");
     let start = doc.find("### 11.6 Same-host control channel").expect("section 11.6");
     let end = start + doc[start..].find("### 11.5").expect("11.5 follows 11.6");
-    let hex = |text: &str| -> Vec<u8> {
-        let digits: String = text
-            .lines()
-            .map(|l| l.split('#').next().unwrap_or(""))
-            .flat_map(|l| l.chars().filter(|c| c.is_ascii_hexdigit()))
-            .collect();
-        (0..digits.len()).step_by(2).map(|i| u8::from_str_radix(&digits[i..i + 2], 16).unwrap()).collect()
-    };
-    let blocks: Vec<Vec<u8>> = doc[start..end].split("```").skip(1).step_by(2).map(hex).collect();
+    let blocks: Vec<Vec<u8>> = doc[start..end]
+        .split("```")
+        .skip(1)
+        .step_by(2)
+        .map(|t| kvpool_proto::parse_hex_dump(t).expect("hex"))
+        .collect();
     assert_eq!(blocks.len(), 2, "two dumps in section 11.6");
     (blocks[0].clone(), blocks[1].clone())
 }

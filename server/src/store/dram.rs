@@ -110,10 +110,10 @@ impl DramTier {
         let units = u32::try_from(len.max(1).div_ceil(UNIT)).ok()?;
         let mut a = self.alloc.lock();
         let allocation = a.allocate(units)?;
-        let real = a.allocation_size(allocation) as u64 * UNIT;
+        let units = a.allocation_size(allocation);
         drop(a);
-        self.used.fetch_add(real, Ordering::Relaxed);
-        Some(DramBlock { tier: self.clone(), allocation, offset: allocation.offset as u64 * UNIT, len, real })
+        self.used.fetch_add(units as u64 * UNIT, Ordering::Relaxed);
+        Some(DramBlock { tier: self.clone(), allocation, len, units })
     }
 
     /// Largest single range that could be allocated now.
@@ -122,14 +122,19 @@ impl DramTier {
     }
 }
 
-/// A range of the segment holding (or about to hold) one block's bytes.
+/// A range of the segment holding (or about to hold) one block's bytes. Every resident block
+/// has one on the heap (behind the index's `Arc`): the offset comes from the allocation and the
+/// room is kept in units, so that it takes 32 bytes.
 pub struct DramBlock {
     tier: Arc<DramTier>,
     allocation: Allocation,
-    offset: u64,
     len: u64,
-    real: u64,
+    /// Units the allocator handed out (at least the length's).
+    units: u32,
 }
+
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<DramBlock>() <= 32);
 
 impl DramBlock {
     pub fn len(&self) -> u64 {
@@ -141,13 +146,13 @@ impl DramBlock {
     }
 
     pub fn offset(&self) -> u64 {
-        self.offset
+        self.allocation.offset as u64 * UNIT
     }
 
     pub fn bytes(&self) -> &[u8] {
         // SAFETY: the range lies inside the segment and stays allocated while `self` lives.
         // Writers only get `bytes_mut` on a block they own exclusively (before it is shared).
-        unsafe { std::slice::from_raw_parts(self.tier.seg.ptr.as_ptr().add(self.offset as usize), self.len as usize) }
+        unsafe { std::slice::from_raw_parts(self.tier.seg.ptr.as_ptr().add(self.offset() as usize), self.len as usize) }
     }
 
     /// Write access while the block is still exclusively owned (before it is committed and shared).
@@ -155,21 +160,21 @@ impl DramBlock {
         // SAFETY: as above, and `&mut self` proves no other reference to this range exists:
         // the allocator never hands out overlapping ranges.
         unsafe {
-            std::slice::from_raw_parts_mut(self.tier.seg.ptr.as_ptr().add(self.offset as usize), self.len as usize)
+            std::slice::from_raw_parts_mut(self.tier.seg.ptr.as_ptr().add(self.offset() as usize), self.len as usize)
         }
     }
 }
 
 impl std::fmt::Debug for DramBlock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DramBlock").field("offset", &self.offset).field("len", &self.len).finish()
+        f.debug_struct("DramBlock").field("offset", &self.offset()).field("len", &self.len).finish()
     }
 }
 
 impl Drop for DramBlock {
     fn drop(&mut self) {
         self.tier.alloc.lock().free(self.allocation);
-        self.tier.used.fetch_sub(self.real, Ordering::Relaxed);
+        self.tier.used.fetch_sub(self.units as u64 * UNIT, Ordering::Relaxed);
         self.tier.freed.notify_waiters();
     }
 }
