@@ -11,7 +11,7 @@ use std::hash::{BuildHasher, RandomState};
 
 // Every resident block pays for its record: keep it from growing unnoticed (64-bit targets).
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Block<std::sync::Arc<u8>>>() <= 208);
+const _: () = assert!(std::mem::size_of::<Block<std::sync::Arc<u8>>>() <= 184);
 
 pub(crate) struct Blocks<D> {
     slab: Slab<Block<D>>,
@@ -166,9 +166,9 @@ mod tests {
             created_ms: 0,
             pin: Pin::None,
             pin_until_ms: 0,
-            lease_until: None,
+            lease_until: crate::index::LeaseDeadline::NONE,
             dram: Some(id),
-            ssd: None,
+            ssd: crate::index::Locator::NONE,
             moving: false,
             last_access: 0,
             hash: 0,

@@ -81,6 +81,65 @@ fn slot(tier: Tier) -> usize {
     usize::from(tier == Tier::Ssd)
 }
 
+/// Where a block's SSD copy is, in 8 bytes instead of an `Option<u64>`'s 16: SSD offsets are
+/// aligned and below the tier's capacity, so `u64::MAX` never is one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Locator(u64);
+
+impl Locator {
+    pub(crate) const NONE: Locator = Locator(u64::MAX);
+
+    pub(crate) fn some(offset: u64) -> Locator {
+        debug_assert_ne!(offset, u64::MAX, "not an SSD offset");
+        Locator(offset)
+    }
+    pub(crate) fn get(self) -> Option<u64> {
+        (self.0 != u64::MAX).then_some(self.0)
+    }
+    pub(crate) fn is_some(self) -> bool {
+        self.0 != u64::MAX
+    }
+    pub(crate) fn is_none(self) -> bool {
+        self.0 == u64::MAX
+    }
+    pub(crate) fn take(&mut self) -> Option<u64> {
+        std::mem::replace(self, Locator::NONE).get()
+    }
+}
+
+impl From<Option<u64>> for Locator {
+    fn from(o: Option<u64>) -> Locator {
+        o.map_or(Locator::NONE, Locator::some)
+    }
+}
+
+/// The end of a block's lease in 8 bytes instead of an `Option<Instant>`'s 16: nanoseconds
+/// since the first lease of the process, plus one; 0 is "no lease".
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct LeaseDeadline(u64);
+
+fn lease_epoch() -> Instant {
+    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(Instant::now)
+}
+
+fn lease_ticks(t: Instant) -> u64 {
+    // u64 nanoseconds last 584 years; an instant before the epoch counts as the epoch.
+    (t.saturating_duration_since(lease_epoch()).as_nanos() as u64).saturating_add(1)
+}
+
+impl LeaseDeadline {
+    pub(crate) const NONE: LeaseDeadline = LeaseDeadline(0);
+
+    pub(crate) fn at(t: Instant) -> LeaseDeadline {
+        LeaseDeadline(lease_ticks(t))
+    }
+    /// The lease runs past `now`.
+    pub(crate) fn after(self, now: Instant) -> bool {
+        self.0 != 0 && self.0 > lease_ticks(now)
+    }
+}
+
 pub(crate) struct Block<D> {
     pub(crate) id: u64,
     pub(crate) tenant: u32,
@@ -95,9 +154,9 @@ pub(crate) struct Block<D> {
     pub(crate) created_ms: u64,
     pub(crate) pin: Pin,
     pub(crate) pin_until_ms: u64,
-    pub(crate) lease_until: Option<Instant>,
+    pub(crate) lease_until: LeaseDeadline,
     pub(crate) dram: Option<D>,
-    pub(crate) ssd: Option<u64>,
+    pub(crate) ssd: Locator,
     /// A demotion of this block is in flight.
     pub(crate) moving: bool,
     /// Recency tick of the last insert or read (orders the snapshot a new policy is fed).
@@ -126,13 +185,13 @@ impl<D> Block<D> {
             created_ms: self.created_ms,
             pin: self.pin as u8,
             pin_until_ms: self.pin_until_ms,
-            ssd_file: self.ssd,
+            ssd_file: self.ssd.get(),
             in_dram: self.dram.is_some(),
         }
     }
 
     fn leased(&self, now: Instant) -> bool {
-        self.lease_until.is_some_and(|t| t > now)
+        self.lease_until.after(now)
     }
 
     /// An event about this block; `time` is stamped by [`Index::emit`] (or the snapshot).
@@ -500,9 +559,9 @@ impl<D: CopyHandle> Index<D> {
                 created_ms: r.created_ms,
                 pin,
                 pin_until_ms: r.pin_until_ms,
-                lease_until: None,
+                lease_until: LeaseDeadline::NONE,
                 dram: None,
-                ssd: Some(file),
+                ssd: Locator::some(file),
                 moving: false,
                 last_access: 0,
                 depth: NO_DEPTH,
@@ -740,9 +799,9 @@ impl<D: CopyHandle> Index<D> {
             created_ms: wall_ms,
             pin,
             pin_until_ms,
-            lease_until: None,
+            lease_until: LeaseDeadline::NONE,
             dram,
-            ssd,
+            ssd: Locator::from(ssd),
             moving: false,
             last_access: self.tick,
             hash,
@@ -807,7 +866,7 @@ impl<D: CopyHandle> Index<D> {
             }
         }
         let meta = b.ssd.is_some().then(|| MetaOp::Remove { tenant: b.tenant, key: Box::from(&*b.key) });
-        Some((Dropped { dram: b.dram, ssd: b.ssd.map(|f| (f, b.size)) }, meta))
+        Some((Dropped { dram: b.dram, ssd: b.ssd.get().map(|f| (f, b.size)) }, meta))
     }
 
     // ---- reads --------------------------------------------------------------------------
@@ -843,7 +902,7 @@ impl<D: CopyHandle> Index<D> {
             let tick = self.tick;
             let now_us = self.clock_us;
             let b = self.blocks.get_mut(id).expect("index and blocks agree");
-            b.lease_until = Some(lease_until);
+            b.lease_until = LeaseDeadline::at(lease_until);
             b.last_access = tick;
             b.last_us = now_us;
             b.wanted = b.wanted.saturating_add(1);
@@ -854,7 +913,7 @@ impl<D: CopyHandle> Index<D> {
                     b.event(id, EventKind::Accessed, Tier::Dram),
                 ),
                 None => {
-                    let locator = b.ssd.expect("a block has at least one copy");
+                    let locator = b.ssd.get().expect("a block has at least one copy");
                     (
                         Located::Ssd { id, locator, size: b.size, checksum: b.checksum },
                         b.event(id, EventKind::Accessed, Tier::Ssd),
@@ -1129,7 +1188,7 @@ impl<D: CopyHandle> Index<D> {
         };
         let (tenant, size) = (b.tenant, b.size);
         let dram = b.dram.take();
-        b.ssd = Some(file);
+        b.ssd = Locator::some(file);
         b.created_ms = b.created_ms.max(wall_ms);
         let removed = b.event(id, EventKind::Removed, Tier::Dram);
         let inserted = b.event(id, EventKind::Inserted, Tier::Ssd);
@@ -1145,7 +1204,7 @@ impl<D: CopyHandle> Index<D> {
     /// An SSD copy was read back into DRAM: keep the DRAM copy when the block still has that
     /// SSD copy and no DRAM copy. `Err` gives the copy back (nothing changed).
     pub fn install_promoted(&mut self, id: u64, locator: u64, copy: D) -> Result<(), D> {
-        let Some(b) = self.blocks.get_mut(id).filter(|b| b.dram.is_none() && b.ssd == Some(locator)) else {
+        let Some(b) = self.blocks.get_mut(id).filter(|b| b.dram.is_none() && b.ssd.get() == Some(locator)) else {
             return Err(copy);
         };
         b.dram = Some(copy);
@@ -1160,14 +1219,14 @@ impl<D: CopyHandle> Index<D> {
     /// Drop an SSD copy whose bytes cannot be trusted (read error or checksum mismatch); the
     /// block goes with it unless it still has a DRAM copy. Never served again.
     pub fn drop_corrupt(&mut self, id: u64, locator: u64) -> Option<(Dropped<D>, Option<MetaOp>)> {
-        let b = self.blocks.get_mut(id).filter(|b| b.ssd == Some(locator))?;
+        let b = self.blocks.get_mut(id).filter(|b| b.ssd.get() == Some(locator))?;
         let (tenant, size) = (b.tenant, b.size);
         self.tenant_mut(tenant).corrupt += 1;
         let b = self.blocks.get_mut(id).expect("exists");
         if b.dram.is_none() {
             return self.drop_block(id);
         }
-        b.ssd = None;
+        b.ssd = Locator::NONE;
         let ev = b.event(id, EventKind::Removed, Tier::Ssd);
         let meta = MetaOp::Remove { tenant, key: Box::from(&*b.key) };
         self.copy_removed(tenant, Tier::Ssd, size);
