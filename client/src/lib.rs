@@ -470,7 +470,9 @@ impl Client {
         self.timed(async {
             let s = self.session().await?;
             if let Some(link) = s.local.as_ref().filter(|l| l.usable() && l.fits(frame.len())) {
-                return link.call(&frame).await;
+                if let Some(resp) = link.call(&frame).await? {
+                    return Ok(resp);
+                }
             }
             let (conn, mut tx, mut rx) = self.open().await?;
             tx.write_all(&frame).await?;

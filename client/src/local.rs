@@ -15,6 +15,9 @@ use tokio::net::UnixStream;
 
 /// Idle sockets kept for reuse; more are closed when they come back.
 const MAX_IDLE: usize = 16;
+/// Sockets in use at once. The server binds at most 64 per connection and counts a socket until
+/// it sees it close; staying below that leaves room for sockets still closing.
+const MAX_OPEN: usize = 48;
 
 /// The control channel of one QUIC connection.
 pub(crate) struct LocalLink {
@@ -25,6 +28,8 @@ pub(crate) struct LocalLink {
     idle: Mutex<Vec<UnixStream>>,
     /// A socket failed: later calls go over QUIC.
     broken: AtomicBool,
+    /// One permit per socket in use.
+    open: tokio::sync::Semaphore,
 }
 
 impl std::fmt::Debug for LocalLink {
@@ -47,6 +52,7 @@ impl LocalLink {
             max_response: offer.max_response,
             idle: Mutex::new(Vec::new()),
             broken: AtomicBool::new(false),
+            open: tokio::sync::Semaphore::new(MAX_OPEN),
         };
         let first = link.connect().await?;
         link.put_back(first);
@@ -88,16 +94,27 @@ impl LocalLink {
         }
     }
 
-    /// Send one request frame (no raw bytes follow it) and read its one-frame answer.
-    pub(crate) async fn call(&self, request: &[u8]) -> Result<Response> {
+    /// Send one request frame (no raw bytes follow it) and read its one-frame answer. `None`:
+    /// nothing was sent (no socket could be bound), the caller sends the request over QUIC.
+    pub(crate) async fn call(&self, request: &[u8]) -> Result<Option<Response>> {
+        let Ok(_permit) = self.open.acquire().await else { return Ok(None) };
         let mut s = match self.take() {
             Some(s) => s,
-            None => self.connect().await?,
+            None => match self.connect().await {
+                Ok(s) => s,
+                // Too many sockets for now (some still closing on the server): not broken.
+                Err(ClientError::Status { code: ErrorCode::Rejected, .. }) => return Ok(None),
+                Err(e) => {
+                    tracing::debug!(error = %e, "control socket unavailable; requests go over QUIC");
+                    self.broken.store(true, Ordering::Relaxed);
+                    return Ok(None);
+                }
+            },
         };
         match self.exchange(&mut s, request).await {
             Ok(r) => {
                 self.put_back(s);
-                r
+                r.map(Some)
             }
             Err(e) => {
                 // The socket is in an unknown state; a server that went away takes the QUIC

@@ -139,6 +139,9 @@ async fn the_control_socket_refuses_bad_input_with_typed_errors_and_keeps_servin
     let (_, _, body) = exchange(&mut s, &trailing).await.unwrap();
     assert_eq!(code_of(&codec::decode::<Response>(&body[4..]).unwrap()), ErrorCode::Malformed);
     assert!(matches!(request(&mut s, &Request::Ping(Ping { nonce: 9 })).await, Response::Pong(p) if p.nonce == 9));
+    // LocalAttach belongs on QUIC: here it is refused, and the socket lives on.
+    assert_eq!(code_of(&request(&mut s, &Request::LocalAttach).await), ErrorCode::InvalidArgument);
+    assert!(matches!(request(&mut s, &Request::Ping(Ping { nonce: 10 })).await, Response::Pong(p) if p.nonce == 10));
 
     // An answer longer than the channel carries (a value just over its limit, fetched in band).
     let c = Client::connect(cfg_on(&srv, ADMIN_KEY, TransportChoice::Quic)).await.unwrap();
@@ -268,4 +271,46 @@ async fn the_documented_envelope_bytes_are_what_the_server_answers() {
     let mut got = vec![0u8; want.len()];
     s.read_exact(&mut got).await.unwrap();
     assert_eq!(got, want);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_concurrent_calls_share_the_sockets_and_all_succeed() {
+    let srv = TestServer::start(Opts::default());
+    let c = Client::connect(cfg_on(&srv, ADMIN_KEY, TransportChoice::Shm)).await.unwrap();
+    assert_eq!(c.control_in_use(), "local");
+    c.put("shared", b"v").await.unwrap();
+    // More calls at once than the server binds sockets per connection.
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..300 {
+        let c = c.clone();
+        calls.spawn(async move { c.exists(&["shared", &format!("absent-{i}")]).await });
+    }
+    while let Some(r) = calls.join_next().await {
+        assert_eq!(r.unwrap().unwrap(), vec![true, false]);
+    }
+    assert_eq!(c.control_in_use(), "local", "the channel is still in use");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_read_its_answers_loses_the_socket_not_the_pool() {
+    let srv = TestServer::start(Opts { extra: "[limits]\nrequest_timeout_ms = 300\n".into(), ..Opts::default() });
+    let c = Client::connect(cfg_on(&srv, ADMIN_KEY, TransportChoice::Quic)).await.unwrap();
+    let big = value_for("big", 2 << 20);
+    c.put("big", &big).await.unwrap();
+    let (_raw, offer) = attached(&srv, ADMIN_KEY).await;
+    let mut s = bind(&offer, &offer.token).await.unwrap();
+    // Gets of 2 MiB, never read: the socket buffer fills, the server's write waits, then gives up.
+    let get = encode_frame(&Request::Get(KeysRequest { keys: vec![b"big".to_vec()] })).unwrap();
+    let mut env = (get.len() as u32).to_le_bytes().to_vec();
+    env.extend_from_slice(&get);
+    for _ in 0..4 {
+        if s.write_all(&env).await.is_err() {
+            break;
+        }
+    }
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), s.read_to_end(&mut rest)).await.expect("closed in time");
+    assert!(read.is_err() || rest.len() < 4 * (2 << 20), "the server stopped answering a client that does not read");
+    assert_eq!(c.get("big").await.unwrap().unwrap(), big, "the pool serves on");
 }

@@ -156,12 +156,13 @@ impl Drop for Ticket {
 
 impl ShmServer {
     /// Listen on `path` (a stale socket there is replaced). Connections from users other than
-    /// `allowed_uids` (empty: only the server's own user) are refused.
+    /// the server's own and `allowed_uids` are refused.
     pub fn start(path: &Path, transport: Arc<LocalTransport>, allowed_uids: Vec<u32>) -> io::Result<ShmServer> {
         let _ = std::fs::remove_file(path);
         let listener = UnixListener::bind(path)?;
-        let allowed_uids =
-            if allowed_uids.is_empty() { vec![rustix::process::getuid().as_raw()] } else { allowed_uids };
+        // The server's own user always, and the listed ones.
+        let mut allowed_uids = allowed_uids;
+        allowed_uids.push(rustix::process::getuid().as_raw());
         let inner = Arc::new(ServerInner { transport, tickets: Mutex::new(HashMap::new()), allowed_uids });
         let acc = inner.clone();
         std::thread::Builder::new().name("kvpool-shm".into()).spawn(move || {

@@ -70,21 +70,26 @@ pub struct LocalControl {
 }
 
 impl LocalControl {
-    /// Bind `path` (a stale socket there is replaced). Users other than `allowed_uids` (empty:
-    /// only the server's own user) are refused. Nothing is served until [`serve`] runs.
+    /// Bind `path` (a stale socket there is replaced). Users other than the server's own and
+    /// `allowed_uids` are refused. Nothing is served until [`serve`] runs.
     pub fn bind(path: &Path, allowed_uids: Vec<u32>, max_frame: u32) -> io::Result<LocalControl> {
         let _ = std::fs::remove_file(path);
         let listener = std::os::unix::net::UnixListener::bind(path)?;
         listener.set_nonblocking(true)?;
-        let allowed_uids =
-            if allowed_uids.is_empty() { vec![rustix::process::getuid().as_raw()] } else { allowed_uids };
-        let max = max_frame.saturating_add(4).saturating_add(RAW_ALLOWANCE);
+        // The server's own user always, and the listed ones.
+        let mut allowed_uids = allowed_uids;
+        allowed_uids.push(rustix::process::getuid().as_raw());
+        let max_request = max_frame.saturating_add(4).saturating_add(RAW_ALLOWANCE);
+        // An answer is at most about as long as its request's frame (keys in, a status or a
+        // location per key out); twice that leaves room, so that a request whose effects took
+        // place is not answered with an overflow.
+        let max_response = max_frame.saturating_mul(2).saturating_add(4).saturating_add(RAW_ALLOWANCE);
         Ok(LocalControl {
             path: path.to_owned(),
             allowed_uids,
             tokens: Arc::default(),
-            max_request: max,
-            max_response: max,
+            max_request,
+            max_response,
             listener: Mutex::new(Some(listener)),
         })
     }
@@ -197,31 +202,55 @@ async fn serve_socket(mut sock: UnixStream, shared: &Arc<Shared>) -> io::Result<
             let frame = encode_frame(&Response::Error(error(ErrorCode::FrameTooLarge, m))).map_err(io::Error::other)?;
             return answer(&mut sock, 0, 0, &frame).await;
         }
-        let mut body = vec![0u8; len as usize];
-        match tokio::time::timeout(shared.timeouts.request, sock.read_exact(&mut body)).await {
-            Ok(r) => r?,
+        // Memory follows the bytes that arrive, not the length a client claims.
+        let mut body = Vec::with_capacity((len as usize).min(64 << 10));
+        let mut limited = (&mut sock).take(len as u64);
+        match tokio::time::timeout(shared.timeouts.request, limited.read_to_end(&mut body)).await {
+            Ok(Ok(n)) if n == len as usize => {}
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(e)) => return Err(e),
             Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "request envelope incomplete in time")),
-        };
+        }
         let Some(session) = binding.session.upgrade() else { return Ok(()) };
-        let mut recv = MemRecv::new(body);
-        let mut send = MemSend::bounded(local.max_response as usize);
-        handle_stream(&mut recv, &mut send, &session, shared).await;
+        let (end, code, bytes) = if kvpool_proto::message_tag(body.get(4..).unwrap_or(&[])) == Some(LOCAL_ATTACH_TAG) {
+            // It would close the socket that carries it: ask on QUIC.
+            let m = "LocalAttach is asked on the QUIC connection, not on its control socket".to_string();
+            (0, 0, encode_frame(&Response::Error(error(ErrorCode::InvalidArgument, m))).map_err(io::Error::other)?)
+        } else {
+            let mut recv = MemRecv::new(body);
+            let mut send = MemSend::bounded(local.max_response as usize);
+            handle_stream(&mut recv, &mut send, &session, shared).await;
+            drop(recv);
+            if send.overflowed {
+                let m = format!(
+                    "the answer exceeds the control channel's {} bytes (the request may have taken effect); \
+                     move bulk bytes with GetInto or over QUIC",
+                    local.max_response
+                );
+                (0, 0, encode_frame(&Response::Error(error(ErrorCode::ValueTooLarge, m))).map_err(io::Error::other)?)
+            } else {
+                match send.reset {
+                    Some(code) => (1, code, send.written),
+                    None => (0, 0, send.written),
+                }
+            }
+        };
         drop(session);
         shared.metrics.local_requests.inc();
-        if send.overflowed {
-            let m = format!(
-                "the answer exceeds the control channel's {} bytes; move bulk bytes with GetInto or over QUIC",
-                local.max_response
-            );
-            let frame = encode_frame(&Response::Error(error(ErrorCode::ValueTooLarge, m))).map_err(io::Error::other)?;
-            answer(&mut sock, 0, 0, &frame).await?;
-        } else if let Some(code) = send.reset {
-            answer(&mut sock, 1, code, &send.written).await?;
-        } else {
-            answer(&mut sock, 0, 0, &send.written).await?;
+        // A client that does not read its answer loses the socket, as on QUIC it would lose the
+        // stream; nor does the socket outlive its connection while it waits.
+        tokio::select! {
+            r = tokio::time::timeout(shared.timeouts.request, answer(&mut sock, end, code, &bytes)) => match r {
+                Ok(r) => r?,
+                Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "answer not read in time")),
+            },
+            _ = alive.changed() => return Ok(()),
         }
     }
 }
+
+/// Tag of `Request::LocalAttach` (section 11.2 of PROTOCOL.md).
+const LOCAL_ATTACH_TAG: u32 = 21;
 
 /// One response envelope: end (0 finished, 1 reset), reset code, length, bytes.
 async fn answer(sock: &mut UnixStream, end: u8, code: u32, bytes: &[u8]) -> io::Result<()> {
@@ -246,5 +275,14 @@ struct SocketCount(Arc<AtomicUsize>);
 impl Drop for SocketCount {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_local_attach_tag_is_the_encoded_one() {
+        let body = kvpool_proto::codec::encode(&kvpool_proto::Request::LocalAttach).unwrap();
+        assert_eq!(kvpool_proto::message_tag(&body), Some(super::LOCAL_ATTACH_TAG));
     }
 }

@@ -211,6 +211,14 @@ async fn handle_connection(connecting: quinn::Connecting, shared: Arc<Shared>) -
         }
     };
     debug!(tenant = %session.principal.tenant, version = session.version, "authenticated");
+    // However the loop ends, what the connection lent out ends with it.
+    struct Ending(Arc<Session>);
+    impl Drop for Ending {
+        fn drop(&mut self) {
+            self.0.end();
+        }
+    }
+    let _ending = Ending(session.clone());
     loop {
         let (mut send, mut recv) = conn.accept_bi().await?;
         let (session, s) = (session.clone(), shared.clone());
@@ -218,10 +226,18 @@ async fn handle_connection(connecting: quinn::Connecting, shared: Arc<Shared>) -
         // A small request (a lookup, a stats) is usually whole on arrival and answered in one
         // poll: run that poll here and spare a task spawn and the wake-up of another worker.
         // Anything that has to wait goes on as a task of its own.
-        let first =
-            std::future::poll_fn(|cx| std::task::Poll::Ready(std::future::Future::poll(request.as_mut(), cx))).await;
-        if first.is_pending() {
-            tokio::spawn(request);
+        let first = std::future::poll_fn(|cx| {
+            let poll = std::panic::AssertUnwindSafe(|| std::future::Future::poll(request.as_mut(), cx));
+            std::task::Poll::Ready(std::panic::catch_unwind(poll))
+        })
+        .await;
+        match first {
+            Ok(std::task::Poll::Pending) => {
+                tokio::spawn(request);
+            }
+            Ok(std::task::Poll::Ready(())) => {}
+            // As a spawned request's panic ends its task only: the connection serves on.
+            Err(_) => warn!("a request handler panicked; the request is dropped"),
         }
     }
 }

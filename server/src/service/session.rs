@@ -69,6 +69,13 @@ impl Session {
         *self.shm.lock() = Some(ticket);
     }
 
+    /// The connection ended: its control sockets close and its shared buffers are let go now,
+    /// even while a request in flight still holds the session.
+    pub fn end(&self) {
+        self.local.lock().take();
+        self.shm.lock().take();
+    }
+
     /// A new control-channel ticket for this connection (sockets bound by an earlier one close).
     pub fn set_local(&self, ticket: super::local::LocalTicket) {
         *self.local.lock() = Some(ticket);

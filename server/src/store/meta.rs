@@ -21,10 +21,61 @@ pub enum MetaError {
     WriterGone,
 }
 
+/// Work to run once every earlier op is durable.
+type AfterDurable = Box<dyn FnOnce() + Send>;
+
 enum Msg {
     Ops(Vec<MetaOp>),
     /// Reply once every earlier op is in sled and sled is flushed.
     Flush(mpsc::Sender<Result<(), String>>),
+    /// Run once every earlier op is in sled and sled is flushed.
+    After(AfterDurable),
+    /// Reply once every earlier message is done.
+    Barrier(tokio::sync::oneshot::Sender<()>),
+}
+
+/// The writer thread: applies ops in order; callbacks and barriers wait for the messages before
+/// them, and one flush serves every callback that queued up meanwhile.
+fn write_loop(rx: mpsc::Receiver<Msg>, db: sled::Db, blocks: sled::Tree) {
+    let mut after: Vec<AfterDurable> = Vec::new();
+    let mut barriers: Vec<tokio::sync::oneshot::Sender<()>> = Vec::new();
+    let settle = |after: &mut Vec<AfterDurable>, barriers: &mut Vec<tokio::sync::oneshot::Sender<()>>| {
+        if !after.is_empty() {
+            if let Err(e) = db.flush() {
+                tracing::warn!(error = %e, "metadata flush failed; freeing space anyway");
+            }
+            after.drain(..).for_each(|f| f());
+        }
+        barriers.drain(..).for_each(|b| {
+            let _ = b.send(());
+        });
+    };
+    while let Ok(first) = rx.recv() {
+        let mut next = Some(first);
+        while let Some(msg) = next {
+            match msg {
+                Msg::Ops(ops) => {
+                    for op in &ops {
+                        if let Err(e) = apply(&blocks, op) {
+                            tracing::warn!(error = %e, "metadata write failed");
+                        }
+                    }
+                }
+                Msg::Flush(reply) => {
+                    let _ = reply.send(db.flush().map(|_| ()).map_err(|e| e.to_string()));
+                }
+                Msg::After(f) => after.push(f),
+                // In order: a barrier waits for the callbacks queued before it.
+                Msg::Barrier(b) => {
+                    settle(&mut after, &mut barriers);
+                    let _ = b.send(());
+                }
+            }
+            next = rx.try_recv().ok();
+        }
+        settle(&mut after, &mut barriers);
+    }
+    settle(&mut after, &mut barriers);
 }
 
 pub struct Meta {
@@ -75,24 +126,27 @@ impl Meta {
         let (wdb, wblocks) = (db.clone(), blocks.clone());
         let writer = std::thread::Builder::new()
             .name("kvpool-meta".into())
-            .spawn(move || {
-                for msg in rx {
-                    match msg {
-                        Msg::Ops(ops) => {
-                            for op in &ops {
-                                if let Err(e) = apply(&wblocks, op) {
-                                    tracing::warn!(error = %e, "metadata write failed");
-                                }
-                            }
-                        }
-                        Msg::Flush(reply) => {
-                            let _ = reply.send(wdb.flush().map(|_| ()).map_err(|e| e.to_string()));
-                        }
-                    }
-                }
-            })
+            .spawn(move || write_loop(rx, wdb, wblocks))
             .map_err(|e| MetaError::Sled(sled::Error::Io(e)))?;
         Ok(Meta { db, blocks, kv, queue: Some(tx), writer: Some(writer) })
+    }
+
+    /// Run `f` once every op enqueued before it is applied and flushed to disk: space that a
+    /// removed record named is reused only when no crash can bring that record back.
+    pub fn after_durable(&self, f: impl FnOnce() + Send + 'static) {
+        let Some(q) = &self.queue else { return f() };
+        if let Err(mpsc::SendError(Msg::After(f))) = q.send(Msg::After(Box::new(f))) {
+            // The writer is gone (shutting down): nothing more is persisted either.
+            f();
+        }
+    }
+
+    /// Resolves once everything enqueued before it (ops and [`Meta::after_durable`] work) is done.
+    pub async fn barrier(&self) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        if self.queue.as_ref().is_some_and(|q| q.send(Msg::Barrier(tx)).is_ok()) {
+            let _ = rx.await;
+        }
     }
 
     /// Queue changes for the writer. Call while still holding the lock under which the index

@@ -393,13 +393,20 @@ impl Store {
         self.spaces().into_iter().map(|(s, _, _)| (s.tier(), s.capacity(), s.used())).collect()
     }
 
-    /// Free what the index let go of: DRAM copies drop here, SSD extents go back to the tier.
+    /// Free what the index let go of: DRAM copies drop here; SSD extents go back to the tier once
+    /// the removal of their records is durable (a crash before that must not find a record
+    /// naming an extent that a newer block overwrote).
     fn release(&self, dropped: impl IntoIterator<Item = Dropped<DramCopy>>) {
+        let mut extents = Vec::new();
         for d in dropped {
             drop(d.dram);
-            if let (Some((offset, len)), Some(s)) = (d.ssd, &self.ssd) {
-                s.release(SsdExtent { offset, len });
+            if let Some((offset, len)) = d.ssd {
+                extents.push(SsdExtent { offset, len });
             }
+        }
+        if let (false, Some(s)) = (extents.is_empty(), &self.ssd) {
+            let s = s.clone();
+            self.meta.after_durable(move || extents.into_iter().for_each(|e| s.release(e)));
         }
     }
 
@@ -469,9 +476,10 @@ impl Store {
         Ok(b)
     }
 
-    /// An extent of `len` bytes in tier `m`, evicting from it to make room. A tier whose space
-    /// comes back on its own (DRAM: reads in flight end) is waited on until `deadline`; any
-    /// other gives up after a few rounds of eviction that freed nothing usable.
+    /// An extent of `len` bytes in tier `m`, evicting from it to make room. With a `deadline`,
+    /// eviction goes on while it frees anything, and then a tier whose space comes back on its
+    /// own (DRAM: reads in flight end) is waited on until the deadline. Without one, it gives up
+    /// after a few rounds of eviction that freed nothing usable.
     async fn reserve_in<M: Medium>(
         &self,
         m: &M,
@@ -491,7 +499,11 @@ impl Store {
             // Free at least this block's room (more when fragmentation defeats the first round).
             let need = m.footprint(len).max(m.capacity() / 64);
             rounds += 1;
-            if rounds <= 4 && Box::pin(self.evict(m.tier(), need)).await > 0 {
+            if (deadline.is_some() || rounds <= 4) && Box::pin(self.evict(m.tier(), need)).await > 0 {
+                if m.tier() == Tier::Ssd {
+                    // Evicted extents come back once their records' removal is durable.
+                    self.meta.barrier().await;
+                }
                 continue;
             }
             match (notified.as_pin_mut(), deadline) {
@@ -499,7 +511,6 @@ impl Store {
                     if tokio::time::timeout_at(d, n).await.is_err() {
                         return None;
                     }
-                    rounds = 0;
                 }
                 _ => return None,
             }
@@ -683,14 +694,17 @@ impl Store {
         if let Some(mut pol) = self.policies.try_lock() {
             self.feed(&mut pol);
         }
-        // Above its high watermark, a tier is brought down to its low one.
-        let over: Vec<(Tier, u64)> = self
-            .spaces()
-            .into_iter()
-            .filter(|(s, high, _)| s.used() as f64 > high * s.capacity() as f64)
-            .map(|(s, _, low)| (s.tier(), s.used().saturating_sub((low * s.capacity() as f64) as u64)))
-            .collect();
-        for (tier, excess) in over {
+        // Above its high watermark, a tier is brought down to its low one, fastest tier first;
+        // each is measured when its turn comes (demotions from the one before fill it).
+        let tiers = self.spaces().len();
+        for i in 0..tiers {
+            let (tier, excess) = {
+                let (s, high, low) = self.spaces()[i];
+                if s.used() as f64 <= high * s.capacity() as f64 {
+                    continue;
+                }
+                (s.tier(), s.used().saturating_sub((low * s.capacity() as f64) as u64))
+            };
             self.evict(tier, excess).await;
         }
         self.update_gauges();
@@ -776,8 +790,15 @@ impl Store {
 
     async fn promote(&self, id: u64, file: u64, data: Vec<u8>) {
         let len = data.len() as u64;
-        // Off the request path: evict for room, but never wait for it.
-        let Some(mut blk) = self.reserve_in(&self.dram, len, None).await else { return };
+        // Off the request path: room for this block only, and never a wait for it.
+        let mut blk = match self.dram.reserve(len) {
+            Some(b) => b,
+            None => {
+                self.evict(Tier::Dram, self.dram.footprint(len)).await;
+                let Some(b) = self.dram.reserve(len) else { return };
+                b
+            }
+        };
         if Medium::write(&self.dram, &mut blk, 0, &data).is_err() {
             return;
         }
