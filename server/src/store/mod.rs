@@ -500,8 +500,8 @@ impl Store {
             let need = m.footprint(len).max(m.capacity() / 64);
             rounds += 1;
             if (deadline.is_some() || rounds <= 4) && Box::pin(self.evict(m.tier(), need)).await > 0 {
-                if m.tier() == Tier::Ssd {
-                    // Evicted extents come back once their records' removal is durable.
+                if m.persistent() {
+                    // Evicted space comes back once the removal of its records is durable.
                     self.meta.barrier().await;
                 }
                 continue;

@@ -31,6 +31,11 @@ pub trait Space: Send + Sync {
     fn freed(&self) -> Option<&Notify> {
         None
     }
+    /// Copies in this tier outlive a restart (their records are in sled): space that a removed
+    /// copy held is reused only once the record's removal is durable.
+    fn persistent(&self) -> bool {
+        false
+    }
 
     fn free(&self) -> u64 {
         self.capacity().saturating_sub(self.used())
@@ -119,6 +124,9 @@ impl Space for super::ssd::SsdTier {
     fn footprint(&self, len: u64) -> u64 {
         super::ssd::SsdTier::footprint(len)
     }
+    fn persistent(&self) -> bool {
+        true
+    }
 }
 
 impl Medium for super::ssd::SsdTier {
@@ -176,7 +184,7 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let ssd = super::super::ssd::SsdTier::open(dir.path(), 4 << 20, false).unwrap();
         assert_eq!(Space::tier(&ssd), Tier::Ssd);
-        assert!(ssd.freed().is_none());
+        assert!(ssd.freed().is_none() && ssd.persistent() && !dram.persistent());
         exercise(&ssd);
     }
 }
