@@ -119,13 +119,18 @@ impl Worker {
     }
 }
 
+/// One request without raw bytes through the handler on `session`: its answer.
+async fn ask(w: &Worker, session: &Arc<Session>, req: &Request) -> Result<Response> {
+    let (_, send) = run_on(w, session.clone(), MemRecv::new(encode_frame(req)?), MemSend::default())
+        .await
+        .map_err(anyhow::Error::msg)?;
+    let len = u32::from_le_bytes(send.written[..4].try_into()?) as usize;
+    Ok(codec::decode::<Response>(&send.written[4..4 + len])?)
+}
+
 /// Attach a session's client over the real shm socket and share two buffers with the server.
 async fn attach(w: &Worker, session: &Arc<Session>) -> Result<(ShmClient, Vec<SharedBuffer>)> {
-    let frame = encode_frame(&Request::ShmAttach)?;
-    let (_, send) =
-        run_on(w, session.clone(), MemRecv::new(frame), MemSend::default()).await.map_err(anyhow::Error::msg)?;
-    let len = u32::from_le_bytes(send.written[..4].try_into()?) as usize;
-    let Response::ShmOffer(offer) = codec::decode::<Response>(&send.written[4..4 + len])? else {
+    let Response::ShmOffer(offer) = ask(w, session, &Request::ShmAttach).await? else {
         bail!("no shm offer: is the fuzz node's shm socket up?")
     };
     let link = ShmClient::connect(std::path::Path::new(&offer.socket_path), &offer.token)?;
@@ -296,12 +301,7 @@ async fn fuzz_socket(w: &Worker, rng: &mut StdRng, n: u64) -> Result<u64> {
         // Half the time a genuine token, so that the messages after the attach are reached.
         let token: Vec<u8> = if rng.gen_bool(0.5) {
             let throwaway = Session::new(w.principals[0].clone(), kvpool_proto::PROTOCOL_VERSION);
-            let (_, send) =
-                run_on(w, throwaway.clone(), MemRecv::new(encode_frame(&Request::ShmAttach)?), MemSend::default())
-                    .await
-                    .map_err(anyhow::Error::msg)?;
-            let len = u32::from_le_bytes(send.written[..4].try_into()?) as usize;
-            match codec::decode::<Response>(&send.written[4..4 + len])? {
+            match ask(w, &throwaway, &Request::ShmAttach).await? {
                 Response::ShmOffer(o) => o.token,
                 other => bail!("no offer: {other:?}"),
             }
@@ -377,12 +377,7 @@ async fn fuzz_control(w: &Worker, rng: &mut StdRng, n: u64) -> Result<u64> {
     for _ in 0..n {
         // A session that asked for the channel lives while its socket is fuzzed.
         let session = Session::new(w.principals[rng.gen_range(0..w.principals.len())].clone(), 2);
-        let (_, send) =
-            run_on(w, session.clone(), MemRecv::new(encode_frame(&Request::LocalAttach)?), MemSend::default())
-                .await
-                .map_err(anyhow::Error::msg)?;
-        let len = u32::from_le_bytes(send.written[..4].try_into()?) as usize;
-        let offer = match codec::decode::<Response>(&send.written[4..4 + len])? {
+        let offer = match ask(w, &session, &Request::LocalAttach).await? {
             Response::LocalOffer(o) => o,
             other => bail!("no control offer: {other:?}"),
         };

@@ -165,6 +165,13 @@ sha256 = "{bob}"
         cfg
     }
 
+    /// A client configuration for `key` on transport `t`, whatever the run asks for.
+    pub fn client_config_on(&self, key: &str, t: kvpool_client::TransportChoice) -> ClientConfig {
+        let mut cfg = self.client_config(key);
+        cfg.transport = t;
+        cfg
+    }
+
     pub async fn client(&self, key: &str) -> Client {
         Client::connect(self.client_config(key)).await.expect("connect")
     }

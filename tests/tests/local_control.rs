@@ -12,9 +12,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::UnixStream;
 
 fn cfg_on(srv: &TestServer, key: &str, t: TransportChoice) -> ClientConfig {
-    let mut c = srv.client_config(key);
-    c.transport = t;
-    c
+    srv.client_config_on(key, t)
 }
 
 /// A version 2 QUIC connection that asked for the control channel.

@@ -11,9 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 fn cfg_on(srv: &TestServer, key: &str, t: TransportChoice) -> ClientConfig {
-    let mut c = srv.client_config(key);
-    c.transport = t;
-    c
+    srv.client_config_on(key, t)
 }
 
 async fn client_on(srv: &TestServer, key: &str, t: TransportChoice) -> Client {

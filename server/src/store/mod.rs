@@ -751,10 +751,7 @@ impl Store {
         let extent = SsdExtent { offset: file, len: size };
         let read = tokio::task::spawn_blocking(move || match target {
             Some(mut blk) => Medium::read_into(&*ssd, &extent, 0, blk.bytes_mut()).map(|()| (Some(blk), Vec::new())),
-            None => {
-                let mut v = vec![0u8; size as usize];
-                Medium::read_into(&*ssd, &extent, 0, &mut v).map(|()| (None, v))
-            }
+            None => Medium::read(&*ssd, &extent, size).map(|v| (None, v)),
         })
         .await;
         let (blk, vec) = match read {

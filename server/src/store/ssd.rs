@@ -247,13 +247,6 @@ impl SsdTier {
         Ok(())
     }
 
-    /// Read a block's bytes (the caller checks them against the block's checksum).
-    pub fn read(&self, offset: u64, len: u64) -> Result<Vec<u8>, SsdError> {
-        let mut buf = vec![0u8; len as usize];
-        self.read_into(offset, &mut buf)?;
-        Ok(buf)
-    }
-
     /// Read into a buffer of exactly the block's length.
     pub fn read_into(&self, offset: u64, buf: &mut [u8]) -> Result<(), SsdError> {
         self.check(offset, buf.len() as u64)?;
@@ -282,6 +275,10 @@ pub fn legacy_files(dir: &Path) -> Vec<(u64, u64, PathBuf)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn read(t: &SsdTier, offset: u64, len: u64) -> Vec<u8> {
+        crate::store::tier::Medium::read(t, &crate::store::tier::SsdExtent { offset, len }, len).unwrap()
+    }
 
     #[test]
     fn best_fit_merges_and_claims_exact_extents() {
@@ -346,7 +343,7 @@ mod tests {
         let e = t.try_reserve(5000).unwrap();
         assert_eq!(t.used(), 8192);
         t.write(e, &[7u8; 5000]).unwrap();
-        assert_eq!(t.read(e, 5000).unwrap(), vec![7u8; 5000]);
+        assert_eq!(read(&t, e, 5000), vec![7u8; 5000]);
         t.free(e, 5000);
         assert_eq!(t.used(), 0);
         assert!(t.try_reserve(2 << 20).is_none());
@@ -356,6 +353,6 @@ mod tests {
         assert!(t.adopt(e, 5000));
         assert!(!t.adopt(e + 4096, 10), "overlaps");
         assert!(!t.adopt(7, 10), "unaligned");
-        assert_eq!(t.read(e, 5000).unwrap(), vec![7u8; 5000]);
+        assert_eq!(read(&t, e, 5000), vec![7u8; 5000]);
     }
 }

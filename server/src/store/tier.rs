@@ -55,6 +55,13 @@ pub trait Medium: Space {
     fn write(&self, extent: &mut Self::Extent, at: u64, data: &[u8]) -> Result<(), MediumError>;
     /// Copy the extent's bytes from byte `at` into `buf` (the caller checks the checksum).
     fn read_into(&self, extent: &Self::Extent, at: u64, buf: &mut [u8]) -> Result<(), MediumError>;
+
+    /// The first `len` bytes of the extent, in a buffer of their own.
+    fn read(&self, extent: &Self::Extent, len: u64) -> Result<Vec<u8>, MediumError> {
+        let mut buf = vec![0u8; len as usize];
+        self.read_into(extent, 0, &mut buf)?;
+        Ok(buf)
+    }
 }
 
 fn fits(at: u64, len: usize, extent: u64) -> Result<(), MediumError> {
