@@ -2,7 +2,10 @@
 //! beside libCacheSim's implementations, Belady and the unlimited cache.
 
 use crate::pool::PoolStats;
-use crate::sim::{self, Belady, CacheSim, Pair, WasmSet, BELADY_NOTE};
+use crate::sim::{self, Belady, CacheSim, OracleAdmission, Pair, WasmSet, BELADY_NOTE, ORACLE_NOTE};
+
+/// The row of the offline admission bound (see [`OracleAdmission`]).
+const ORACLE_ROW: &str = "offline/oracle-admission+leaf-lru";
 use crate::trace::{self, Hits, Trace};
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -90,6 +93,7 @@ pub struct ReplayReport {
     pub unlimited_block_hit_rate: f64,
     pub unlimited_token_hit_rate: f64,
     pub belady: &'static str,
+    pub oracle: &'static str,
     pub libcachesim_version: Option<String>,
     pub rows: Vec<ResultRow>,
 }
@@ -282,7 +286,8 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
         }
     }
     let with_belady = selected(&a.policies, "offline/belady");
-    let runs = (factories.len() + usize::from(with_belady)) * caps.len();
+    let with_oracle = selected(&a.policies, ORACLE_ROW);
+    let runs = (factories.len() + usize::from(with_belady) + usize::from(with_oracle)) * caps.len();
     let pb = progress((runs * trace.requests.len()) as u64, "requests");
 
     let mut rows = Vec::new();
@@ -321,6 +326,18 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
             let mut s = CacheSim::with_clock(Box::new(Belady::new(&trace, clock.clone())), cap.1, clock);
             s.run(&trace, || pb.inc(1));
             rows.push(row("offline/belady", "offline", cap, &s, None, t.elapsed().as_secs_f64()));
+        }
+    }
+    if with_oracle {
+        for &cap in &caps {
+            pb.set_message(format!("oracle admission @ {}", cap.0));
+            let t = Instant::now();
+            let clock = Rc::new(Cell::new(0));
+            let admission = Box::new(OracleAdmission::new(&trace, clock.clone()));
+            let eviction = sim::native_eviction("leaf-lru", &Params::new())?;
+            let mut s = CacheSim::pair_with_clock(admission, eviction, cap.1, clock);
+            s.run(&trace, || pb.inc(1));
+            rows.push(row(ORACLE_ROW, "offline", cap, &s, None, t.elapsed().as_secs_f64()));
         }
     }
     pb.finish_and_clear();
@@ -368,6 +385,7 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
         unlimited_block_hit_rate: unl.block_rate(),
         unlimited_token_hit_rate: unl.token_rate(),
         belady: BELADY_NOTE,
+        oracle: ORACLE_NOTE,
         libcachesim_version: lcs_version,
         rows,
     };
@@ -388,6 +406,7 @@ fn print_report(r: &ReplayReport, caps: &[(f64, usize)]) {
         r.trace, r.requests, r.block_accesses, r.distinct_blocks, r.unlimited_block_hit_rate, r.unlimited_token_hit_rate
     );
     println!("{}", r.belady);
+    println!("{}", r.oracle);
     if let Some(v) = &r.libcachesim_version {
         println!("libCacheSim {v} (default parameters, driven the same way: prefix lookup, then get of every block)");
     }

@@ -2,9 +2,10 @@
 
 use bytesize::ByteSize;
 use clap::{Parser, Subcommand, ValueEnum};
-use kvpool_client::proto::{PolicyInfo, PolicyKind};
+use kvpool_client::proto::{EventScope, PolicyInfo, PolicyKind};
 use kvpool_client::{
-    read_key_file, Client, ClientConfig, ClientError, EndpointInfo, ErrorCode, PinSpec, PutOptions, StatsReport, Trust,
+    read_key_file, Client, ClientConfig, ClientError, EndpointInfo, ErrorCode, PinSpec, PutOptions, StatsReport,
+    SubscribeOptions, Trust,
 };
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -121,6 +122,21 @@ enum Cmd {
     Policy {
         #[command(subcommand)]
         cmd: PolicyCmd,
+    },
+    /// Follow KV events (block copies stored, removed, evicted) as JSON lines
+    Events {
+        /// Resume from this sequence number (a `next` printed earlier); default: from now
+        #[arg(long)]
+        from: Option<u64>,
+        /// Every tenant's events (admin key)
+        #[arg(long)]
+        all: bool,
+        /// Stop after this many events
+        #[arg(long)]
+        count: Option<u64>,
+        /// Stop after this many milliseconds without an event (default: follow until killed)
+        #[arg(long)]
+        idle_ms: Option<u64>,
     },
     /// Measure round-trip time
     Ping {
@@ -372,7 +388,7 @@ async fn run(cli: Cli) -> Outcome {
         Cmd::Lookup { keys } | Cmd::Exists { keys } | Cmd::Rm { keys, .. } => {
             parse_keys(keys, cli.hex)?;
         }
-        Cmd::Stats { .. } | Cmd::Ping { .. } | Cmd::Policy { .. } => {}
+        Cmd::Stats { .. } | Cmd::Ping { .. } | Cmd::Policy { .. } | Cmd::Events { .. } => {}
     }
     let cfg = client_config(&cli)?;
     let client = Client::connect(cfg).await?;
@@ -465,6 +481,34 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
                     exit: if failed.iter().all(|(_, c)| *c == ErrorCode::NotFound) { 3 } else { 1 },
                     line: format!("{code}: {} of {} keys not removed: {}", failed.len(), ks.len(), names.join(", ")),
                 });
+            }
+        }
+        Cmd::Events { from, all, count, idle_ms } => {
+            let scope = if *all { EventScope::All } else { EventScope::Tenant };
+            let mut sub = client.subscribe(SubscribeOptions { from: *from, scope, max_batch: 0 }).await?;
+            let idle = idle_ms.map(Duration::from_millis).unwrap_or(Duration::MAX);
+            let mut seen = 0u64;
+            while count.is_none_or(|c| seen < c) {
+                let Some(b) = sub.next_within(idle).await? else { break };
+                if b.lagged > 0 {
+                    let line = serde_json::json!({ "lagged": b.lagged, "next": b.next, "log_id": format!("{:016x}", b.log_id) });
+                    out(format_args!("{line}\n"))?;
+                }
+                for e in b.events.iter().take(count.map_or(usize::MAX, |c| (c - seen) as usize)) {
+                    let line = serde_json::json!({
+                        "seq": e.seq,
+                        "kind": format!("{:?}", e.kind).to_lowercase(),
+                        "tier": match e.tier { 0 => "device", 1 => "dram", 2 => "ssd", _ => "unknown" },
+                        "node": e.node,
+                        "tenant": e.tenant,
+                        "key": display_key(&e.key, hex),
+                        "parent": e.parent.as_deref().map(|p| display_key(p, hex)),
+                        "size": e.size,
+                        "time_ms": e.time_ms,
+                    });
+                    out(format_args!("{line}\n"))?;
+                    seen += 1;
+                }
             }
         }
         Cmd::Stats { json } => {

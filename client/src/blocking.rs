@@ -155,10 +155,39 @@ impl Client {
     ) -> Result<PolicyInfo> {
         self.run(self.inner.policy_load(kind, name, params, wasm))
     }
+    /// Follow the pool's KV events (see [`crate::Client::subscribe`]).
+    pub fn subscribe(&self, opts: crate::SubscribeOptions) -> Result<Subscription> {
+        let inner = self.run(self.inner.subscribe(opts))?;
+        Ok(Subscription { inner, rt: self.rt.clone() })
+    }
+
     pub fn policy_list(&self) -> Result<Vec<PolicyInfo>> {
         self.run(self.inner.policy_list())
     }
     pub fn policy_rollback(&self, kind: PolicyKind) -> Result<PolicyInfo> {
         self.run(self.inner.policy_rollback(kind))
+    }
+}
+
+/// A blocking [`crate::Subscription`].
+#[derive(Debug)]
+pub struct Subscription {
+    // Dropped before the runtime it runs on.
+    inner: crate::Subscription,
+    rt: Arc<tokio::runtime::Runtime>,
+}
+
+impl Subscription {
+    pub fn log_id(&self) -> u64 {
+        self.inner.log_id()
+    }
+
+    pub fn resume_from(&self) -> u64 {
+        self.inner.resume_from()
+    }
+
+    /// The next batch within `wait` (`None` when nothing came in time).
+    pub fn next_within(&mut self, wait: Duration) -> Result<Option<kvpool_proto::EventBatch>> {
+        self.rt.block_on(self.inner.next_within(wait))
     }
 }

@@ -16,6 +16,7 @@ mod admin;
 pub mod blocking;
 mod config;
 mod error;
+mod events;
 mod local;
 mod onesided;
 mod shm;
@@ -25,6 +26,7 @@ pub mod tls;
 
 pub use config::{parse_fingerprint, read_key_file, ClientConfig, EndpointInfo, TransportChoice, Trust};
 pub use error::{ClientError, Result};
+pub use events::{SubscribeOptions, Subscription};
 pub use kvpool_net::{PathReport, QuicTuning, Segmentation};
 pub use kvpool_proto as proto;
 pub use kvpool_proto::{

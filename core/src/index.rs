@@ -6,6 +6,7 @@
 //! outside (free a copy, delete a file, write sled) is returned to the caller as data.
 
 use crate::blocks::Blocks;
+use crate::changes::{Change, ChangeKind};
 use crate::{Dropped, MetaOp, PinRequest, PutSpec};
 use kvpool_policy_sdk::{
     key_hash, Admit, AdmitBatch, AdmitRequest, Event, EventKind, Events, Pin, Tier, NO_DEPTH, NO_PARENT,
@@ -194,6 +195,19 @@ impl<D> Block<D> {
         self.lease_until.after(now)
     }
 
+    /// A KV event about this block's copy in `tier`.
+    fn change(&self, kind: ChangeKind, tier: Tier) -> Change {
+        Change {
+            kind,
+            tier,
+            tenant: self.tenant,
+            key: self.key.clone(),
+            parent: self.parent_key.clone(),
+            size: self.size,
+            time_ms: 0,
+        }
+    }
+
     /// An event about this block; `time` is stamped by [`Index::emit`] (or the snapshot).
     fn event(&self, id: u64, kind: EventKind, tier: Tier) -> Event {
         Event {
@@ -330,6 +344,8 @@ pub struct Index<D> {
     tenants: HashMap<u32, TenantCounters>,
     gran: Granularity,
     has_ssd: bool,
+    /// KV events waiting to be taken, while the feed is on ([`Index::set_change_feed`]).
+    changes: Option<Vec<Change>>,
 }
 
 /// A tenant-scoped key as stored in the index.
@@ -412,7 +428,19 @@ impl<D: CopyHandle> Index<D> {
             tenants: HashMap::new(),
             gran,
             has_ssd,
+            changes: None,
         }
+    }
+
+    /// Record a KV event for every copy that comes or goes from now on (or stop, dropping those
+    /// not yet taken). Off by default: it costs a key reference per change.
+    pub fn set_change_feed(&mut self, on: bool) {
+        self.changes = on.then(Vec::new);
+    }
+
+    /// KV events since the last call, in the order the index made the changes.
+    pub fn take_changes(&mut self) -> Vec<Change> {
+        self.changes.as_mut().map(std::mem::take).unwrap_or_default()
     }
 
     // ---- bookkeeping --------------------------------------------------------------------
@@ -746,7 +774,7 @@ impl<D: CopyHandle> Index<D> {
             if self.blocks.get(old).is_some_and(|b| b.leased(now)) {
                 return Err(PutStatus::Leased);
             }
-            let (d, m) = self.drop_block(old).expect("indexed block exists");
+            let (d, m) = self.drop_block(old, ChangeKind::Removed).expect("indexed block exists");
             replaced = Some(d);
             meta.extend(m);
         }
@@ -819,6 +847,9 @@ impl<D: CopyHandle> Index<D> {
                 self.copy_added(tenant, tier, spec.size);
                 let ev = block.event(id, EventKind::Inserted, tier);
                 self.emit(ev);
+                if let Some(c) = &mut self.changes {
+                    c.push(block.change(ChangeKind::Stored, tier));
+                }
             }
         }
         self.tenant_mut(tenant).resident += 1;
@@ -831,7 +862,7 @@ impl<D: CopyHandle> Index<D> {
 
     /// Take a block out of the index: its copies for the caller to free, and the removal of its
     /// record when it had one (only blocks with an SSD copy have one).
-    fn drop_block(&mut self, id: u64) -> Option<(Dropped<D>, Option<MetaOp>)> {
+    fn drop_block(&mut self, id: u64, why: ChangeKind) -> Option<(Dropped<D>, Option<MetaOp>)> {
         let b = self.blocks.remove(id)?;
         // Chain links: out of the parent's children (or the orphans waiting for it); the
         // children wait for this key to come back.
@@ -863,6 +894,9 @@ impl<D: CopyHandle> Index<D> {
             if b.has(tier) {
                 self.copy_removed(b.tenant, tier, b.size);
                 self.emit(b.event(id, EventKind::Removed, tier));
+                if let Some(c) = &mut self.changes {
+                    c.push(b.change(why, tier));
+                }
             }
         }
         let meta = b.ssd.is_some().then(|| MetaOp::Remove { tenant: b.tenant, key: Box::from(&*b.key) });
@@ -984,7 +1018,7 @@ impl<D: CopyHandle> Index<D> {
                 if !force && self.blocks.get(id).is_some_and(|b| b.leased(now)) {
                     return RemoveStatus::Leased;
                 }
-                let (d, m) = self.drop_block(id).expect("indexed block exists");
+                let (d, m) = self.drop_block(id, ChangeKind::Removed).expect("indexed block exists");
                 dropped.push(d);
                 meta.extend(m);
                 RemoveStatus::Ok
@@ -1004,7 +1038,7 @@ impl<D: CopyHandle> Index<D> {
                 skipped += 1;
                 continue;
             }
-            let (d, m) = self.drop_block(id).expect("listed block exists");
+            let (d, m) = self.drop_block(id, ChangeKind::Removed).expect("listed block exists");
             dropped.push(d);
             meta.extend(m);
             removed += 1;
@@ -1145,7 +1179,7 @@ impl<D: CopyHandle> Index<D> {
                     if !named.contains(&x) {
                         out.cascaded += 1;
                     }
-                    let (d, m) = self.drop_block(x).expect("exists");
+                    let (d, m) = self.drop_block(x, ChangeKind::Evicted).expect("exists");
                     out.dropped.push(d);
                     out.meta.extend(m);
                 }
@@ -1163,6 +1197,9 @@ impl<D: CopyHandle> Index<D> {
                 }
             };
             let ev = b.event(id, EventKind::Removed, tier);
+            if let Some(c) = &mut self.changes {
+                c.push(b.change(ChangeKind::Evicted, tier));
+            }
             out.dropped.push(dropped);
             self.copy_removed(tenant, tier, size);
             self.emit(ev);
@@ -1181,7 +1218,7 @@ impl<D: CopyHandle> Index<D> {
         };
         b.moving = false;
         let Some(file) = written else {
-            return match self.drop_block(id) {
+            return match self.drop_block(id, ChangeKind::Evicted) {
                 Some((dropped, meta)) => Demoted::Evicted { dropped, meta },
                 None => Demoted::Vanished,
             };
@@ -1192,6 +1229,11 @@ impl<D: CopyHandle> Index<D> {
         b.created_ms = b.created_ms.max(wall_ms);
         let removed = b.event(id, EventKind::Removed, Tier::Dram);
         let inserted = b.event(id, EventKind::Inserted, Tier::Ssd);
+        if let Some(c) = &mut self.changes {
+            // The new copy first: a router never sees the block absent while it moves.
+            c.push(b.change(ChangeKind::Stored, Tier::Ssd));
+            c.push(b.change(ChangeKind::Evicted, Tier::Dram));
+        }
         let meta = MetaOp::Put { tenant, key: Box::from(&*b.key), record: b.record() };
         self.copy_removed(tenant, Tier::Dram, size);
         self.copy_added(tenant, Tier::Ssd, size);
@@ -1210,6 +1252,9 @@ impl<D: CopyHandle> Index<D> {
         b.dram = Some(copy);
         let (tenant, size) = (b.tenant, b.size);
         let ev = b.event(id, EventKind::Inserted, Tier::Dram);
+        if let Some(c) = &mut self.changes {
+            c.push(b.change(ChangeKind::Stored, Tier::Dram));
+        }
         self.copy_added(tenant, Tier::Dram, size);
         self.tenant_mut(tenant).promotions += 1;
         self.emit(ev);
@@ -1224,10 +1269,13 @@ impl<D: CopyHandle> Index<D> {
         self.tenant_mut(tenant).corrupt += 1;
         let b = self.blocks.get_mut(id).expect("exists");
         if b.dram.is_none() {
-            return self.drop_block(id);
+            return self.drop_block(id, ChangeKind::Removed);
         }
         b.ssd = Locator::NONE;
         let ev = b.event(id, EventKind::Removed, Tier::Ssd);
+        if let Some(c) = &mut self.changes {
+            c.push(b.change(ChangeKind::Removed, Tier::Ssd));
+        }
         let meta = MetaOp::Remove { tenant, key: Box::from(&*b.key) };
         self.copy_removed(tenant, Tier::Ssd, size);
         self.emit(ev);

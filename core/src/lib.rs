@@ -8,11 +8,13 @@
 //! in one thread, the way the benchmark's replay and the unit tests do.
 
 mod blocks;
+mod changes;
 mod index;
 mod policies;
 #[cfg(test)]
 mod tests;
 
+pub use changes::{Change, ChangeBatch, ChangeKind, ChangeLog};
 pub use index::{
     BlockRecord, CopyHandle, Demoted, Evicted, Granularity, Index, Located, Pending, PutPlan, PutStatus, Recovered,
     RemoveStatus, TenantCounters, DEFAULT_MISS_MEMORY,

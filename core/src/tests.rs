@@ -494,3 +494,63 @@ fn compact_locator_and_lease_deadline() {
     assert!(!d.after(now + Duration::from_millis(50)), "a lease ends at its deadline");
     assert!(!d.after(now + Duration::from_secs(1)));
 }
+
+/// (kind, tier, key) of the index's KV events since the last call.
+fn changes(p: &mut Pool<Copy>) -> Vec<(ChangeKind, Tier, String)> {
+    p.index.take_changes().into_iter().map(|c| (c.kind, c.tier, String::from_utf8_lossy(&c.key).into_owned())).collect()
+}
+
+#[test]
+fn the_change_feed_reports_every_copy_that_comes_or_goes_and_why() {
+    use ChangeKind::{Evicted, Removed, Stored};
+    let mut p = pool(true, 0);
+    let now = Instant::now();
+    put(&mut p, T1, spec(b"off", 10, None), now).unwrap();
+    assert!(changes(&mut p).is_empty(), "off by default");
+    p.index.set_change_feed(true);
+    let a = put(&mut p, T1, spec(b"a", 300, None), now).unwrap();
+    put(&mut p, T1, spec(b"b", 300, Some(b"a")), now).unwrap();
+    let c = p.index.take_changes();
+    assert_eq!(c.len(), 2);
+    assert_eq!(
+        (c[1].kind, c[1].tier, &*c[1].key, c[1].parent.as_deref(), c[1].tenant),
+        (Stored, Tier::Dram, &b"b"[..], Some(&b"a"[..]), T1)
+    );
+    // A demotion: the SSD copy arrives before the DRAM copy goes.
+    let d = p.index.demotion_batch(&[a]);
+    assert_eq!(d.len(), 1);
+    let out = p.index.evict(&[a], Tier::Dram, &[Admit::Into(Tier::Ssd)], now);
+    assert_eq!(out.demotions.len(), 1);
+    assert!(changes(&mut p).is_empty(), "nothing has moved yet");
+    let _ = p.index.finish_demotion(a, Some(4096), 0);
+    assert_eq!(changes(&mut p), vec![(Stored, Tier::Ssd, "a".into()), (Evicted, Tier::Dram, "a".into())]);
+    // Promotion, a corrupt SSD copy, a client remove.
+    p.index.install_promoted(a, 4096, copy(a)).unwrap();
+    p.index.drop_corrupt(a, 4096).unwrap();
+    assert_eq!(changes(&mut p), vec![(Stored, Tier::Dram, "a".into()), (Removed, Tier::Ssd, "a".into())]);
+    // Evicting the root cascades to its child (no SSD admission): both are evictions.
+    let out = p.index.evict(&[a], Tier::Dram, &[Admit::Reject], now);
+    assert_eq!(out.cascaded, 1);
+    assert_eq!(changes(&mut p), vec![(Evicted, Tier::Dram, "b".into()), (Evicted, Tier::Dram, "a".into())]);
+    // An upsert replaces (the old copy is removed, the new stored); remove and remove-all.
+    let s = spec(b"off", 20, None);
+    let plans = p.plan_put(T1, &[s], true, 1 << 30, &NodeSet::default());
+    let PutPlan::Store { id, .. } = plans[0] else { panic!("{plans:?}") };
+    p.index.commit(T1, id, &s, true, 0, Some(copy(id)), None, now, 0, 0).unwrap();
+    put(&mut p, T1, spec(b"z", 1, None), now).unwrap();
+    p.index.remove(T1, &keys(&["z"]), false, now);
+    p.index.remove_all(T1, false, now);
+    assert_eq!(
+        changes(&mut p),
+        vec![
+            (Removed, Tier::Dram, "off".into()),
+            (Stored, Tier::Dram, "off".into()),
+            (Stored, Tier::Dram, "z".into()),
+            (Removed, Tier::Dram, "z".into()),
+            (Removed, Tier::Dram, "off".into()),
+        ]
+    );
+    p.index.set_change_feed(false);
+    put(&mut p, T1, spec(b"q", 1, None), now).unwrap();
+    assert!(changes(&mut p).is_empty());
+}

@@ -3,9 +3,9 @@
 
 use kvpool_proto::frame::encode_frame;
 use kvpool_proto::{
-    BufSlice, GetIntoRequest, KeysRequest, LookupRequest, PinSpec, Ping, PolicyKind, PolicyLoadRequest,
+    BufSlice, EventScope, GetIntoRequest, KeysRequest, LookupRequest, PinSpec, Ping, PolicyKind, PolicyLoadRequest,
     PolicyRollbackRequest, PutDoneRequest, PutFromRequest, PutIntentRequest, PutItem, PutMode, PutRequest, ReadRequest,
-    ReleaseRequest, RemoveAllRequest, RemoveRequest, Request, WriteRequest,
+    ReleaseRequest, RemoveAllRequest, RemoveRequest, Request, SubscribeRequest, WriteRequest,
 };
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -125,6 +125,11 @@ fn request_v2(rng: &mut StdRng) -> Request {
             index: rng.gen_range(0..6),
             offset: rng.gen_range(0..2_000),
             size: if rng.gen_bool(0.9) { rng.gen_range(0..4_000) } else { rng.gen() },
+        }),
+        6 if rng.gen_bool(0.3) => Request::Subscribe(SubscribeRequest {
+            from: rng.gen_bool(0.5).then(|| if rng.gen_bool(0.8) { rng.gen_range(0..100) } else { rng.gen() }),
+            scope: if rng.gen_bool(0.5) { EventScope::Tenant } else { EventScope::All },
+            max_batch: if rng.gen_bool(0.8) { rng.gen_range(0..2_000) } else { rng.gen() },
         }),
         6 => Request::Release(ReleaseRequest { lease: small_id(rng) }),
         7 | 8 => {

@@ -47,10 +47,80 @@ pub enum Request {
     /// Ask for the same-host control channel: answered with the Unix socket on which this
     /// connection's requests may also be sent, and the token that binds a socket to it.
     LocalAttach,
+    /// Follow the pool's KV events (copies stored, removed, evicted): answered with a stream of
+    /// `Events` frames that lasts until either side ends it.
+    Subscribe(SubscribeRequest),
 }
 
 /// Number of request variants this version knows (tags `0..REQUEST_TAGS`).
-pub const REQUEST_TAGS: u32 = 22;
+pub const REQUEST_TAGS: u32 = 23;
+
+/// Whose KV events a subscription follows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub enum EventScope {
+    /// The caller's own tenant.
+    Tenant,
+    /// Every tenant (admin keys only).
+    All,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SubscribeRequest {
+    /// First sequence number wanted; `None` for the events after the subscription starts.
+    pub from: Option<u64>,
+    pub scope: EventScope,
+    /// Most events per `Events` frame (0: the server's choice; the server caps it).
+    pub max_batch: u32,
+}
+
+/// What happened to a copy of a block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum KvEventKind {
+    /// A copy came into `tier` (put, demotion to SSD, promotion to DRAM).
+    Stored,
+    /// A client removed the block (remove, remove-all, a replacing upsert), or the server
+    /// dropped a copy whose bytes failed their checksum.
+    Removed,
+    /// The pool let the copy go for room (eviction, the chain rule's cascade, a demotion out
+    /// of DRAM).
+    Evicted,
+}
+
+/// One KV event: a copy of a block came into a tier or left it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct KvEvent {
+    /// Position in the server's event log (consecutive, from 1; gaps are other tenants' events).
+    pub seq: u64,
+    pub kind: KvEventKind,
+    /// 0 device, 1 DRAM, 2 SSD.
+    pub tier: u8,
+    /// The server (node) that holds or held the copy.
+    pub node: String,
+    pub tenant: String,
+    #[serde(with = "serde_bytes")]
+    pub key: Vec<u8>,
+    /// The previous key of the block's prefix chain, as its put named it.
+    #[serde(with = "serde_bytes")]
+    pub parent: Option<Vec<u8>>,
+    /// Value bytes of the block.
+    pub size: u64,
+    /// Wall clock, ms since the UNIX epoch, when the server logged the event.
+    pub time_ms: u64,
+}
+
+/// One frame of a subscription.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct EventBatch {
+    /// Identifies this server process's log: sequence numbers of another log id (a restarted
+    /// server) mean nothing here.
+    pub log_id: u64,
+    /// Events the subscriber asked for that were dropped before it read them (it lagged behind
+    /// the server's bounded buffer, or asked from before the oldest event held).
+    pub lagged: u64,
+    /// Sequence number to subscribe `from` to resume right after this frame.
+    pub next: u64,
+    pub events: Vec<KvEvent>,
+}
 /// Requests of version 1 (tags `0..V1_REQUEST_TAGS`); later tags need a version 2 hello.
 pub const V1_REQUEST_TAGS: u32 = 12;
 
@@ -310,6 +380,8 @@ pub enum Response {
     Filled(GetResponse),
     /// Answer to `LocalAttach`.
     LocalOffer(LocalOffer),
+    /// The frames of a `Subscribe` stream.
+    Events(EventBatch),
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -690,11 +762,23 @@ mod tests {
 
     /// The hex dumps of a section of docs/PROTOCOL.md, in order: every ``` block under the heading.
     fn doc_dumps(heading: &str) -> Vec<Vec<u8>> {
+        doc_blocks(heading).into_iter().map(dump).collect()
+    }
+
+    /// The fenced blocks of a section of PROTOCOL.md.
+    fn doc_blocks(heading: &str) -> Vec<&'static str> {
         let doc = include_str!("../../docs/PROTOCOL.md");
         let start = doc.find(heading).expect("section in PROTOCOL.md");
         let section = &doc[start..];
-        let end = section[heading.len()..].find("\n## ").map_or(section.len(), |e| e + heading.len());
-        section[..end].split("```").skip(1).step_by(2).map(dump).collect()
+        let rest = &section[heading.len()..];
+        // A subsection ends at the next heading of its level or above.
+        let next = if heading.starts_with("### ") {
+            [rest.find("\n## "), rest.find("\n### ")].into_iter().flatten().min()
+        } else {
+            rest.find("\n## ")
+        };
+        let end = next.map_or(section.len(), |e| e + heading.len());
+        section[..end].split("```").skip(1).step_by(2).collect()
     }
 
     #[test]
@@ -724,9 +808,36 @@ mod tests {
             ),
             Some(20)
         );
-        assert_eq!(REQUEST_TAGS, 22);
+        assert_eq!(REQUEST_TAGS, 23);
         assert_eq!(codec::encode(&Response::Done).unwrap(), vec![15, 0, 0, 0]);
         assert_eq!(codec::encode(&ErrorCode::Expired).unwrap(), vec![23, 0, 0, 0]);
+    }
+
+    #[test]
+    fn documented_kv_events() {
+        let blocks = doc_blocks("### 11.7 KV events");
+        // The first block of the section is the message notation, not bytes.
+        assert_eq!(blocks.len(), 3);
+        let (request, frame) = (dump(blocks[1]), dump(blocks[2]));
+        let sub = Request::Subscribe(SubscribeRequest { from: Some(1), scope: EventScope::Tenant, max_batch: 0 });
+        assert_eq!(request, crate::frame::encode_frame(&sub).unwrap());
+        let batch = Response::Events(EventBatch {
+            log_id: 0x0102_0304_0506_0708,
+            lagged: 0,
+            next: 3,
+            events: vec![KvEvent {
+                seq: 2,
+                kind: KvEventKind::Stored,
+                tier: 1,
+                node: "n1".into(),
+                tenant: "t".into(),
+                key: b"b".to_vec(),
+                parent: Some(b"a".to_vec()),
+                size: 2,
+                time_ms: 1000,
+            }],
+        });
+        assert_eq!(frame, crate::frame::encode_frame(&batch).unwrap());
     }
 
     #[test]

@@ -9,7 +9,7 @@
 
 from __future__ import annotations
 
-from kvpool._native import Client, KvpoolError, SharedBuffer, __version__
+from kvpool._native import Client, EventSubscription, KvpoolError, SharedBuffer, __version__
 
 
 def _code(self: KvpoolError) -> str:
@@ -20,4 +20,4 @@ def _code(self: KvpoolError) -> str:
 # The exception class comes from the extension; give it the code as an attribute.
 KvpoolError.code = property(_code)  # type: ignore[attr-defined]
 
-__all__ = ["Client", "KvpoolError", "SharedBuffer", "__version__"]
+__all__ = ["Client", "EventSubscription", "KvpoolError", "SharedBuffer", "__version__"]

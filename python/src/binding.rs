@@ -2,9 +2,10 @@
 
 use crate::regions::{self, Place, RegionError, Regions};
 use kvpool_client::blocking::Client as Blocking;
+use kvpool_client::proto::EventScope;
 use kvpool_client::{
-    BufSlice, Buffer, ClientConfig, ClientError, ErrorCode, PinSpec, PutEntry, PutMode, PutOptions, TransportChoice,
-    Trust,
+    BufSlice, Buffer, ClientConfig, ClientError, ErrorCode, PinSpec, PutEntry, PutMode, PutOptions, SubscribeOptions,
+    TransportChoice, Trust,
 };
 use parking_lot::{Mutex, RwLock};
 use pyo3::exceptions::{PyBufferError, PyException, PyTypeError};
@@ -687,6 +688,24 @@ impl Client {
         Ok((r.removed, r.skipped))
     }
 
+    /// Follow the pool's KV events (blocks stored, removed, evicted): a subscription whose
+    /// `next(timeout)` returns batches. `from_seq` resumes at a sequence number (a batch's
+    /// `next`); `all_tenants` needs an admin key.
+    #[pyo3(signature = (from_seq=None, all_tenants=false, max_batch=0))]
+    fn subscribe(
+        &self,
+        py: Python<'_>,
+        from_seq: Option<u64>,
+        all_tenants: bool,
+        max_batch: u32,
+    ) -> PyResult<EventSubscription> {
+        let scope = if all_tenants { EventScope::All } else { EventScope::Tenant };
+        let sub = py.detach(|| -> Res<_> {
+            Ok(self.live()?.subscribe(SubscribeOptions { from: from_seq, scope, max_batch })?)
+        })?;
+        Ok(EventSubscription { inner: Mutex::new(Some(sub)) })
+    }
+
     /// Pool statistics as a dict: `blocks`, `tiers` (per tier: capacity, used bytes, blocks,
     /// hits, misses, evictions), `ops` (per operation: count, errors, p50/p99/mean in us), ...
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
@@ -901,11 +920,80 @@ impl SharedBuffer {
     }
 }
 
+/// A KV event subscription (from `Client.subscribe`).
+#[pyclass(module = "kvpool._native", frozen)]
+struct EventSubscription {
+    inner: Mutex<Option<kvpool_client::blocking::Subscription>>,
+}
+
+#[pymethods]
+impl EventSubscription {
+    /// The next batch as a dict (`log_id`, `lagged`: events lost before it, `next`: the
+    /// sequence number to resume from, `events`: dicts with `seq`, `kind` (`stored`, `removed`,
+    /// `evicted`), `tier` (`device`, `dram`, `ssd`), `node`, `tenant`, `key` and `parent`
+    /// (bytes), `size`, `time_ms`); `None` when nothing came within `timeout` seconds.
+    #[pyo3(signature = (timeout=None))]
+    fn next<'py>(&self, py: Python<'py>, timeout: Option<f64>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let wait = match timeout {
+            Some(t) if t.is_finite() && t >= 0.0 => Duration::from_secs_f64(t),
+            Some(t) => return Err(Error::Argument(format!("timeout {t} s")).into()),
+            None => Duration::MAX,
+        };
+        let got = py.detach(|| -> Res<_> {
+            let mut g = self.inner.lock();
+            let sub = g.as_mut().ok_or(Error::Closed)?;
+            Ok(sub.next_within(wait)?)
+        })?;
+        let Some(b) = got else { return Ok(None) };
+        let d = PyDict::new(py);
+        d.set_item("log_id", b.log_id)?;
+        d.set_item("lagged", b.lagged)?;
+        d.set_item("next", b.next)?;
+        let events = PyList::empty(py);
+        for e in b.events {
+            let x = PyDict::new(py);
+            x.set_item("seq", e.seq)?;
+            x.set_item("kind", format!("{:?}", e.kind).to_lowercase())?;
+            x.set_item(
+                "tier",
+                match e.tier {
+                    0 => "device",
+                    1 => "dram",
+                    2 => "ssd",
+                    _ => "unknown",
+                },
+            )?;
+            x.set_item("node", e.node)?;
+            x.set_item("tenant", e.tenant)?;
+            x.set_item("key", PyBytes::new(py, &e.key))?;
+            x.set_item("parent", e.parent.map(|p| PyBytes::new(py, &p)))?;
+            x.set_item("size", e.size)?;
+            x.set_item("time_ms", e.time_ms)?;
+            events.append(x)?;
+        }
+        d.set_item("events", events)?;
+        Ok(Some(d))
+    }
+
+    /// The sequence number to subscribe `from_seq` to resume after the last batch returned.
+    #[getter]
+    fn resume_from(&self) -> PyResult<u64> {
+        Ok(self.inner.lock().as_ref().ok_or(Error::Closed)?.resume_from())
+    }
+
+    /// End the subscription (also done when it is garbage-collected).
+    fn close(&self, py: Python<'_>) {
+        let sub = self.inner.lock().take();
+        py.detach(move || drop(sub));
+    }
+}
+
 /// The extension module.
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Client>()?;
     m.add_class::<SharedBuffer>()?;
+    m.add_class::<EventSubscription>()?;
     m.add("KvpoolError", m.py().get_type::<KvpoolError>())?;
     m.add("__version__", env!("CARGO_PKG_VERSION"))?;
     Ok(())

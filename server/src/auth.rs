@@ -18,6 +18,8 @@ struct KeyEntry {
 
 pub struct Auth {
     keys: Vec<KeyEntry>,
+    /// Tenant names by id (KV events name the tenant of each block).
+    names: std::collections::HashMap<u32, String>,
 }
 
 pub fn hash_key(key: &str) -> [u8; 32] {
@@ -41,8 +43,14 @@ impl Auth {
                     principal: Principal { tenant: e.tenant.clone(), tenant_id: tenant_id(&e.tenant), admin: e.admin },
                 })
             })
-            .collect();
-        Auth { keys }
+            .collect::<Vec<KeyEntry>>();
+        let names = keys.iter().map(|k| (k.principal.tenant_id, k.principal.tenant.clone())).collect();
+        Auth { keys, names }
+    }
+
+    /// The name of a tenant id (`tenant-<id>` for one no configured key names any more).
+    pub fn tenant_name(&self, id: u32) -> String {
+        self.names.get(&id).cloned().unwrap_or_else(|| format!("tenant-{id}"))
     }
 
     pub fn check(&self, presented: &str) -> Option<Principal> {

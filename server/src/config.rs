@@ -71,6 +71,24 @@ pub struct Config {
     pub transport: TransportSection,
     pub policy: PolicySection,
     pub quic: QuicSection,
+    pub events: EventsSection,
+}
+
+/// KV events (`Subscribe`): the log subscribers read from.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct EventsSection {
+    /// Newest events kept for subscribers; one that falls further behind is told it lagged.
+    /// 0 turns the log off (subscriptions are refused).
+    pub buffer: u32,
+    /// Subscriptions open at once, over all connections.
+    pub max_subscribers: u32,
+}
+
+impl Default for EventsSection {
+    fn default() -> Self {
+        EventsSection { buffer: 65_536, max_subscribers: 64 }
+    }
 }
 
 /// UDP and QUIC settings of the client API (the defaults are the measured choice; see
@@ -446,6 +464,12 @@ impl Config {
                     message: format!("tenant {:?}: expected 64 hex digits (sha256 of the key)", k.tenant),
                 });
             }
+        }
+        if self.events.buffer > 1 << 24 {
+            return Err(ConfigError::Invalid {
+                field: "events.buffer",
+                message: "at most 16777216 events (each holds its key: about 100 bytes plus the key)".into(),
+            });
         }
         if self.transport.copy_threads == 0 || self.transport.copy_threads > 64 {
             return Err(ConfigError::Invalid { field: "transport.copy_threads", message: "1 to 64".into() });

@@ -3,6 +3,7 @@
 
 pub mod auth;
 pub mod config;
+pub mod events;
 pub mod metrics;
 pub mod policy;
 pub mod service;
@@ -329,6 +330,16 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         max_batch: cfg.limits.max_batch,
     };
     let data_path = data_path(cfg, &store, &data_dir);
+    let events = (cfg.events.buffer > 0).then(|| {
+        let log = Arc::new(events::EventLog::new(
+            cfg.events.buffer as usize,
+            cfg.events.max_subscribers as usize,
+            metrics.clone(),
+        ));
+        // A fresh store: nothing else has attached a log.
+        let _ = store.attach_events(log.clone());
+        log
+    });
     let shared = Arc::new(service::Shared {
         store,
         auth,
@@ -345,8 +356,21 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         max_module_size: cfg.policy.max_module_size.0,
         paths: Default::default(),
         data_path,
+        events,
+        node: node_name(cfg),
     });
     Ok(Node { shared, data_dir, api_key_file, hixl })
+}
+
+/// This node's name in KV events: `server.advertise_host`, else the host name.
+fn node_name(cfg: &Config) -> String {
+    cfg.server.advertise_host.clone().filter(|h| !h.is_empty()).unwrap_or_else(|| {
+        std::fs::read_to_string("/proc/sys/kernel/hostname")
+            .ok()
+            .map(|h| h.trim().to_string())
+            .filter(|h| !h.is_empty())
+            .unwrap_or_else(|| "localhost".into())
+    })
 }
 
 /// Start every part of the server and return once it accepts connections.

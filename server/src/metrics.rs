@@ -63,6 +63,10 @@ pub struct Metrics {
     /// Requests answered on the same-host control socket, and control sockets refused.
     pub local_requests: IntCounter,
     pub local_refused: IntCounter,
+    /// KV events logged, by kind; subscriptions open; events subscribers missed.
+    pub events: IntCounterVec,
+    pub event_subscribers: IntGauge,
+    pub events_lagged: IntCounter,
     pub auth_failures: IntCounter,
     pub lookup_blocks: IntCounterVec,
     pub policy_faults: IntGaugeVec,
@@ -158,6 +162,17 @@ impl Metrics {
             ),
             quic_mtu: gauge_vec(&reg, "quic_path_mtu_bytes", "Path MTU of live client connections", &["stat"]),
             auth_failures: counter(&reg, "auth_failures_total", "Hellos refused"),
+            events: counter_vec(&reg, "events_total", "KV events logged for subscribers, by kind", &["kind"]),
+            event_subscribers: {
+                let g = IntGauge::new("event_subscribers", "KV event subscriptions open").expect("static metric");
+                reg.register(Box::new(g.clone())).expect("unique metric name");
+                g
+            },
+            events_lagged: counter(
+                &reg,
+                "events_lagged_total",
+                "KV events dropped before a subscriber read them (it fell behind the buffer)",
+            ),
             local_requests: counter(&reg, "local_requests_total", "Requests answered on the same-host control socket"),
             local_refused: counter(
                 &reg,

@@ -212,9 +212,11 @@ async fn serve_socket(mut sock: UnixStream, shared: &Arc<Shared>) -> io::Result<
             Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "request envelope incomplete in time")),
         }
         let Some(session) = binding.session.upgrade() else { return Ok(()) };
-        let (end, code, bytes) = if kvpool_proto::message_tag(body.get(4..).unwrap_or(&[])) == Some(LOCAL_ATTACH_TAG) {
-            // It would close the socket that carries it: ask on QUIC.
-            let m = "LocalAttach is asked on the QUIC connection, not on its control socket".to_string();
+        let tag = kvpool_proto::message_tag(body.get(4..).unwrap_or(&[]));
+        let (end, code, bytes) = if tag == Some(LOCAL_ATTACH_TAG) || tag == Some(SUBSCRIBE_TAG) {
+            // LocalAttach would close the socket that carries it, and a subscription is a stream
+            // of answers, which an envelope is not: both are asked on QUIC.
+            let m = "LocalAttach and Subscribe are asked on the QUIC connection, not on its control socket".to_string();
             (0, 0, encode_frame(&Response::Error(error(ErrorCode::InvalidArgument, m))).map_err(io::Error::other)?)
         } else {
             let mut recv = MemRecv::new(body);
@@ -251,6 +253,7 @@ async fn serve_socket(mut sock: UnixStream, shared: &Arc<Shared>) -> io::Result<
 
 /// Tag of `Request::LocalAttach` (section 11.2 of PROTOCOL.md).
 const LOCAL_ATTACH_TAG: u32 = 21;
+const SUBSCRIBE_TAG: u32 = 22;
 
 /// One response envelope: end (0 finished, 1 reset), reset code, length, bytes.
 async fn answer(sock: &mut UnixStream, end: u8, code: u32, bytes: &[u8]) -> io::Result<()> {
@@ -284,5 +287,12 @@ mod tests {
     fn the_local_attach_tag_is_the_encoded_one() {
         let body = kvpool_proto::codec::encode(&kvpool_proto::Request::LocalAttach).unwrap();
         assert_eq!(kvpool_proto::message_tag(&body), Some(super::LOCAL_ATTACH_TAG));
+        let sub = kvpool_proto::Request::Subscribe(kvpool_proto::SubscribeRequest {
+            from: None,
+            scope: kvpool_proto::EventScope::Tenant,
+            max_batch: 0,
+        });
+        let body = kvpool_proto::codec::encode(&sub).unwrap();
+        assert_eq!(kvpool_proto::message_tag(&body), Some(super::SUBSCRIBE_TAG));
     }
 }

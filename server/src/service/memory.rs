@@ -122,4 +122,9 @@ impl RequestSend for MemSend {
     fn reset(&mut self, code: u32) {
         self.reset = Some(code);
     }
+    /// Nobody follows an in-memory response past what it holds: a subscription writes its
+    /// first frame and ends.
+    fn stopped(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(std::future::ready(()))
+    }
 }

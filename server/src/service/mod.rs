@@ -27,6 +27,7 @@ use tracing::{debug, info, warn, Instrument};
 pub mod local;
 pub mod memory;
 mod session;
+mod subscribe;
 #[cfg(test)]
 mod tests;
 mod v2;
@@ -51,6 +52,11 @@ pub trait RequestSend: AsyncWrite + Unpin + Send {
     fn finish(&mut self);
     /// Abandon the response; bytes not yet delivered are dropped (QUIC RESET_STREAM).
     fn reset(&mut self, code: u32);
+    /// Resolves when the peer no longer wants the response (QUIC STOP_SENDING, or the
+    /// connection is gone); a long-lived response (a subscription) waits on it between writes.
+    fn stopped(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(std::future::pending())
+    }
 }
 
 impl RequestRecv for quinn::RecvStream {
@@ -68,6 +74,11 @@ impl RequestSend for quinn::SendStream {
     }
     fn reset(&mut self, code: u32) {
         let _ = quinn::SendStream::reset(self, code.into());
+    }
+    fn stopped(&mut self) -> BoxFuture<'_, ()> {
+        Box::pin(async move {
+            let _ = quinn::SendStream::stopped(self).await;
+        })
     }
 }
 
@@ -108,6 +119,10 @@ pub struct Shared {
     pub paths: parking_lot::Mutex<PathTally>,
     /// The copy engine and shm socket for same-host clients (version 2).
     pub data_path: Option<DataPath>,
+    /// The KV event log subscriptions read (`None`: events are off).
+    pub events: Option<Arc<crate::events::EventLog>>,
+    /// This node's name, as KV events give it.
+    pub node: String,
 }
 
 impl Shared {
@@ -467,6 +482,7 @@ fn op_name(r: &Request) -> &'static str {
         Request::PolicyRollback(_) => "policy_rollback",
         Request::ShmAttach => "shm_attach",
         Request::LocalAttach => "local_attach",
+        Request::Subscribe(_) => "subscribe",
         Request::PutIntent(_) => "put_intent",
         Request::PutDone(_) => "put_done",
         Request::GetLocate(_) => "get_locate",
@@ -513,6 +529,10 @@ pub async fn handle_stream<R: RequestRecv, W: RequestSend>(
         s.metrics.errors.with_label_values(&[code.name()]).inc();
     }
     let Some(op) = op else { return };
+    if op == "subscribe" {
+        // A subscription lasts as long as its client wants: not a latency sample.
+        return;
+    }
     let secs = start.elapsed().as_secs_f64();
     s.metrics.op_seconds.with_label_values(&[op]).observe(secs);
     s.metrics.tenant_op_seconds.with_label_values(&[&p.tenant, op]).observe(secs);
@@ -633,7 +653,8 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
         | Request::PutFrom(_)
         | Request::GetInto(_)
         | Request::Write(_)
-        | Request::Read(_)) => match v2::dispatch(v2, recv, send, session, s, deadline).await? {
+        | Request::Read(_)
+        | Request::Subscribe(_)) => match v2::dispatch(v2, recv, send, session, s, deadline).await? {
             Some(r) => r,
             None => return Ok(()),
         },

@@ -40,6 +40,8 @@ pub struct Session {
     grants: Mutex<HashMap<u64, Arc<Reserved>>>,
     leases: Mutex<HashMap<u64, Arc<LeaseHold>>>,
     next: AtomicU64,
+    /// Set when the connection ends.
+    ended: tokio::sync::watch::Sender<bool>,
 }
 
 impl Session {
@@ -52,6 +54,7 @@ impl Session {
             grants: Mutex::new(HashMap::new()),
             leases: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
+            ended: tokio::sync::watch::Sender::new(false),
         })
     }
 
@@ -74,6 +77,13 @@ impl Session {
     pub fn end(&self) {
         self.local.lock().take();
         self.shm.lock().take();
+        self.ended.send_replace(true);
+    }
+
+    /// Resolves once the connection has ended (at once if it has).
+    pub async fn ended(&self) {
+        let mut rx = self.ended.subscribe();
+        let _ = rx.wait_for(|e| *e).await;
     }
 
     /// A new control-channel ticket for this connection (sockets bound by an earlier one close).

@@ -51,6 +51,10 @@ pub(super) async fn dispatch<R: RequestRecv, W: RequestSend>(
         return Err(unsupported("this request needs a version 2 hello"));
     }
     let resp = match req {
+        Request::Subscribe(sub) => {
+            super::subscribe::subscribe(sub, recv, send, session, s, deadline).await?;
+            return Ok(None);
+        }
         Request::ShmAttach => {
             expect_end(recv, deadline).await?;
             shm_attach(session, s)?

@@ -20,6 +20,7 @@ pub mod tier;
 
 pub use dram::DramBlock;
 
+use crate::events::EventLog;
 use crate::metrics::Metrics;
 use dram::DramTier;
 use kvpool_core::{
@@ -256,6 +257,36 @@ pub struct Store {
     metrics: Arc<Metrics>,
     /// Wakes the background evictor early (a put pushed usage past the high watermark).
     pub kick: tokio::sync::Notify,
+    /// Where the index's KV events go, once attached.
+    events: std::sync::OnceLock<Arc<EventLog>>,
+}
+
+/// The index, locked. Unlocking hands the KV events of what was done under the lock to the
+/// event log (still under the lock, so the log's order is the index's order).
+struct Ix<'a> {
+    guard: parking_lot::MutexGuard<'a, Index<DramCopy>>,
+    events: Option<&'a EventLog>,
+}
+
+impl std::ops::Deref for Ix<'_> {
+    type Target = Index<DramCopy>;
+    fn deref(&self) -> &Index<DramCopy> {
+        &self.guard
+    }
+}
+
+impl std::ops::DerefMut for Ix<'_> {
+    fn deref_mut(&mut self) -> &mut Index<DramCopy> {
+        &mut self.guard
+    }
+}
+
+impl Drop for Ix<'_> {
+    fn drop(&mut self) {
+        if let Some(log) = self.events {
+            log.publish(self.guard.take_changes());
+        }
+    }
 }
 
 impl Store {
@@ -309,6 +340,7 @@ impl Store {
             policies: Mutex::new(policies),
             metrics,
             kick: tokio::sync::Notify::new(),
+            events: std::sync::OnceLock::new(),
         });
         store.update_gauges();
         if !rec.snapshot.is_empty() {
@@ -346,6 +378,18 @@ impl Store {
     }
 
     /// Address and length of the DRAM segment (registered once with the copy engine).
+    fn ix(&self) -> Ix<'_> {
+        Ix { guard: self.index.lock(), events: self.events.get().map(|e| &**e) }
+    }
+
+    /// Log the index's KV events from now on (once; a second log is refused and returned).
+    pub fn attach_events(&self, log: Arc<EventLog>) -> Result<(), Arc<EventLog>> {
+        let mut ix = self.index.lock();
+        self.events.set(log)?;
+        ix.set_change_feed(true);
+        Ok(())
+    }
+
     pub fn dram_segment(&self) -> (usize, usize) {
         self.dram.segment()
     }
@@ -381,12 +425,12 @@ impl Store {
 
     /// (blocks, DRAM copies, SSD copies)
     pub fn counts(&self) -> (u64, u64, u64) {
-        self.index.lock().counts()
+        self.ix().counts()
     }
 
     /// One tenant's residency and counters.
     pub fn tenant_counters(&self, tenant: u32) -> TenantCounters {
-        self.index.lock().tenant_counters(tenant)
+        self.ix().tenant_counters(tenant)
     }
 
     pub fn tier_usage(&self) -> Vec<(Tier, u64, u64)> {
@@ -412,7 +456,7 @@ impl Store {
 
     /// Hand the index's pending events to the policies (the caller holds the policies lock).
     fn feed(&self, policies: &mut Policies) {
-        let ev = self.index.lock().take_events();
+        let ev = self.ix().take_events();
         policies.feed(&ev);
     }
 
@@ -433,7 +477,7 @@ impl Store {
     pub fn plan_put(&self, tenant: u32, items: &[kvpool_proto::PutItem], mode: PutMode) -> Vec<PutPlan> {
         let specs: Vec<PutSpec<'_>> = items.iter().map(spec).collect();
         let upsert = mode == PutMode::Upsert;
-        let (pending, batch) = self.index.lock().plan_put(tenant, &specs, upsert, self.dram.capacity());
+        let (pending, batch) = self.ix().plan_put(tenant, &specs, upsert, self.dram.capacity());
         let (decisions, placed) = if batch.is_empty() {
             (Vec::new(), None)
         } else {
@@ -445,7 +489,7 @@ impl Store {
                 pol.placement.as_mut().map(|p| placed_tiers(&p.place(&placement_batch(&batch), &nodes), batch.len()));
             (decisions, placed)
         };
-        let plans = self.index.lock().decide_put(tenant, &pending, &batch, &decisions, placed.as_deref());
+        let plans = self.ix().decide_put(tenant, &pending, &batch, &decisions, placed.as_deref());
         plans
             .into_iter()
             .map(|p| match p {
@@ -463,7 +507,7 @@ impl Store {
 
     fn no_space(&self, tenant: u32) -> ErrorCode {
         self.metrics.rejected_puts.with_label_values(&["no_space"]).inc();
-        self.index.lock().count_no_space(tenant, 1);
+        self.ix().count_no_space(tenant, 1);
         ErrorCode::NoSpace
     }
 
@@ -530,7 +574,7 @@ impl Store {
     ) -> ErrorCode {
         let s = spec(item);
         let soft_ttl = self.cfg.soft_pin_ttl.as_millis() as u64;
-        let mut ix = self.index.lock();
+        let mut ix = self.ix();
         let r = ix.commit(tenant, id, &s, mode == PutMode::Upsert, sum, dram, ssd, Instant::now(), wall_ms(), soft_ttl);
         match r {
             Ok((replaced, meta)) => {
@@ -602,7 +646,7 @@ impl Store {
             // against the index, which must hold exactly the blocks the policy was told of (a
             // put committed mid-call would make a truthful policy look like one that hides
             // victims).
-            let mut ix = self.index.lock();
+            let mut ix = self.ix();
             let ev = ix.take_events();
             pol.feed(&ev);
             let exclude = ix.excluded(now, tier);
@@ -620,7 +664,7 @@ impl Store {
             return 0;
         }
         let out = {
-            let mut ix = self.index.lock();
+            let mut ix = self.ix();
             let mut out = ix.evict(&victims, tier, &decisions, now);
             self.meta.enqueue(std::mem::take(&mut out.meta));
             out
@@ -663,7 +707,7 @@ impl Store {
             None => None,
         };
         drop(copy);
-        let mut ix = self.index.lock();
+        let mut ix = self.ix();
         match ix.finish_demotion(id, written, wall_ms()) {
             Demoted::Moved { dram, meta } => {
                 self.meta.enqueue(vec![meta]);
@@ -688,7 +732,7 @@ impl Store {
 
     /// One round of background work: soft-pin expiry, event flush, watermarks.
     pub async fn maintain(&self) {
-        self.index.lock().expire_soft_pins(wall_ms());
+        self.ix().expire_soft_pins(wall_ms());
         // Busy (warming after a restart, or a long call): the next round feeds the events, and
         // this task does not tie up a runtime thread waiting.
         if let Some(mut pol) = self.policies.try_lock() {
@@ -715,7 +759,7 @@ impl Store {
     /// Locate and lease the keys of a get; hits update recency.
     pub fn plan_get(&self, tenant: u32, keys: &[Vec<u8>]) -> Vec<GetPlan> {
         let lease = Instant::now() + self.cfg.lease_ttl;
-        let located = self.index.lock().plan_get(tenant, keys, lease, wall_us());
+        let located = self.ix().plan_get(tenant, keys, lease, wall_us());
         let m = &self.metrics;
         located
             .into_iter()
@@ -803,14 +847,14 @@ impl Store {
     }
 
     fn install_promoted(&self, id: u64, file: u64, blk: Arc<DramBlock>) {
-        let mut ix = self.index.lock();
+        let mut ix = self.ix();
         if ix.install_promoted(id, file, DramCopy(blk)).is_ok() {
             self.metrics.promotions.inc();
         }
     }
 
     fn drop_corrupt(&self, id: u64, file: u64) {
-        let mut ix = self.index.lock();
+        let mut ix = self.ix();
         if let Some((dropped, meta)) = ix.drop_corrupt(id, file) {
             self.meta.enqueue(meta.into_iter().collect());
             drop(ix);
@@ -820,20 +864,20 @@ impl Store {
 
     /// Number of leading chain blocks resident in any tier. No lease, no recency update.
     pub fn lookup(&self, tenant: u32, chain: &[Vec<u8>]) -> u32 {
-        let n = self.index.lock().lookup(tenant, chain, wall_us());
+        let n = self.ix().lookup(tenant, chain, wall_us());
         self.metrics.lookup_blocks.with_label_values(&["hit"]).inc_by(n as u64);
         self.metrics.lookup_blocks.with_label_values(&["miss"]).inc_by((chain.len() - n) as u64);
         n as u32
     }
 
     pub fn exists(&self, tenant: u32, keys: &[Vec<u8>]) -> Vec<bool> {
-        self.index.lock().exists(tenant, keys)
+        self.ix().exists(tenant, keys)
     }
 
     // ---- removal ---------------------------------------------------------------------------
 
     pub fn remove(&self, tenant: u32, keys: &[Vec<u8>], force: bool) -> Vec<ErrorCode> {
-        let mut ix = self.index.lock();
+        let mut ix = self.ix();
         let (status, dropped, meta) = ix.remove(tenant, keys, force, Instant::now());
         self.meta.enqueue(meta);
         drop(ix);
@@ -850,7 +894,7 @@ impl Store {
 
     /// Remove every block of the tenant; leased ones stay unless `force`. (removed, skipped)
     pub fn remove_all(&self, tenant: u32, force: bool) -> (u64, u64) {
-        let mut ix = self.index.lock();
+        let mut ix = self.ix();
         let (removed, skipped, dropped, meta) = ix.remove_all(tenant, force, Instant::now());
         self.meta.enqueue(meta);
         drop(ix);
@@ -876,7 +920,7 @@ impl crate::policy::PolicySlots for Store {
         // The snapshot and the start of the tap are one instant: events before it are in the
         // snapshot (and fed to the current policies now), events after it reach the tap.
         let (ev, snapshot) = {
-            let mut ix = self.index.lock();
+            let mut ix = self.ix();
             (ix.take_events(), ix.snapshot())
         };
         pol.feed(&ev);

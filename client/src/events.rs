@@ -1,0 +1,115 @@
+//! KV event subscriptions (PROTOCOL.md 11.7): the blocks the pool stored, removed and evicted,
+//! as a stream a KV-aware router follows.
+
+use crate::{read_response, Client, ClientError, Result};
+use kvpool_proto::{frame, EventBatch, EventScope, Request, Response, SubscribeRequest};
+use std::time::Duration;
+use tokio::sync::mpsc;
+
+/// What to follow.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SubscribeOptions {
+    /// First sequence number wanted (a `next` from an earlier batch to resume); `None` for the
+    /// events after the subscription starts.
+    pub from: Option<u64>,
+    /// The caller's tenant, or every tenant (admin keys).
+    pub scope: EventScope,
+    /// Most events per batch (0: the server's choice).
+    pub max_batch: u32,
+}
+
+impl Default for SubscribeOptions {
+    fn default() -> Self {
+        SubscribeOptions { from: None, scope: EventScope::Tenant, max_batch: 0 }
+    }
+}
+
+/// An open subscription. Batches arrive in order; dropping it ends the subscription.
+#[derive(Debug)]
+pub struct Subscription {
+    rx: mpsc::Receiver<Result<EventBatch>>,
+    reader: tokio::task::JoinHandle<()>,
+    log_id: u64,
+    next: u64,
+}
+
+impl Drop for Subscription {
+    fn drop(&mut self) {
+        // Dropping the stream tells the server to stop (STOP_SENDING).
+        self.reader.abort();
+    }
+}
+
+impl Subscription {
+    /// The server log these sequence numbers belong to (a restarted server has another).
+    pub fn log_id(&self) -> u64 {
+        self.log_id
+    }
+
+    /// The sequence number to subscribe `from` to resume after the last batch returned.
+    pub fn resume_from(&self) -> u64 {
+        self.next
+    }
+
+    /// The next batch: events, and how many were lost before them (`lagged`). Waits for as long
+    /// as the pool is quiet; cancel-safe (wrap it in a timeout freely).
+    pub async fn next(&mut self) -> Result<EventBatch> {
+        match self.rx.recv().await {
+            Some(Ok(b)) => {
+                self.next = b.next;
+                Ok(b)
+            }
+            Some(Err(e)) => Err(e),
+            None => Err(ClientError::Closed("the subscription has ended".into())),
+        }
+    }
+
+    /// [`Subscription::next`] within `wait`; `Ok(None)` when nothing came.
+    pub async fn next_within(&mut self, wait: Duration) -> Result<Option<EventBatch>> {
+        match tokio::time::timeout(wait, self.next()).await {
+            Ok(r) => r.map(Some),
+            Err(_) => Ok(None),
+        }
+    }
+}
+
+impl Client {
+    /// Follow the pool's KV events. Returns once the server has accepted the subscription (its
+    /// first batch, possibly empty, is the first [`Subscription::next`]).
+    pub async fn subscribe(&self, opts: SubscribeOptions) -> Result<Subscription> {
+        let req =
+            Request::Subscribe(SubscribeRequest { from: opts.from, scope: opts.scope, max_batch: opts.max_batch });
+        let frame = frame::encode_frame(&req)?;
+        let (conn, mut tx, mut rx) = self.open().await?;
+        let first = self
+            .timed(async {
+                tx.write_all(&frame).await?;
+                tx.finish()?;
+                match read_response(&conn, &mut rx).await? {
+                    Response::Events(b) => Ok(b),
+                    other => Err(crate::unexpected("Events", &other)),
+                }
+            })
+            .await?;
+        let (log_id, next) = (first.log_id, first.next);
+        // Batches are read as they come into a short queue: the server never waits on us, and a
+        // caller that reads slowly learns from `lagged` what it lost.
+        let (send, recv) = mpsc::channel(4);
+        send.try_send(Ok(first)).expect("an empty queue has room");
+        let reader = tokio::spawn(async move {
+            let _tx = tx;
+            loop {
+                let r = match read_response(&conn, &mut rx).await {
+                    Ok(Response::Events(b)) => Ok(b),
+                    Ok(other) => Err(crate::unexpected("Events", &other)),
+                    Err(e) => Err(e),
+                };
+                let end = r.is_err();
+                if send.send(r).await.is_err() || end {
+                    return;
+                }
+            }
+        });
+        Ok(Subscription { rx: recv, reader, log_id, next })
+    }
+}
