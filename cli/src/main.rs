@@ -123,11 +123,15 @@ enum Cmd {
         #[command(subcommand)]
         cmd: PolicyCmd,
     },
-    /// Follow KV events (block copies stored, removed, evicted) as JSON lines
+    /// Follow KV events (block copies stored, removed, evicted) as JSON lines; the last line
+    /// gives the `next` sequence number and `log_id` to resume from
     Events {
-        /// Resume from this sequence number (a `next` printed earlier); default: from now
+        /// Resume from this sequence number (the `next` of an earlier run); default: from now
         #[arg(long)]
         from: Option<u64>,
+        /// The `log_id` that --from belongs to (hex): refuse to resume if the server restarted
+        #[arg(long, value_parser = parse_log_id)]
+        log_id: Option<u64>,
         /// Every tenant's events (admin key)
         #[arg(long)]
         all: bool,
@@ -365,6 +369,10 @@ fn out(args: std::fmt::Arguments<'_>) -> Outcome {
     }
 }
 
+fn parse_log_id(s: &str) -> Result<u64, String> {
+    u64::from_str_radix(s.trim_start_matches("0x"), 16).map_err(|e| format!("a log id is hex: {e}"))
+}
+
 fn display_key(k: &[u8], hex: bool) -> String {
     if hex {
         hex::encode(k)
@@ -483,11 +491,12 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
                 });
             }
         }
-        Cmd::Events { from, all, count, idle_ms } => {
+        Cmd::Events { from, log_id, all, count, idle_ms } => {
             let scope = if *all { EventScope::All } else { EventScope::Tenant };
-            let mut sub = client.subscribe(SubscribeOptions { from: *from, scope, max_batch: 0 }).await?;
+            let opts = SubscribeOptions { from: *from, scope, max_batch: 0, log_id: *log_id };
+            let mut sub = client.subscribe(opts).await?;
             let idle = idle_ms.map(Duration::from_millis).unwrap_or(Duration::MAX);
-            let mut seen = 0u64;
+            let (mut seen, mut last_seq) = (0u64, None);
             while count.is_none_or(|c| seen < c) {
                 let Some(b) = sub.next_within(idle).await? else { break };
                 if b.lagged > 0 {
@@ -495,6 +504,7 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
                     out(format_args!("{line}\n"))?;
                 }
                 for e in b.events.iter().take(count.map_or(usize::MAX, |c| (c - seen) as usize)) {
+                    last_seq = Some(e.seq);
                     let line = serde_json::json!({
                         "seq": e.seq,
                         "kind": format!("{:?}", e.kind).to_lowercase(),
@@ -510,6 +520,10 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
                     seen += 1;
                 }
             }
+            // Resume after the last event printed (not past events of a batch cut by --count).
+            let next = last_seq.map_or(sub.resume_from(), |s| s + 1);
+            let line = serde_json::json!({ "next": next, "log_id": format!("{:016x}", sub.log_id()) });
+            out(format_args!("{line}\n"))?;
         }
         Cmd::Stats { json } => {
             let s = client.stats().await?;

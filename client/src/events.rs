@@ -6,6 +6,9 @@ use kvpool_proto::{frame, EventBatch, EventScope, Request, Response, SubscribeRe
 use std::time::Duration;
 use tokio::sync::mpsc;
 
+/// Batches read ahead of the caller.
+const QUEUE: usize = 16;
+
 /// What to follow.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct SubscribeOptions {
@@ -16,11 +19,14 @@ pub struct SubscribeOptions {
     pub scope: EventScope,
     /// Most events per batch (0: the server's choice).
     pub max_batch: u32,
+    /// The `log_id` that `from` belongs to: when the server's log is another one (it restarted),
+    /// subscribing fails with `Status { code: Expired }` instead of reading a stranger's numbers.
+    pub log_id: Option<u64>,
 }
 
 impl Default for SubscribeOptions {
     fn default() -> Self {
-        SubscribeOptions { from: None, scope: EventScope::Tenant, max_batch: 0 }
+        SubscribeOptions { from: None, scope: EventScope::Tenant, max_batch: 0, log_id: None }
     }
 }
 
@@ -51,8 +57,10 @@ impl Subscription {
         self.next
     }
 
-    /// The next batch: events, and how many were lost before them (`lagged`). Waits for as long
-    /// as the pool is quiet; cancel-safe (wrap it in a timeout freely).
+    /// The next batch: events, and how many were lost before them (`lagged`: the server's log
+    /// moved past them, or this subscription's queue of 16 batches was full because the caller
+    /// was behind). Waits for as long as the pool is quiet; cancel-safe (wrap it in a timeout
+    /// freely).
     pub async fn next(&mut self) -> Result<EventBatch> {
         match self.rx.recv().await {
             Some(Ok(b)) => {
@@ -92,21 +100,40 @@ impl Client {
             })
             .await?;
         let (log_id, next) = (first.log_id, first.next);
-        // Batches are read as they come into a short queue: the server never waits on us, and a
-        // caller that reads slowly learns from `lagged` what it lost.
-        let (send, recv) = mpsc::channel(4);
+        if let Some(want) = opts.log_id.filter(|&w| w != log_id) {
+            return Err(ClientError::Status {
+                code: kvpool_proto::ErrorCode::Expired,
+                message: format!(
+                    "the server's event log is {log_id:016x}, not {want:016x} (it restarted): sequence numbers \
+                     of the old log mean nothing; rebuild from a subscription without `from`"
+                ),
+            });
+        }
+        // Batches are read off the stream as they come, into a short queue: the server never
+        // waits on us. When the caller is behind and the queue is full, a batch is dropped and
+        // counted into the `lagged` of the next one that fits, as the server does with its log.
+        let (send, recv) = mpsc::channel(QUEUE);
         send.try_send(Ok(first)).expect("an empty queue has room");
         let reader = tokio::spawn(async move {
             let _tx = tx;
+            let mut dropped = 0u64;
             loop {
-                let r = match read_response(&conn, &mut rx).await {
-                    Ok(Response::Events(b)) => Ok(b),
-                    Ok(other) => Err(crate::unexpected("Events", &other)),
-                    Err(e) => Err(e),
+                let mut b = match read_response(&conn, &mut rx).await {
+                    Ok(Response::Events(b)) => b,
+                    other => {
+                        let e = match other {
+                            Ok(other) => crate::unexpected("Events", &other),
+                            Err(e) => e,
+                        };
+                        let _ = send.send(Err(e)).await;
+                        return;
+                    }
                 };
-                let end = r.is_err();
-                if send.send(r).await.is_err() || end {
-                    return;
+                b.lagged += dropped;
+                match send.try_send(Ok(b)) {
+                    Ok(()) => dropped = 0,
+                    Err(mpsc::error::TrySendError::Full(Ok(b))) => dropped = b.lagged + b.events.len() as u64,
+                    Err(_) => return,
                 }
             }
         });

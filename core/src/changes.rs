@@ -40,7 +40,8 @@ pub struct Change {
 /// What a subscriber reads: the changes from its cursor that pass its filter.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct ChangeBatch {
-    /// Changes the subscriber asked for that are no longer in the ring (it fell behind).
+    /// Changes from the cursor on that are no longer held (it fell behind): all of them,
+    /// whether they would have passed the filter or not, since they are gone.
     pub lagged: u64,
     /// The cursor to read from next.
     pub next: u64,
@@ -48,39 +49,69 @@ pub struct ChangeBatch {
     pub changes: Vec<(u64, Change)>,
 }
 
-/// The newest changes, numbered from 1, at most `capacity` of them.
+/// Changes are held in shared chunks of at most this many, so that a reader takes the log's
+/// lock only to clone a few chunk references, and a huge publication (a remove-all) still
+/// leaves the log bounded.
+const CHUNK: usize = 1024;
+
+/// The newest changes, numbered from 1: at least `capacity` of them once that many were
+/// logged, and fewer than `capacity` + 1,024.
 #[derive(Debug)]
 pub struct ChangeLog {
     capacity: usize,
-    /// Sequence number of `ring[0]`.
+    /// Sequence number of the first change held.
     first: u64,
-    ring: VecDeque<Change>,
+    /// Changes held.
+    held: usize,
+    /// (sequence number of the chunk's first change, the chunk), contiguous, oldest first.
+    chunks: VecDeque<(u64, Arc<[Change]>)>,
+}
+
+/// A stretch of the log taken under its lock, read outside it.
+#[derive(Debug, Clone)]
+pub struct ChangeWindow {
+    lagged: u64,
+    start: u64,
+    chunks: Vec<(u64, Arc<[Change]>)>,
 }
 
 impl ChangeLog {
     pub fn new(capacity: usize) -> ChangeLog {
-        ChangeLog { capacity, first: 1, ring: VecDeque::with_capacity(capacity.min(4096)) }
+        ChangeLog { capacity, first: 1, held: 0, chunks: VecDeque::new() }
     }
 
-    /// Number the change and keep it; the oldest goes when the ring is full (a capacity of 0
-    /// numbers changes and keeps none). Returns its sequence number.
-    pub fn push(&mut self, c: Change) -> u64 {
-        let seq = self.next_seq();
+    /// Number the changes (consecutively, in order) and keep them; the oldest chunks go while
+    /// the newer ones hold `capacity` changes (a capacity of 0 numbers changes and keeps none).
+    /// Returns the next sequence number.
+    pub fn append(&mut self, changes: Vec<Change>) -> u64 {
         if self.capacity == 0 {
-            self.first += 1;
-            return seq;
+            self.first += changes.len() as u64;
+            return self.next_seq();
         }
-        if self.ring.len() == self.capacity {
-            self.ring.pop_front();
-            self.first += 1;
+        let mut rest = changes.into_iter();
+        loop {
+            let chunk: Arc<[Change]> = rest.by_ref().take(CHUNK).collect();
+            if chunk.is_empty() {
+                break;
+            }
+            let seq = self.next_seq();
+            self.held += chunk.len();
+            self.chunks.push_back((seq, chunk));
+            while let Some((_, oldest)) = self.chunks.front() {
+                if self.held - oldest.len() < self.capacity {
+                    break;
+                }
+                self.held -= oldest.len();
+                self.first += oldest.len() as u64;
+                self.chunks.pop_front();
+            }
         }
-        self.ring.push_back(c);
-        seq
+        self.next_seq()
     }
 
     /// The sequence number the next change will get.
     pub fn next_seq(&self) -> u64 {
-        self.first + self.ring.len() as u64
+        self.first + self.held as u64
     }
 
     /// The oldest sequence number still held.
@@ -88,26 +119,54 @@ impl ChangeLog {
         self.first
     }
 
-    /// Up to `max` changes from sequence `from` on that pass `keep`, looking at no more than
-    /// `scan` entries (a filtered subscriber among many others' changes still returns soon).
-    /// A `from` older than the ring counts the missing changes as `lagged` (all of them, whether
-    /// they would have passed the filter or not: they are gone, so nobody can tell).
-    pub fn read(&self, from: u64, max: usize, scan: usize, keep: impl Fn(&Change) -> bool) -> ChangeBatch {
+    /// The chunks covering at least `scan` changes from sequence `from` on (or all there are),
+    /// as shared references: cheap enough to take under a lock that writers wait for.
+    pub fn window(&self, from: u64, scan: usize) -> ChangeWindow {
         // Sequence numbers start at 1: a cursor of 0 asks for the first.
         let from = from.max(1);
-        let end = self.next_seq();
-        let start = from.clamp(self.first, end);
+        let start = from.clamp(self.first, self.next_seq());
         let lagged = self.first.saturating_sub(from);
-        let mut out = ChangeBatch { lagged, next: start, changes: Vec::new() };
-        let skip = (start - self.first) as usize;
-        for (i, c) in self.ring.iter().skip(skip).take(scan.max(1)).enumerate() {
-            if out.changes.len() >= max.max(1) {
+        let i = self.chunks.partition_point(|(s, _)| *s <= start).saturating_sub(1);
+        let mut chunks = Vec::new();
+        let mut covered = 0u64;
+        for (s, c) in self.chunks.iter().skip(i) {
+            let end = s + c.len() as u64;
+            if end <= start {
+                continue;
+            }
+            chunks.push((*s, c.clone()));
+            covered += end - start.max(*s);
+            if covered >= scan.max(1) as u64 {
                 break;
             }
-            let seq = start + i as u64;
-            out.next = seq + 1;
-            if keep(c) {
-                out.changes.push((seq, c.clone()));
+        }
+        ChangeWindow { lagged, start, chunks }
+    }
+
+    /// [`ChangeLog::window`] then [`ChangeWindow::read`], for a reader that holds the log alone.
+    pub fn read(&self, from: u64, max: usize, scan: usize, keep: impl Fn(&Change) -> bool) -> ChangeBatch {
+        self.window(from, scan).read(max, scan, keep)
+    }
+}
+
+impl ChangeWindow {
+    /// Up to `max` changes from the window's start that pass `keep`, looking at no more than
+    /// `scan` changes (a filtered subscriber among many others' changes still returns soon).
+    pub fn read(&self, max: usize, scan: usize, keep: impl Fn(&Change) -> bool) -> ChangeBatch {
+        let mut out = ChangeBatch { lagged: self.lagged, next: self.start, changes: Vec::new() };
+        let mut examined = 0;
+        'chunks: for (s, chunk) in &self.chunks {
+            let skip = self.start.saturating_sub(*s) as usize;
+            for (j, c) in chunk.iter().enumerate().skip(skip) {
+                if out.changes.len() >= max.max(1) || examined >= scan.max(1) {
+                    break 'chunks;
+                }
+                examined += 1;
+                let seq = s + j as u64;
+                out.next = seq + 1;
+                if keep(c) {
+                    out.changes.push((seq, c.clone()));
+                }
             }
         }
         out
@@ -134,7 +193,7 @@ mod tests {
     fn numbers_keeps_the_newest_and_counts_what_a_late_reader_missed() {
         let mut log = ChangeLog::new(4);
         for i in 0..10 {
-            assert_eq!(log.push(change(0, &format!("k{i}"))), i + 1);
+            assert_eq!(log.append(vec![change(0, &format!("k{i}"))]), i + 2);
         }
         assert_eq!((log.oldest(), log.next_seq()), (7, 11));
         let b = log.read(1, 100, 100, |_| true);
@@ -148,7 +207,7 @@ mod tests {
         // A cursor past the end reads from the end; a cursor of 0 means the first.
         assert_eq!(log.read(99, 10, 10, |_| true).next, 11);
         let mut fresh = ChangeLog::new(4);
-        fresh.push(change(0, "a"));
+        fresh.append(vec![change(0, "a")]);
         let b = fresh.read(0, 10, 10, |_| true);
         assert_eq!((b.lagged, b.changes.len()), (0, 1));
     }
@@ -157,7 +216,7 @@ mod tests {
     fn a_filter_skips_without_losing_its_place_and_scans_boundedly() {
         let mut log = ChangeLog::new(100);
         for i in 0..20 {
-            log.push(change(i % 2, &format!("k{i}")));
+            log.append(vec![change(i % 2, &format!("k{i}"))]);
         }
         // Tenant 1 only, at most 3 per read.
         let b = log.read(1, 3, 100, |c| c.tenant == 1);
@@ -178,10 +237,33 @@ mod tests {
     }
 
     #[test]
+    fn a_huge_publication_stays_bounded_and_reads_across_chunks() {
+        let mut log = ChangeLog::new(2_000);
+        let many: Vec<Change> = (0..5_000).map(|i| change(i % 3, &format!("k{i}"))).collect();
+        assert_eq!(log.append(many), 5_001);
+        let held = (log.next_seq() - log.oldest()) as usize;
+        assert!((2_000..2_000 + CHUNK).contains(&held), "{held} held");
+        // Read everything held in small steps, starting mid-chunk: every change once, in order.
+        let (mut cur, mut seen) = (log.oldest() + 17, Vec::new());
+        while cur < log.next_seq() {
+            let b = log.window(cur, 100).read(7, 100, |c| c.tenant == 1);
+            assert!(b.next > cur, "progress");
+            seen.extend(b.changes.iter().map(|(s, c)| {
+                assert_eq!(&*c.key, format!("k{}", s - 1).as_bytes());
+                *s
+            }));
+            cur = b.next;
+        }
+        let want: Vec<u64> = (log.oldest() + 17..log.next_seq()).filter(|s| (s - 1) % 3 == 1).collect();
+        assert_eq!(seen, want);
+        // A window covers what was asked for, not the whole log.
+        assert!(log.window(log.oldest(), 10).chunks.len() <= 2);
+    }
+
+    #[test]
     fn capacity_zero_numbers_but_keeps_nothing() {
         let mut log = ChangeLog::new(0);
-        log.push(change(0, "a"));
-        log.push(change(0, "b"));
+        log.append(vec![change(0, "a"), change(0, "b")]);
         let b = log.read(1, 10, 10, |_| true);
         assert_eq!((b.lagged, b.next, b.changes.len()), (2, 3, 0));
     }

@@ -14,7 +14,7 @@ mod policies;
 #[cfg(test)]
 mod tests;
 
-pub use changes::{Change, ChangeBatch, ChangeKind, ChangeLog};
+pub use changes::{Change, ChangeBatch, ChangeKind, ChangeLog, ChangeWindow};
 pub use index::{
     BlockRecord, CopyHandle, Demoted, Evicted, Granularity, Index, Located, Pending, PutPlan, PutStatus, Recovered,
     RemoveStatus, TenantCounters, DEFAULT_MISS_MEMORY,

@@ -48,6 +48,11 @@ impl Auth {
         Auth { keys, names }
     }
 
+    /// The longest tenant name a KV event may carry.
+    pub fn longest_tenant_name(&self) -> usize {
+        self.names.values().map(String::len).max().unwrap_or(0).max("tenant-4294967295".len())
+    }
+
     /// The name of a tenant id (`tenant-<id>` for one no configured key names any more).
     pub fn tenant_name(&self, id: u32) -> String {
         self.names.get(&id).cloned().unwrap_or_else(|| format!("tenant-{id}"))

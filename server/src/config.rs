@@ -465,6 +465,12 @@ impl Config {
                 });
             }
         }
+        if self.events.max_subscribers == 0 {
+            return Err(ConfigError::Invalid {
+                field: "events.max_subscribers",
+                message: "at least 1 (to turn events off, set events.buffer = 0)".into(),
+            });
+        }
         if self.events.buffer > 1 << 24 {
             return Err(ConfigError::Invalid {
                 field: "events.buffer",

@@ -86,20 +86,21 @@ impl EventLog {
         for (counter, n) in self.counted.iter().zip(counts) {
             counter.inc_by(n);
         }
-        let next = {
-            let mut ring = self.ring.lock();
-            for mut c in changes {
-                c.time_ms = now;
-                ring.push(c);
-            }
-            ring.next_seq()
-        };
+        let mut changes = changes;
+        for c in &mut changes {
+            c.time_ms = now;
+        }
+        // Publishers hold the index lock: the ring's lock is held for an append only.
+        let next = self.ring.lock().append(changes);
         self.next.send_replace(next);
     }
 
-    /// See [`ChangeLog::read`].
+    /// See [`ChangeLog::read`]. The ring's lock is held only to take shared references to the
+    /// stretch asked for; filtering and copying happen outside it, so a reader never holds up
+    /// the publishers (who hold the index lock).
     pub fn read(&self, from: u64, max: usize, scan: usize, keep: impl Fn(&Change) -> bool) -> ChangeBatch {
-        let b = self.ring.lock().read(from, max, scan, keep);
+        let window = self.ring.lock().window(from, scan);
+        let b = window.read(max, scan, keep);
         if b.lagged > 0 {
             self.metrics.events_lagged.inc_by(b.lagged);
         }
@@ -117,9 +118,11 @@ impl EventLog {
 
     /// Take a subscriber's place; `None` when `max_subscribers` are open.
     pub fn join(self: &Arc<Self>) -> Option<Subscriber> {
-        let n = self.subscribers.fetch_add(1, Ordering::AcqRel);
-        let sub = Subscriber(self.clone());
+        let taken = self
+            .subscribers
+            .fetch_update(Ordering::AcqRel, Ordering::Acquire, |n| (n < self.max_subscribers).then_some(n + 1));
+        taken.ok()?;
         self.metrics.event_subscribers.inc();
-        (n < self.max_subscribers).then_some(sub)
+        Some(Subscriber(self.clone()))
     }
 }

@@ -18,7 +18,7 @@ fn status_of(e: ClientError) -> ErrorCode {
 }
 
 fn opts(from: Option<u64>, scope: EventScope) -> SubscribeOptions {
-    SubscribeOptions { from, scope, max_batch: 0 }
+    SubscribeOptions { from, scope, ..SubscribeOptions::default() }
 }
 
 /// Events until `want` have come or the pool has been quiet for 3 s.
@@ -107,8 +107,8 @@ async fn a_lagging_subscriber_is_told_what_it_lost_and_resumes_from_a_cursor() {
     let b = sub.next().await.unwrap();
     assert_eq!((b.lagged, b.events.len(), b.next), (0, 1, 2));
     let log_id = sub.log_id();
-    // The subscriber does not read while 500 puts go through: none waits for it (its client's
-    // queue and the stream's flow-control window take what it has not read).
+    // The subscriber does not read while 500 puts go through: none waits for it (its client
+    // reads ahead 16 batches and counts the ones it had to drop into the next one's `lagged`).
     for i in 0..500 {
         writer.put(format!("k{i}"), b"v").await.unwrap();
     }
@@ -133,13 +133,16 @@ async fn a_lagging_subscriber_is_told_what_it_lost_and_resumes_from_a_cursor() {
     for i in 0..10 {
         writer.put(format!("r{i}"), b"v").await.unwrap();
     }
-    let mut again = alice.subscribe(opts(Some(cursor), EventScope::Tenant)).await.unwrap();
+    let same_log = SubscribeOptions { log_id: Some(log_id), ..opts(Some(cursor), EventScope::Tenant) };
+    let mut again = alice.subscribe(same_log).await.unwrap();
     assert_eq!(again.log_id(), log_id);
     let (ev, lagged) = collect(&mut again, 10).await;
     assert_eq!(lagged, 0);
     assert_eq!(ev.iter().map(key).collect::<Vec<_>>(), (0..10).map(|i| format!("r{i}")).collect::<Vec<_>>());
     assert_eq!(ev[0].seq, cursor);
-    // A cursor beyond the log (another server's, say) is refused with a reason.
+    // A cursor of another log (a restarted server's) is refused, by its id or by its range.
+    let other_log = SubscribeOptions { log_id: Some(log_id ^ 1), ..opts(Some(cursor), EventScope::Tenant) };
+    assert_eq!(status_of(alice.subscribe(other_log).await.unwrap_err()), ErrorCode::Expired);
     let e = alice.subscribe(opts(Some(cursor + 1000), EventScope::Tenant)).await.unwrap_err();
     assert_eq!(status_of(e), ErrorCode::InvalidArgument);
 }
@@ -198,8 +201,11 @@ fn the_cli_prints_events_as_json_lines() {
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let lines: Vec<serde_json::Value> =
         String::from_utf8_lossy(&out.stdout).lines().map(|l| serde_json::from_str(l).unwrap()).collect();
-    assert_eq!(lines.len(), 3, "{lines:?}");
-    let brief: Vec<(&str, &str, &str)> = lines
+    assert_eq!(lines.len(), 4, "{lines:?}");
+    // The last line is where to resume.
+    assert_eq!(lines[3]["next"], 4);
+    assert_eq!(lines[3]["log_id"].as_str().unwrap().len(), 16);
+    let brief: Vec<(&str, &str, &str)> = lines[..3]
         .iter()
         .map(|v| (v["kind"].as_str().unwrap(), v["key"].as_str().unwrap(), v["tier"].as_str().unwrap()))
         .collect();

@@ -13,6 +13,8 @@ use tokio::time::Instant as Deadline;
 pub const DEFAULT_BATCH: u32 = 256;
 pub const MAX_BATCH: u32 = 1024;
 const FRAME_BUDGET: usize = 1 << 20;
+/// Changes looked at per frame at least, whatever the batch size asked for.
+const SCAN: usize = 4096;
 
 fn event(seq: u64, c: Change, node: &str, s: &Shared) -> KvEvent {
     KvEvent {
@@ -71,8 +73,8 @@ pub(super) async fn subscribe<R: RequestRecv, W: RequestSend>(
         )));
     };
     // Frames stay near a megabyte at most, whatever the key limit (a client refuses frames
-    // over 64 MiB): an event is its two keys and about 100 bytes more.
-    let per_event = 2 * s.limits.max_key_len as usize + 128 + s.node.len();
+    // over 64 MiB): an event is its two keys, the node and tenant names and 50 bytes more.
+    let per_event = 2 * s.limits.max_key_len as usize + s.node.len() + s.auth.longest_tenant_name() + 64;
     let max = (match req.max_batch {
         0 => DEFAULT_BATCH,
         n => n.min(MAX_BATCH),
@@ -87,7 +89,7 @@ pub(super) async fn subscribe<R: RequestRecv, W: RequestSend>(
         news.borrow_and_update();
         // A filtered subscriber looks at a bounded stretch per frame, so a busy pool of other
         // tenants never keeps it from answering.
-        let b = log.read(cursor, max, max * 16, |c| all || c.tenant == tenant);
+        let b = log.read(cursor, max, SCAN.max(16 * max), |c| all || c.tenant == tenant);
         let moved = b.next != cursor;
         cursor = b.next;
         if first || b.lagged > 0 || !b.changes.is_empty() {
@@ -104,6 +106,9 @@ pub(super) async fn subscribe<R: RequestRecv, W: RequestSend>(
             write_by(send, &frame, Deadline::now() + s.timeouts.transfer(frame.len() as u64)).await?;
         }
         if moved {
+            // More to read: go on, but let other tasks of this worker run between stretches
+            // (a subscriber far behind in a busy pool must not hold its thread).
+            tokio::task::consume_budget().await;
             continue;
         }
         tokio::select! {

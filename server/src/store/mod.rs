@@ -377,7 +377,7 @@ impl Store {
         Ok(())
     }
 
-    /// Address and length of the DRAM segment (registered once with the copy engine).
+    /// The index, locked (its KV events are published when the lock is let go).
     fn ix(&self) -> Ix<'_> {
         Ix { guard: self.index.lock(), events: self.events.get().map(|e| &**e) }
     }
@@ -390,6 +390,7 @@ impl Store {
         Ok(())
     }
 
+    /// Address and length of the DRAM segment (registered once with the copy engine).
     pub fn dram_segment(&self) -> (usize, usize) {
         self.dram.segment()
     }
