@@ -8,6 +8,7 @@ mod target;
 // Trace replay, synthetic traces, pooled vs isolated caches, TTFT model.
 mod gen;
 mod hitplot;
+mod live;
 mod pool;
 mod pooled;
 mod replay;
@@ -51,6 +52,9 @@ enum Cmd {
     Scale(scale::ScaleArgs),
     /// Write a synthetic request trace (Mooncake format)
     Gen(gen::GenArgs),
+    /// Replay a trace prefix through a live server and through the core, and check that they
+    /// agree request by request for every policy pair
+    LiveReplay(live::LiveArgs),
 }
 
 #[derive(Debug, Args)]
@@ -847,6 +851,7 @@ fn main() -> Result<()> {
         Cmd::Ttft(a) => ttft::ttft(a),
         Cmd::Scale(a) => scale::scale(a),
         Cmd::Gen(a) => gen::gen(a),
+        Cmd::LiveReplay(a) => live::live_replay(a),
     }
 }
 

@@ -15,8 +15,9 @@
 //! - both policies see every event, flushed before each decision, as the store feeds them;
 //! - a snapshot for a swapped-in policy is the index's warm snapshot.
 //!
-//! The replay driver ([`crate::sim::CacheSim`]) only knows the trait, so that a live server
-//! through the client can implement it too (not done yet: see bench/RESULTS.md).
+//! The replay driver ([`crate::sim::CacheSim`]) only knows the trait: a live server through
+//! the client implements it too (`crate::live`), and `kvpool-bench live-replay` checks that it
+//! agrees with a [`SimPool`] of [`Semantics::Server`] request by request.
 
 use kvpool_core::{Granularity, Index, IndexView, PinRequest, Policies, PutPlan, PutSpec, PutStatus};
 use kvpool_policy_sdk::{key_hash, AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, Tier};
@@ -120,12 +121,28 @@ impl kvpool_core::Admitter for Local<Box<dyn AdmissionPolicy>> {
     }
 }
 
+/// How a [`SimPool`] leases and makes room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Semantics {
+    /// The replay's: a get's leases last until its request ends; a put makes room for all its
+    /// admitted blocks with one `victims` call; a block whose parent is gone by then is not
+    /// stored (the client would stop there).
+    Replay,
+    /// A live server's with `cache.lease_ttl_ms = 0` and both DRAM watermarks at 1.0 (what
+    /// `kvpool-bench live-replay` starts): leases end with the call; each admitted block of a
+    /// put reserves its room in turn, and a reservation that finds the tier full evicts
+    /// max(1 block, capacity / 64) (the store's `reserve_in`), again while that frees
+    /// anything; every reserved block is committed, parent or not.
+    Server,
+}
+
 /// The server's core as a replay pool: capacity in blocks (every block has size 1, as in
 /// libCacheSim).
 pub struct SimPool {
     index: Index<u64>,
     policies: Policies,
     capacity: usize,
+    semantics: Semantics,
     /// Leases last until the request ends: time for the index is `base` + 2 ns per request.
     base: Instant,
     request: u64,
@@ -135,15 +152,34 @@ pub struct SimPool {
 
 impl SimPool {
     pub fn new(admission: Box<dyn AdmissionPolicy>, eviction: Box<dyn EvictionPolicy>, capacity: usize) -> SimPool {
+        SimPool::with_semantics(admission, eviction, capacity, Semantics::Replay)
+    }
+
+    pub fn with_semantics(
+        admission: Box<dyn AdmissionPolicy>,
+        eviction: Box<dyn EvictionPolicy>,
+        capacity: usize,
+        semantics: Semantics,
+    ) -> SimPool {
         let policies = Policies::new(Box::new(Local(eviction)), Box::new(Local(admission)));
         SimPool {
             index: Index::new(Granularity { dram: 1, ssd: 1 }, false),
             policies,
             capacity,
+            semantics,
             base: Instant::now(),
             request: 0,
             stats: PoolStats::default(),
             _not_send: std::marker::PhantomData,
+        }
+    }
+
+    /// The tenant blocks are stored for: 0 in a replay; under [`Semantics::Server`] 1, the id
+    /// a fresh server gives its first tenant (key hashes, which policies see, are scoped by it).
+    fn tenant(&self) -> u32 {
+        match self.semantics {
+            Semantics::Replay => 0,
+            Semantics::Server => 1,
         }
     }
 
@@ -177,6 +213,36 @@ impl SimPool {
         out.gone
     }
 
+    /// [`Semantics::Server`]'s put after admission: reserve block by block (evicting a chunk
+    /// when the tier is full), then commit every reserved block in order.
+    fn put_like_the_server(&mut self, specs: &[PutSpec<'_>], admitted: &[(usize, u64)], now_us: u64) {
+        let chunk = (self.capacity / 64).max(1);
+        let mut reserved = Vec::with_capacity(admitted.len());
+        for &(i, id) in admitted {
+            loop {
+                let used = self.index.counts().1 as usize + reserved.len();
+                if used < self.capacity {
+                    reserved.push((i, id));
+                    break;
+                }
+                if self.make_room(chunk) == 0 {
+                    self.stats.dropped += 1;
+                    break;
+                }
+            }
+        }
+        if reserved.len() < admitted.len() {
+            self.stats.shortfalls += 1;
+        }
+        let now = self.now();
+        for (i, id) in reserved {
+            if self.index.commit(self.tenant(), id, &specs[i], false, 0, Some(id), None, now, now_us / 1000, 0).is_ok()
+            {
+                self.stats.stored += 1;
+            }
+        }
+    }
+
     /// The warm snapshot a swapped-in policy is started from ([`Index::snapshot`]).
     #[cfg(test)]
     pub fn warm_snapshot(&self) -> Events {
@@ -193,7 +259,7 @@ impl SimPool {
     /// The block id of a resident key.
     #[cfg(test)]
     pub fn resident_id(&self, key: u64) -> Option<u64> {
-        self.index.id_of(0, &trace_key(key))
+        self.index.id_of(self.tenant(), &trace_key(key))
     }
 
     /// Resident blocks.
@@ -207,7 +273,7 @@ impl Pool for SimPool {
     fn lookup(&mut self, chain: &[u64], now_us: u64) -> usize {
         let keys: Vec<Vec<u8>> = chain.iter().map(|&k| trace_key(k)).collect();
         let before = self.index.pending_events();
-        let hit = self.index.lookup(0, &keys, now_us);
+        let hit = self.index.lookup(self.tenant(), &keys, now_us);
         self.stats.misses += (self.index.pending_events() - before) as u64;
         hit
     }
@@ -217,8 +283,12 @@ impl Pool for SimPool {
             return;
         }
         let keys: Vec<Vec<u8>> = keys.iter().map(|&k| trace_key(k)).collect();
-        let lease_until = self.now() + Duration::from_nanos(1);
-        self.index.plan_get(0, &keys, lease_until, now_us);
+        let lease_until = match self.semantics {
+            Semantics::Replay => self.now() + Duration::from_nanos(1),
+            // Over at once: a lease of 0 ms.
+            Semantics::Server => self.now(),
+        };
+        self.index.plan_get(self.tenant(), &keys, lease_until, now_us);
     }
 
     fn put(&mut self, items: &[PutItem], now_us: u64) {
@@ -237,10 +307,10 @@ impl Pool for SimPool {
             })
             .collect();
         // Admission: Index::plan_put, the admission slot, Index::decide_put (chain rule).
-        let (pending, batch) = self.index.plan_put(0, &specs, false, u64::MAX);
+        let (pending, batch) = self.index.plan_put(self.tenant(), &specs, false, u64::MAX);
         let mut policy_rejected = 0;
         let plans = if batch.is_empty() {
-            self.index.decide_put(0, &pending, &batch, &[], None)
+            self.index.decide_put(self.tenant(), &pending, &batch, &[], None)
         } else {
             self.flush();
             let decisions = self.policies.admission.admit(&batch);
@@ -248,7 +318,7 @@ impl Pool for SimPool {
                 self.stats.invalid_admissions += 1;
             }
             policy_rejected = decisions.iter().take(batch.len()).filter(|d| **d == Admit::Reject).count() as u64;
-            self.index.decide_put(0, &pending, &batch, &decisions, None)
+            self.index.decide_put(self.tenant(), &pending, &batch, &decisions, None)
         };
         let rejected = plans.iter().filter(|p| **p == PutPlan::Skip(PutStatus::Rejected)).count() as u64;
         self.stats.rejected += rejected;
@@ -264,6 +334,10 @@ impl Pool for SimPool {
         if admitted.is_empty() {
             return;
         }
+        if self.semantics == Semantics::Server {
+            self.put_like_the_server(&specs, &admitted, now_us);
+            return;
+        }
         let free = self.capacity.saturating_sub(self.index.counts().1 as usize);
         let mut room = free;
         if admitted.len() > free {
@@ -276,12 +350,12 @@ impl Pool for SimPool {
         for (n, &(i, id)) in admitted.iter().enumerate() {
             // A parent that is neither resident nor stored by this put (not enough room, or
             // gone since the lookup) leaves the rest of the chain unreachable: the client stops.
-            let parent_gone = specs[i].parent.is_some_and(|p| !self.index.exists(0, &[p.to_vec()])[0]);
+            let parent_gone = specs[i].parent.is_some_and(|p| !self.index.exists(self.tenant(), &[p.to_vec()])[0]);
             if n >= room || parent_gone {
                 self.stats.dropped += (admitted.len() - n) as u64;
                 break;
             }
-            let r = self.index.commit(0, id, &specs[i], false, 0, Some(id), None, now, now_us / 1000, 0);
+            let r = self.index.commit(self.tenant(), id, &specs[i], false, 0, Some(id), None, now, now_us / 1000, 0);
             if r.is_ok() {
                 self.stats.stored += 1;
             }

@@ -182,3 +182,27 @@ fn smoke_pooled_and_ttft() {
     let mean = |i: usize| rows[i]["mean_ms"].as_f64().unwrap();
     assert!(mean(0) > 0.0 && mean(2) <= mean(0), "{v}");
 }
+
+/// The same trace prefix through a live server (each standard pair loaded as Wasm modules, the
+/// client over shared memory) and through the core with the server's semantics: request by
+/// request, the same hits, for every pair, with the pool evicting all along.
+#[test]
+fn a_live_server_agrees_with_the_core_request_by_request_for_every_pair() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("live.json");
+    let mut c = bin();
+    c.arg("live-replay").arg("--trace").arg(real_trace()).args(["--limit", "1500", "--capacity", "4096", "--json"]);
+    c.arg(&out);
+    let stdout = run(c);
+    assert!(stdout.contains("agree request by request for every pair"), "{stdout}");
+    let rows = json(&out);
+    let rows = rows.as_array().expect("rows");
+    assert_eq!(rows.len(), 10, "every standard pair");
+    for r in rows {
+        assert_eq!(r["mismatched_requests"], 0, "{r}");
+        assert_eq!(r["live_block_hits"], r["core_block_hits"], "{r}");
+        assert!(r["live_block_hits"].as_u64().unwrap() > 1000, "hits happened: {r}");
+        // The pool was full and evicting for most of the run.
+        assert!(r["core"]["stored"].as_u64().unwrap() > 2 * 4096, "{r}");
+    }
+}
