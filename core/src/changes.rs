@@ -23,6 +23,10 @@ pub enum ChangeKind {
     Evicted,
 }
 
+// The log holds tens of thousands of these: keep them from growing unnoticed (64-bit targets).
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<Change>() <= 56);
+
 /// One copy that came or went.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Change {
