@@ -66,6 +66,11 @@ pub struct Metrics {
     /// KV events logged, by kind; subscriptions open; events subscribers missed.
     pub events: IntCounterVec,
     pub event_subscribers: IntGauge,
+    /// Value bytes moved, and the time one request took to move them, by transport (`quic`,
+    /// `local`: in band on the same-host control socket, `shm`: copied to or from a client's
+    /// shared buffers) and direction (`in`: into the pool, `out`: to the client).
+    pub transfer_bytes: IntCounterVec,
+    pub transfer_seconds: HistogramVec,
     pub events_lagged: IntCounter,
     pub auth_failures: IntCounter,
     pub lookup_blocks: IntCounterVec,
@@ -92,6 +97,15 @@ fn counter(reg: &Registry, name: &str, help: &str) -> IntCounter {
 }
 
 impl Metrics {
+    /// Count one request's value bytes moved over `transport` in `direction`.
+    pub fn transferred(&self, transport: &str, direction: &str, bytes: u64, took: std::time::Duration) {
+        if bytes == 0 {
+            return;
+        }
+        self.transfer_bytes.with_label_values(&[transport, direction]).inc_by(bytes);
+        self.transfer_seconds.with_label_values(&[transport, direction]).observe(took.as_secs_f64());
+    }
+
     pub fn new() -> Metrics {
         let reg = Registry::new_custom(Some("kvpool".into()), None).expect("valid prefix");
         let op_seconds = HistogramVec::new(
@@ -115,6 +129,16 @@ impl Metrics {
             &["tenant", "op"],
         )
         .expect("static metric definition");
+        let transfer_seconds = HistogramVec::new(
+            HistogramOpts::new(
+                "transfer_seconds",
+                "Time one request took to move its value bytes, by transport and direction",
+            )
+            .buckets(exponential_buckets(10e-6, 1.5, 36).expect("valid buckets")),
+            &["transport", "direction"],
+        )
+        .expect("static metric definition");
+        reg.register(Box::new(transfer_seconds.clone())).expect("unique metric name");
         let connections = IntGauge::new("connections", "Open client connections").expect("static metric");
         reg.register(Box::new(connections.clone())).expect("unique metric name");
         let m = Metrics {
@@ -163,6 +187,13 @@ impl Metrics {
             quic_mtu: gauge_vec(&reg, "quic_path_mtu_bytes", "Path MTU of live client connections", &["stat"]),
             auth_failures: counter(&reg, "auth_failures_total", "Hellos refused"),
             events: counter_vec(&reg, "events_total", "KV events logged for subscribers, by kind", &["kind"]),
+            transfer_bytes: counter_vec(
+                &reg,
+                "transfer_bytes_total",
+                "Value bytes moved, by transport (quic, local, shm) and direction (in, out)",
+                &["transport", "direction"],
+            ),
+            transfer_seconds,
             event_subscribers: {
                 let g = IntGauge::new("event_subscribers", "KV event subscriptions open").expect("static metric");
                 reg.register(Box::new(g.clone())).expect("unique metric name");

@@ -210,3 +210,38 @@ async fn a_full_pool_waits_then_fails_with_no_space_and_keeps_serving() {
     c.put("one-more", &value_for("one-more", 1 << 20)).await.unwrap();
     assert!(srv.scrape().contains("kvpool_rejected_puts_total{reason=\"no_space\"}"));
 }
+
+/// Sum of a metric's samples whose labels include every one of `labels`.
+fn labelled(text: &str, name: &str, labels: &[&str]) -> f64 {
+    text.lines()
+        .filter(|l| l.starts_with(&format!("{name}{{")) && labels.iter().all(|x| l.contains(x)))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_metrics_count_bytes_and_time_by_transport_and_direction() {
+    use kvpool_client::{Client, TransportChoice};
+    let srv = TestServer::start(Opts::default());
+    let quic = Client::connect(srv.client_config_on(ADMIN_KEY, TransportChoice::Quic)).await.unwrap();
+    let v = value_for("q", 300_000);
+    quic.put("q", &v).await.unwrap();
+    assert!(quic.get("q").await.unwrap().expect("present") == v);
+    let shm = Client::connect(srv.client_config_on(ADMIN_KEY, TransportChoice::Shm)).await.unwrap();
+    let mut buf = shm.alloc_buffer(1 << 20).unwrap();
+    buf.as_mut_slice()[..200_000].copy_from_slice(&value_for("s", 200_000));
+    let entry = [("s", buf.slice(0, 200_000).unwrap(), PutOptions::default())];
+    assert_eq!(shm.put_from_batch(&entry, PutMode::Insert).await.unwrap(), vec![ErrorCode::Ok]);
+    let got = shm.get_into_batch(&["s"], &[buf.slice(500_000, 200_000).unwrap()]).await.unwrap();
+    assert_eq!(got[0].status, ErrorCode::Ok);
+    let text = srv.scrape();
+    for (transport, direction, at_least) in
+        [("quic", "in", 300_000.0), ("quic", "out", 300_000.0), ("shm", "in", 200_000.0), ("shm", "out", 200_000.0)]
+    {
+        let labels = [format!("transport=\"{transport}\""), format!("direction=\"{direction}\"")];
+        let labels: Vec<&str> = labels.iter().map(String::as_str).collect();
+        let bytes = labelled(&text, "kvpool_transfer_bytes_total", &labels);
+        assert!(bytes >= at_least, "{transport} {direction}: {bytes} bytes\n{text}");
+        assert!(labelled(&text, "kvpool_transfer_seconds_count", &labels) >= 1.0, "{transport} {direction}");
+    }
+}

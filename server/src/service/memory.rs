@@ -65,6 +65,10 @@ impl RequestRecv for MemRecv {
     fn stop(&mut self, code: u32) {
         self.stopped = Some(code);
     }
+    /// In-memory streams carry the same-host control socket's requests.
+    fn transport(&self) -> &'static str {
+        "local"
+    }
 }
 
 /// A request stream's sending half that collects the response.
@@ -121,6 +125,9 @@ impl RequestSend for MemSend {
     }
     fn reset(&mut self, code: u32) {
         self.reset = Some(code);
+    }
+    fn transport(&self) -> &'static str {
+        "local"
     }
     /// Nobody follows an in-memory response past what it holds: a subscription writes its
     /// first frame and ends.

@@ -42,6 +42,8 @@ pub type BoxFuture<'a, T> = std::pin::Pin<Box<dyn std::future::Future<Output = T
 pub trait RequestRecv: AsyncRead + Unpin + Send {
     /// Stop reading: the peer's further writes fail (QUIC STOP_SENDING with `code`).
     fn stop(&mut self, code: u32);
+    /// What carries the stream, for the transfer metrics.
+    fn transport(&self) -> &'static str;
 }
 
 /// The sending half of a request stream.
@@ -52,6 +54,8 @@ pub trait RequestSend: AsyncWrite + Unpin + Send {
     fn finish(&mut self);
     /// Abandon the response; bytes not yet delivered are dropped (QUIC RESET_STREAM).
     fn reset(&mut self, code: u32);
+    /// What carries the stream, for the transfer metrics.
+    fn transport(&self) -> &'static str;
     /// Resolves when the peer no longer wants the response (QUIC STOP_SENDING, or the
     /// connection is gone); a long-lived response (a subscription) waits on it between writes.
     fn stopped(&mut self) -> BoxFuture<'_, ()> {
@@ -62,6 +66,9 @@ pub trait RequestSend: AsyncWrite + Unpin + Send {
 impl RequestRecv for quinn::RecvStream {
     fn stop(&mut self, code: u32) {
         let _ = quinn::RecvStream::stop(self, code.into());
+    }
+    fn transport(&self) -> &'static str {
+        "quic"
     }
 }
 
@@ -74,6 +81,9 @@ impl RequestSend for quinn::SendStream {
     }
     fn reset(&mut self, code: u32) {
         let _ = quinn::SendStream::reset(self, code.into());
+    }
+    fn transport(&self) -> &'static str {
+        "quic"
     }
     fn stopped(&mut self) -> BoxFuture<'_, ()> {
         Box::pin(async move {
@@ -718,6 +728,7 @@ async fn put_items<R: RequestRecv>(
     let bytes_by = now + s.timeouts.transfer(total);
     let space_by = now + s.store.cfg.put_wait;
     let plans = s.store.plan_put(p.tenant_id, &put.items, put.mode);
+    let started = Instant::now();
     // Reservations live in `staged` until commit: any early return releases all of them.
     let mut staged = Vec::with_capacity(put.items.len());
     for (it, plan) in put.items.iter().zip(plans) {
@@ -746,6 +757,7 @@ async fn put_items<R: RequestRecv>(
         staged.push(st);
     }
     expect_end(recv, bytes_by).await?;
+    s.metrics.transferred(recv.transport(), "in", total, started.elapsed());
     let mut results = Vec::with_capacity(staged.len());
     for (it, st) in put.items.iter().zip(staged) {
         results.push(match st {
@@ -788,12 +800,14 @@ async fn get_items<W: RequestSend>(keys: &[Vec<u8>], send: &mut W, tenant: u32, 
     let by = Deadline::now() + s.timeouts.transfer(total);
     let frame = encode_frame(&Response::Get(GetResponse { items }))
         .map_err(|e| Fail::Reply(error(ErrorCode::Internal, e.to_string())))?;
+    let started = Instant::now();
     write_by(send, &frame, by).await?;
     for sv in served {
         // DRAM blocks go out from the segment itself; the chunk keeps the block alive until sent.
         write_owned_by(send, sv.into_bytes(), by).await?;
     }
     send.finish();
+    s.metrics.transferred(send.transport(), "out", total, started.elapsed());
     Ok(())
 }
 

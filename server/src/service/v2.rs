@@ -183,7 +183,7 @@ async fn put_from(p: PutFromRequest, session: &Arc<Session>, s: &Shared) -> Resu
         };
         staged.push(st);
     }
-    let staged = copy(dp, peer, Op::Read, &xfers, staged, s.timeouts.transfer(total)).await?;
+    let staged = copy(dp, peer, Op::Read, &xfers, staged, s.timeouts.transfer(total), &s.metrics).await?;
     let mut results = Vec::with_capacity(staged.len());
     for (it, st) in p.items.iter().zip(staged) {
         results.push(match st {
@@ -223,8 +223,12 @@ async fn copy<H: Holds>(
     xfers: &[Xfer],
     held: Vec<H>,
     timeout: Duration,
+    metrics: &crate::metrics::Metrics,
 ) -> Result<Vec<H>, Fail> {
     let t = dp.transport.clone();
+    let started = std::time::Instant::now();
+    let bytes: u64 = xfers.iter().map(|x| x.len).sum();
+    let direction = if op == Op::Read { "in" } else { "out" };
     let unregister = |t: &kvpool_transport::local::LocalTransport, held: &[H]| {
         for r in held.iter().filter_map(Holds::temp_region) {
             let _ = t.deregister(r);
@@ -244,6 +248,7 @@ async fn copy<H: Holds>(
     // Small batches are copied during the post: nothing to wait for.
     if let Ok(kvpool_transport::XferStatus::Done) = t.status(id) {
         unregister(&t, &held);
+        metrics.transferred("shm", direction, bytes, started.elapsed());
         return Ok(held);
     }
     let task = tokio::spawn(async move {
@@ -252,7 +257,10 @@ async fn copy<H: Holds>(
         (r, held)
     });
     match task.await {
-        Ok((Ok(()), held)) => Ok(held),
+        Ok((Ok(()), held)) => {
+            metrics.transferred("shm", direction, bytes, started.elapsed());
+            Ok(held)
+        }
         Ok((Err(kvpool_transport::TransportError::Timeout(_)), _)) => {
             Err(Fail::Reply(error(ErrorCode::Timeout, "the copy did not finish in time")))
         }
@@ -332,7 +340,7 @@ async fn get_into(g: GetIntoRequest, session: &Arc<Session>, s: &Shared) -> Resu
         items.push(item);
         held.push(out);
     }
-    copy(dp, peer, Op::Write, &xfers, held, s.timeouts.transfer(total)).await?;
+    copy(dp, peer, Op::Write, &xfers, held, s.timeouts.transfer(total), &s.metrics).await?;
     Ok(Response::Filled(GetResponse { items }))
 }
 
@@ -402,8 +410,10 @@ async fn write<R: RequestRecv>(
         w.offset.checked_add(w.size).filter(|&e| e <= blk.len()).ok_or_else(|| {
             invalid(format!("write of {} bytes at {} into a block of {}", w.size, w.offset, blk.len()))
         })?;
+    let started = std::time::Instant::now();
     read_exact_by(recv, &mut blk.bytes_mut()[w.offset as usize..end as usize], by, "the declared bytes").await?;
     expect_end(recv, by).await?;
+    s.metrics.transferred(recv.transport(), "in", w.size, started.elapsed());
     Ok(Response::Done)
 }
 
@@ -483,8 +493,10 @@ async fn read<W: RequestSend>(r: ReadRequest, send: &mut W, session: &Arc<Sessio
     let by = Deadline::now() + s.timeouts.transfer(r.size);
     let frame = kvpool_proto::frame::encode_frame(&Response::Data(DataHeader { size: r.size }))
         .map_err(|e| Fail::Reply(error(ErrorCode::Internal, e.to_string())))?;
+    let started = std::time::Instant::now();
     write_by(send, &frame, by).await?;
     write_by(send, &bytes[r.offset as usize..end as usize], by).await?;
     send.finish();
+    s.metrics.transferred(send.transport(), "out", r.size, started.elapsed());
     Ok(())
 }
