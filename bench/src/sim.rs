@@ -521,7 +521,8 @@ mod tests {
     /// evicting 3 -> {1,2}; r3 misses, evicts 1 (and 2 with it) -> {3}; r4 misses => 0.
     /// Belady: r1 evicts 2 (1 and 2 next used at r2, 2 is deeper) -> {1,3}; r2 hits 1, stores 2
     /// evicting 3 (1 is leased) -> {1,2}; r3 misses, evicts 2 (never used again);
-    /// r4 hits 1 => 2 of 8 (the best possible here: r2's two hits would need r1 not to store 3).
+    /// r4 hits 1 => 2 of 8 (the best possible when every block is admitted: r2's two hits would
+    /// need r1 not to store 3; refusing r2's 2 instead gives 3, see the oracle admission).
     fn tiny() -> Trace {
         Trace::from_requests(vec![req(&[1, 2]), req(&[3]), req(&[1, 2]), req(&[3]), req(&[1, 4])])
     }
