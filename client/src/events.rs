@@ -3,6 +3,7 @@
 
 use crate::{read_response, Client, ClientError, Result};
 use kvpool_proto::{frame, EventBatch, EventScope, Request, Response, SubscribeRequest};
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 use tokio::sync::mpsc;
 
@@ -35,7 +36,17 @@ impl Default for SubscribeOptions {
 pub struct Subscription {
     rx: mpsc::Receiver<Result<EventBatch>>,
     reader: tokio::task::JoinHandle<()>,
+    /// Batches the reader dropped because the queue was full, not yet reported.
+    dropped: Arc<Mutex<Dropped>>,
     log_id: u64,
+    next: u64,
+}
+
+/// What the reader dropped while the caller was behind: events (and the server's lag they
+/// carried), and the cursor after the last one.
+#[derive(Debug, Default)]
+struct Dropped {
+    lagged: u64,
     next: u64,
 }
 
@@ -62,7 +73,27 @@ impl Subscription {
     /// was behind). Waits for as long as the pool is quiet; cancel-safe (wrap it in a timeout
     /// freely).
     pub async fn next(&mut self) -> Result<EventBatch> {
-        match self.rx.recv().await {
+        let item = {
+            let mut d = self.dropped.lock().unwrap_or_else(|p| p.into_inner());
+            match self.rx.try_recv() {
+                Ok(item) => Some(item),
+                // Everything queued was read: tell of what was dropped after it, at once (the
+                // pool may stay quiet, and no later batch would carry it).
+                Err(mpsc::error::TryRecvError::Empty) if d.lagged > 0 => {
+                    let b = EventBatch { log_id: self.log_id, lagged: d.lagged, next: d.next, events: Vec::new() };
+                    d.lagged = 0;
+                    Some(Ok(b))
+                }
+                // With the queue empty the reader cannot drop anything until it has queued 16
+                // more batches, so waiting unlocked misses no report.
+                Err(_) => None,
+            }
+        };
+        let item = match item {
+            Some(item) => Some(item),
+            None => self.rx.recv().await,
+        };
+        match item {
             Some(Ok(b)) => {
                 self.next = b.next;
                 Ok(b)
@@ -111,12 +142,14 @@ impl Client {
         }
         // Batches are read off the stream as they come, into a short queue: the server never
         // waits on us. When the caller is behind and the queue is full, a batch is dropped and
-        // counted into the `lagged` of the next one that fits, as the server does with its log.
+        // counted into the `lagged` of the next batch the caller reads (one that fits in the
+        // queue, or an empty one `next` makes), as the server does with its log.
         let (send, recv) = mpsc::channel(QUEUE);
         send.try_send(Ok(first)).expect("an empty queue has room");
+        let dropped = Arc::new(Mutex::new(Dropped::default()));
+        let shared = dropped.clone();
         let reader = tokio::spawn(async move {
             let _tx = tx;
-            let mut dropped = 0u64;
             loop {
                 let mut b = match read_response(&conn, &mut rx).await {
                     Ok(Response::Events(b)) => b,
@@ -129,14 +162,18 @@ impl Client {
                         return;
                     }
                 };
-                b.lagged += dropped;
+                let mut d = shared.lock().unwrap_or_else(|p| p.into_inner());
+                b.lagged += std::mem::take(&mut d.lagged);
                 match send.try_send(Ok(b)) {
-                    Ok(()) => dropped = 0,
-                    Err(mpsc::error::TrySendError::Full(Ok(b))) => dropped = b.lagged + b.events.len() as u64,
+                    Ok(()) => {}
+                    Err(mpsc::error::TrySendError::Full(Ok(b))) => {
+                        d.lagged = b.lagged + b.events.len() as u64;
+                        d.next = b.next;
+                    }
                     Err(_) => return,
                 }
             }
         });
-        Ok(Subscription { rx: recv, reader, log_id, next })
+        Ok(Subscription { rx: recv, reader, dropped, log_id, next })
     }
 }
