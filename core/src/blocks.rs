@@ -1,8 +1,9 @@
 //! The index's block table: one slab of block records, found by id or by (tenant, key).
 //!
-//! A block's key is stored once, in its record; the two lookup tables hold only 4-byte slab
-//! slots. The id table hashes server-chosen ids cheaply; the key table hashes client-chosen
-//! keys with SipHash (std's randomly keyed hasher), so that nobody can pick colliding keys.
+//! A block's key is stored once, in the key arena ([`Keys`]); the two lookup tables hold only
+//! 4-byte slab slots. The id table hashes server-chosen ids cheaply; the key table hashes
+//! client-chosen keys with SipHash (std's randomly keyed hasher), so that nobody can pick
+//! colliding keys.
 
 use crate::index::Block;
 use hashbrown::HashTable;
@@ -11,13 +12,79 @@ use std::hash::{BuildHasher, RandomState};
 
 // Every resident block pays for its record: keep it from growing unnoticed (64-bit targets).
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Block<std::sync::Arc<u8>>>() <= 184);
+const _: () = assert!(std::mem::size_of::<Block<std::sync::Arc<u8>>>() <= 120);
 
 pub(crate) struct Blocks<D> {
     slab: Slab<Block<D>>,
     by_id: HashTable<u32>,
     by_key: HashTable<u32>,
     keyed: RandomState,
+    keys: Keys,
+}
+
+/// Where a key's bytes are in the arena: 8 bytes in the record, where an `Arc<[u8]>` took 16
+/// and its allocation another 64 (a 16-byte header and a 40-byte key, rounded to a size class).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct KeyAt {
+    len: u32,
+    at: u32,
+}
+
+impl KeyAt {
+    /// A record's key before [`Blocks::insert`] places it.
+    pub(crate) const UNSET: KeyAt = KeyAt { len: 0, at: 0 };
+}
+
+/// The key arena: keys of one length are packed in one buffer, and a freed place is reused by
+/// the next key of that length. A pool's keys are mostly of a few lengths (hashes in a fixed
+/// format), so there are few buffers and no per-key allocation or header.
+#[derive(Debug, Default)]
+pub(crate) struct Keys {
+    /// By key length.
+    classes: Vec<KeyClass>,
+}
+
+#[derive(Debug, Default)]
+struct KeyClass {
+    bytes: Vec<u8>,
+    free: Vec<u32>,
+}
+
+impl Keys {
+    pub(crate) fn get(&self, k: KeyAt) -> &[u8] {
+        let len = k.len as usize;
+        let start = k.at as usize * len;
+        &self.classes[len].bytes[start..start + len]
+    }
+
+    fn add(&mut self, key: &[u8]) -> KeyAt {
+        let len = key.len();
+        if self.classes.len() <= len {
+            self.classes.resize_with(len + 1, KeyClass::default);
+        }
+        let c = &mut self.classes[len];
+        let at = match c.free.pop() {
+            Some(at) => {
+                let start = at as usize * len;
+                c.bytes[start..start + len].copy_from_slice(key);
+                at
+            }
+            None => {
+                // Empty keys take no bytes and share place 0.
+                let at = c.bytes.len().checked_div(len).unwrap_or(0);
+                c.bytes.extend_from_slice(key);
+                u32::try_from(at).expect("fewer than 2^32 keys of one length")
+            }
+        };
+        // A length that fits the protocol's key limit; places fit u32 (4 billion keys).
+        KeyAt { len: u32::try_from(len).expect("a key below 4 GiB"), at }
+    }
+
+    fn free(&mut self, k: KeyAt) {
+        if k.len > 0 {
+            self.classes[k.len as usize].free.push(k.at);
+        }
+    }
 }
 
 /// Ids are assigned by the index (a counter), never by clients: a multiplicative hash spreads
@@ -32,7 +99,13 @@ fn key_hash(keyed: &RandomState, tenant: u32, key: &[u8]) -> u64 {
 
 impl<D> Blocks<D> {
     pub(crate) fn new() -> Blocks<D> {
-        Blocks { slab: Slab::new(), by_id: HashTable::new(), by_key: HashTable::new(), keyed: RandomState::new() }
+        Blocks {
+            slab: Slab::new(),
+            by_id: HashTable::new(),
+            by_key: HashTable::new(),
+            keyed: RandomState::new(),
+            keys: Keys::default(),
+        }
     }
 
     pub(crate) fn len(&self) -> usize {
@@ -41,11 +114,11 @@ impl<D> Blocks<D> {
 
     pub(crate) fn reserve(&mut self, n: usize) {
         self.slab.reserve(n);
-        let (slab, keyed) = (&self.slab, &self.keyed);
+        let (slab, keyed, keys) = (&self.slab, &self.keyed, &self.keys);
         self.by_id.reserve(n, |&s| id_hash(slab[s as usize].id));
         self.by_key.reserve(n, |&s| {
             let b = &slab[s as usize];
-            key_hash(keyed, b.tenant, &b.key)
+            key_hash(keyed, b.tenant, keys.get(b.key))
         });
     }
 
@@ -80,40 +153,58 @@ impl<D> Blocks<D> {
     /// then probes: the probes are then short and independent, so the CPU overlaps their cache
     /// misses (two per probe in a large table) instead of taking them one after another.
     pub(crate) fn id_of_hashed(&self, h: u64, tenant: u32, key: &[u8]) -> Option<u64> {
-        let slab = &self.slab;
+        let (slab, keys) = (&self.slab, &self.keys);
         self.by_key
             .find(h, |&s| {
                 let b = &slab[s as usize];
-                b.tenant == tenant && *b.key == *key
+                b.tenant == tenant && keys.get(b.key) == key
             })
             .map(|&s| slab[s as usize].id)
     }
 
-    /// Add a block under its id and key; neither may be present (the index removes the old
-    /// block of a key before it inserts the new one).
-    pub(crate) fn insert(&mut self, block: Block<D>) {
-        debug_assert!(self.slot(block.id).is_none() && self.id_of(block.tenant, &block.key).is_none());
-        let (id, kh) = (block.id, key_hash(&self.keyed, block.tenant, &block.key));
+    /// The key bytes of a block of this table.
+    pub(crate) fn key(&self, b: &Block<D>) -> &[u8] {
+        self.keys.get(b.key)
+    }
+
+    /// A block and its key, for changing the one while reading the other.
+    pub(crate) fn get_mut_with_key(&mut self, id: u64) -> Option<(&mut Block<D>, &[u8])> {
+        let s = self.slot(id)?;
+        let b = &mut self.slab[s];
+        let key = self.keys.get(b.key);
+        Some((b, key))
+    }
+
+    /// Add a block under its id and `key` (the record's own `key` field is set here); neither
+    /// may be present (the index removes the old block of a key before it inserts the new one).
+    pub(crate) fn insert(&mut self, mut block: Block<D>, key: &[u8]) {
+        debug_assert!(self.slot(block.id).is_none() && self.id_of(block.tenant, key).is_none());
+        let (id, kh) = (block.id, key_hash(&self.keyed, block.tenant, key));
+        block.key = self.keys.add(key);
         // A slab of 2^32 blocks would need terabytes of records first.
         let s = u32::try_from(self.slab.insert(block)).expect("fewer than 2^32 blocks");
-        let (slab, keyed) = (&self.slab, &self.keyed);
+        let (slab, keyed, keys) = (&self.slab, &self.keyed, &self.keys);
         self.by_id.insert_unique(id_hash(id), s, |&x| id_hash(slab[x as usize].id));
         self.by_key.insert_unique(kh, s, |&x| {
             let b = &slab[x as usize];
-            key_hash(keyed, b.tenant, &b.key)
+            key_hash(keyed, b.tenant, keys.get(b.key))
         });
     }
 
-    pub(crate) fn remove(&mut self, id: u64) -> Option<Block<D>> {
+    /// Take a block out, with its key (whose place in the arena is freed).
+    pub(crate) fn remove(&mut self, id: u64) -> Option<(Block<D>, Box<[u8]>)> {
         let slab = &self.slab;
         let entry = self.by_id.find_entry(id_hash(id), |&s| slab[s as usize].id == id).ok()?;
         let (s, _) = entry.remove();
         let b = &self.slab[s as usize];
-        let kh = key_hash(&self.keyed, b.tenant, &b.key);
+        let key: Box<[u8]> = self.keys.get(b.key).into();
+        let kh = key_hash(&self.keyed, b.tenant, &key);
         if let Ok(e) = self.by_key.find_entry(kh, |&x| x == s) {
             e.remove();
         }
-        Some(self.slab.remove(s as usize))
+        let b = self.slab.remove(s as usize);
+        self.keys.free(b.key);
+        Some((b, key))
     }
 
     /// The slot of a block: a dense index below [`Blocks::slot_bound`], for per-block scratch
@@ -149,33 +240,30 @@ impl<D> Blocks<D> {
 mod tests {
     use super::*;
     use kvpool_policy_sdk::Pin;
-    use smallvec::SmallVec;
     use std::collections::HashMap;
 
-    fn block(id: u64, tenant: u32, key: &[u8]) -> Block<u64> {
+    fn block(id: u64, tenant: u32) -> Block<u64> {
         Block {
             id,
             tenant,
-            key: key.into(),
-            size: id,
+            key: KeyAt::UNSET,
+            size: id as u32,
             tokens: 0,
             seq_tokens: 0,
-            parent_key: None,
             parent: 0,
             checksum: 0,
             created_ms: 0,
             pin: Pin::None,
-            pin_until_ms: 0,
+            has_parent: false,
             lease_until: crate::index::LeaseDeadline::NONE,
             dram: Some(id),
             ssd: crate::index::Locator::NONE,
             moving: false,
-            last_access: 0,
-            hash: 0,
             depth: 0,
             wanted: 0,
             last_us: 0,
-            children: SmallVec::new(),
+            last_access: 0,
+            kids: crate::index::Kids::NONE,
         }
     }
 
@@ -199,20 +287,20 @@ mod tests {
             let key = format!("k{}", rnd() % 2_000).into_bytes();
             match model.get(&(tenant, key.clone())).copied() {
                 Some(id) if rnd() % 2 == 0 => {
-                    let b = t.remove(id).expect("present");
-                    assert_eq!((b.id, b.tenant, &*b.key), (id, tenant, &key[..]));
+                    let (b, k) = t.remove(id).expect("present");
+                    assert_eq!((b.id, b.tenant, &*k), (id, tenant, &key[..]));
                     model.remove(&(tenant, key.clone()));
                     assert!(t.get(id).is_none() && t.id_of(tenant, &key).is_none());
                     assert!(t.remove(id).is_none(), "removed twice");
                 }
                 Some(id) => {
                     assert_eq!(t.id_of(tenant, &key), Some(id));
-                    assert_eq!(t.get(id).map(|b| b.size), Some(id));
+                    assert_eq!(t.get(id).map(|b| u64::from(b.size)), Some(id));
                     t.get_mut(id).expect("present").wanted += 1;
                 }
                 None => {
                     assert_eq!(t.id_of(tenant, &key), None);
-                    t.insert(block(next, tenant, &key));
+                    t.insert(block(next, tenant), &key);
                     model.insert((tenant, key), next);
                     next += 1;
                 }
@@ -232,5 +320,28 @@ mod tests {
             assert!(t.contains(*id));
         }
         assert!(!t.contains(next), "an id never assigned");
+        // Every record's key reads back from the arena, and freed places were reused: each
+        // length's buffer holds no more keys than were ever resident at once (2,000 per tenant).
+        for ((tenant, key), id) in &model {
+            let b = t.get(*id).expect("present");
+            assert_eq!((b.tenant, t.key(b)), (*tenant, &key[..]));
+        }
+        for (len, c) in t.keys.classes.iter().enumerate().skip(1) {
+            assert!(c.bytes.len() / len <= 3 * 2_000, "length {len}: {} places", c.bytes.len() / len);
+        }
+    }
+
+    #[test]
+    fn the_key_arena_reuses_places_and_keeps_empty_keys() {
+        let mut k = Keys::default();
+        let a = k.add(b"abc");
+        let b = k.add(b"xyz");
+        let e = k.add(b"");
+        assert_eq!((k.get(a), k.get(b), k.get(e)), (&b"abc"[..], &b"xyz"[..], &b""[..]));
+        k.free(a);
+        let c = k.add(b"def");
+        assert_eq!(c, a, "the freed place is reused");
+        assert_eq!((k.get(b), k.get(c)), (&b"xyz"[..], &b"def"[..]));
+        assert_eq!(k.classes[3].bytes.len(), 6);
     }
 }

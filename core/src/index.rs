@@ -5,7 +5,7 @@
 //! reference-counted segment range), a `u64` locator for an SSD copy. Whatever must happen
 //! outside (free a copy, delete a file, write sled) is returned to the caller as data.
 
-use crate::blocks::Blocks;
+use crate::blocks::{Blocks, KeyAt};
 use crate::changes::{Change, ChangeKind};
 use crate::{Dropped, MetaOp, PinRequest, PutSpec};
 use kvpool_policy_sdk::{
@@ -78,6 +78,10 @@ pub struct TenantCounters {
     pub corrupt: u64,
 }
 
+fn saturate(n: u64) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
 fn slot(tier: Tier) -> usize {
     usize::from(tier == Tier::Ssd)
 }
@@ -144,48 +148,52 @@ impl LeaseDeadline {
 pub(crate) struct Block<D> {
     pub(crate) id: u64,
     pub(crate) tenant: u32,
-    /// Shared with the children's `parent_key` (a chain's keys are stored once).
-    pub(crate) key: Arc<[u8]>,
-    pub(crate) size: u64,
+    /// The key's place in the table's arena ([`Blocks::key`] gives the bytes).
+    pub(crate) key: KeyAt,
+    /// Bytes; 4 bytes in the record ([`Block::size`] widens it). Larger items are refused by
+    /// [`Index::plan_put`].
+    pub(crate) size: u32,
     pub(crate) tokens: u32,
-    pub(crate) seq_tokens: u64,
-    pub(crate) parent_key: Option<Arc<[u8]>>,
+    /// Saturates at `u32::MAX` tokens.
+    pub(crate) seq_tokens: u32,
+    /// The resident parent, or [`NO_PARENT`]. A block put under a parent key that is not
+    /// resident has `has_parent` and its parent key in the index's `orphan_keys`; otherwise its
+    /// parent key is the parent's own key (not stored twice).
     pub(crate) parent: u64,
     pub(crate) checksum: u64,
     pub(crate) created_ms: u64,
     pub(crate) pin: Pin,
-    pub(crate) pin_until_ms: u64,
+    /// The block was put with a parent key.
+    pub(crate) has_parent: bool,
     pub(crate) lease_until: LeaseDeadline,
     pub(crate) dram: Option<D>,
     pub(crate) ssd: Locator,
     /// A demotion of this block is in flight.
     pub(crate) moving: bool,
-    /// Recency tick of the last insert or read (orders the snapshot a new policy is fed).
-    pub(crate) last_access: u64,
-    /// Key hash for policies ([`key_hash`]): the same for the key across evictions and re-puts.
-    pub(crate) hash: u64,
     /// Position in the prefix chain (0 for a root), [`NO_DEPTH`] when the parent was unknown.
     pub(crate) depth: u32,
     /// Requests that wanted the key: its remembered misses before the put, then one per read.
     pub(crate) wanted: u32,
     /// Wall clock (µs) of the last insert or read.
     pub(crate) last_us: u64,
-    /// Resident blocks whose parent is this block (the chain rule's input); most blocks of a
-    /// chain have one, which needs no allocation.
-    pub(crate) children: SmallVec<[u64; 1]>,
+    /// Recency tick of the last insert or read (orders the snapshot a new policy is fed).
+    pub(crate) last_access: u64,
+    /// Resident blocks whose parent is this block (the chain rule's input).
+    pub(crate) kids: Kids,
 }
 
 impl<D> Block<D> {
-    fn record(&self) -> BlockRecord {
+    /// The persistent record; `parent` and `pin_until_ms` come from the index's side tables.
+    fn record(&self, parent: Option<&[u8]>, pin_until_ms: u64) -> BlockRecord {
         BlockRecord {
-            size: self.size,
+            size: self.size(),
             tokens: self.tokens,
-            seq_tokens: self.seq_tokens,
-            parent: self.parent_key.as_ref().map(|p| p.to_vec()),
+            seq_tokens: u64::from(self.seq_tokens),
+            parent: parent.map(<[u8]>::to_vec),
             checksum: self.checksum,
             created_ms: self.created_ms,
             pin: self.pin as u8,
-            pin_until_ms: self.pin_until_ms,
+            pin_until_ms,
             ssd_file: self.ssd.get(),
             in_dram: self.dram.is_some(),
         }
@@ -196,25 +204,19 @@ impl<D> Block<D> {
     }
 
     /// A KV event about this block's copy in `tier`.
-    fn change(&self, kind: ChangeKind, tier: Tier) -> Change {
-        Change {
-            kind,
-            tier,
-            tenant: self.tenant,
-            key: self.key.clone(),
-            parent: self.parent_key.clone(),
-            size: self.size,
-            time_ms: 0,
-        }
+    fn change(&self, key: &[u8], kind: ChangeKind, tier: Tier, parent: Option<Arc<[u8]>>) -> Change {
+        Change { kind, tier, tenant: self.tenant, key: key.into(), parent, size: self.size(), time_ms: 0 }
     }
 
-    /// An event about this block; `time` is stamped by [`Index::emit`] (or the snapshot).
-    fn event(&self, id: u64, kind: EventKind, tier: Tier) -> Event {
+    /// An event about this block, whose key is `key`; `time` is stamped by [`Index::emit`] (or
+    /// the snapshot).
+    fn event(&self, key: &[u8], id: u64, kind: EventKind, tier: Tier) -> Event {
         Event {
             kind,
             id,
-            key: self.hash,
-            size: self.size,
+            // Computed, not stored: 8 bytes less per block for a hash of the key per event.
+            key: key_hash(self.tenant, key),
+            size: self.size(),
             tokens: self.tokens,
             tier,
             parent: self.parent,
@@ -225,6 +227,10 @@ impl<D> Block<D> {
         }
     }
 
+    fn size(&self) -> u64 {
+        u64::from(self.size)
+    }
+
     fn has(&self, tier: Tier) -> bool {
         match tier {
             Tier::Dram => self.dram.is_some(),
@@ -232,6 +238,17 @@ impl<D> Block<D> {
             Tier::Device => false,
         }
     }
+}
+
+/// A block's resident children in 8 bytes: most blocks of a chain have none or one, kept
+/// inline; a block with more (a shared prefix) has them in the index's `many_kids` table.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Kids(u64);
+
+impl Kids {
+    /// Ids start at 1, so 0 is never a child.
+    pub(crate) const NONE: Kids = Kids(0);
+    const MANY: Kids = Kids(u64::MAX);
 }
 
 /// How a put item will be handled, decided before its bytes are read.
@@ -340,6 +357,12 @@ pub struct Index<D> {
     /// Resident blocks whose parent key is not resident (or was replaced), by that key: they are
     /// linked to the parent when it is put again, so the chain rule sees them.
     orphans: hashbrown::HashMap<ScopedKey, Vec<u64>, std::hash::RandomState>,
+    /// The parent key of each such waiting block (the others find it in their parent).
+    orphan_keys: HashMap<u64, Arc<[u8]>>,
+    /// The children of blocks with more than one ([`Kids`]).
+    many_kids: HashMap<u64, Vec<u64>>,
+    /// When each soft pin ends (wall ms), by block: few blocks are pinned, so not in the record.
+    pin_until: HashMap<u64, u64>,
     copies: [u64; 2],
     tenants: HashMap<u32, TenantCounters>,
     gran: Granularity,
@@ -424,6 +447,9 @@ impl<D: CopyHandle> Index<D> {
             clock_us: 0,
             misses: MissLog { cap: DEFAULT_MISS_MEMORY, ..MissLog::default() },
             orphans: hashbrown::HashMap::with_hasher(std::hash::RandomState::new()),
+            orphan_keys: HashMap::new(),
+            many_kids: HashMap::new(),
+            pin_until: HashMap::new(),
             copies: [0; 2],
             tenants: HashMap::new(),
             gran,
@@ -473,6 +499,86 @@ impl<D: CopyHandle> Index<D> {
     /// Advance the clock events are stamped with (wall clock, µs; it never goes back).
     fn clock(&mut self, wall_us: u64) {
         self.clock_us = self.clock_us.max(wall_us);
+    }
+
+    /// The resident children of `b`.
+    fn kids_of<'a>(&'a self, b: &'a Block<D>) -> &'a [u64] {
+        match b.kids {
+            Kids::NONE => &[],
+            Kids::MANY => self.many_kids.get(&b.id).map_or(&[], Vec::as_slice),
+            _ => std::slice::from_ref(&b.kids.0),
+        }
+    }
+
+    fn add_kid(&mut self, parent: u64, child: u64) {
+        let p = self.blocks.get_mut(parent).expect("an indexed parent");
+        match p.kids {
+            Kids::NONE => p.kids = Kids(child),
+            Kids::MANY => self.many_kids.entry(parent).or_default().push(child),
+            Kids(one) => {
+                p.kids = Kids::MANY;
+                self.many_kids.insert(parent, vec![one, child]);
+            }
+        }
+    }
+
+    fn remove_kid(&mut self, parent: u64, child: u64) {
+        let Some(p) = self.blocks.get_mut(parent) else { return };
+        match p.kids {
+            Kids::MANY => {
+                let Some(v) = self.many_kids.get_mut(&parent) else { return };
+                v.retain(|&c| c != child);
+                if let [one] = v[..] {
+                    p.kids = Kids(one);
+                    self.many_kids.remove(&parent);
+                }
+            }
+            Kids(one) if one == child => p.kids = Kids::NONE,
+            _ => {}
+        }
+    }
+
+    /// The children of block `id` (no longer indexed), whose list was `kids`.
+    fn take_kids(&mut self, id: u64, kids: Kids) -> Vec<u64> {
+        match kids {
+            Kids::NONE => Vec::new(),
+            Kids::MANY => self.many_kids.remove(&id).unwrap_or_default(),
+            Kids(one) => vec![one],
+        }
+    }
+
+    /// The parent key `b` was put under, if any.
+    fn parent_key(&self, b: &Block<D>) -> Option<Arc<[u8]>> {
+        if !b.has_parent {
+            return None;
+        }
+        match self.blocks.get(b.parent) {
+            Some(p) => Some(self.blocks.key(p).into()),
+            None => self.orphan_keys.get(&b.id).cloned(),
+        }
+    }
+
+    /// A KV event about block `id`'s copy in `tier` (the block is indexed).
+    fn change_of(&self, id: u64, kind: ChangeKind, tier: Tier) -> Change {
+        let b = self.blocks.get(id).expect("an indexed block");
+        b.change(self.blocks.key(b), kind, tier, self.parent_key(b))
+    }
+
+    /// Record a KV event about block `id` (indexed), when the feed is on.
+    fn note_change(&mut self, id: u64, kind: ChangeKind, tier: Tier) {
+        if self.changes.is_some() {
+            let change = self.change_of(id, kind, tier);
+            if let Some(c) = &mut self.changes {
+                c.push(change);
+            }
+        }
+    }
+
+    /// The persistent record of block `id` (indexed).
+    fn record_of(&self, id: u64) -> BlockRecord {
+        let b = self.blocks.get(id).expect("an indexed block");
+        let until = if b.pin == Pin::Soft { self.pin_until.get(&id).copied().unwrap_or(0) } else { 0 };
+        b.record(self.parent_key(b).as_deref(), until)
     }
 
     /// How many recent misses to remember (for `count` and the warm snapshot; 0 turns it off).
@@ -571,64 +677,67 @@ impl<D: CopyHandle> Index<D> {
             };
             if pin == Pin::Soft {
                 self.soft_pins.insert((r.pin_until_ms, id));
+                self.pin_until.insert(id, r.pin_until_ms);
             }
-            let key: Arc<[u8]> = key.into();
+            // Every recovered block starts as an orphan; the linking below finds the parents.
+            let has_parent = r.parent.is_some();
+            if let Some(pk) = r.parent {
+                self.orphan_keys.insert(id, pk.into());
+            }
             let b = Block {
                 id,
                 tenant,
-                hash: key_hash(tenant, &key),
-                key,
-                size: r.size,
+                key: KeyAt::UNSET,
+                // Records are written from blocks, whose sizes fit.
+                size: u32::try_from(r.size).unwrap_or(u32::MAX),
                 tokens: r.tokens,
-                seq_tokens: r.seq_tokens,
-                parent_key: r.parent.map(Into::into),
+                seq_tokens: saturate(r.seq_tokens),
                 parent: NO_PARENT,
                 checksum: r.checksum,
                 created_ms: r.created_ms,
                 pin,
-                pin_until_ms: r.pin_until_ms,
+                has_parent,
                 lease_until: LeaseDeadline::NONE,
                 dram: None,
                 ssd: Locator::some(file),
                 moving: false,
-                last_access: 0,
                 depth: NO_DEPTH,
                 wanted: 0,
                 last_us: r.created_ms.saturating_mul(1000),
-                children: SmallVec::new(),
+                last_access: 0,
+                kids: Kids::NONE,
             };
-            self.copy_added(tenant, Tier::Ssd, b.size);
+            self.copy_added(tenant, Tier::Ssd, b.size());
             self.tenant_mut(tenant).resident += 1;
-            self.blocks.insert(b);
+            self.blocks.insert(b, &key);
             out.kept += 1;
         }
         let mut links: Vec<(u64, Option<u64>)> = self
-            .blocks
+            .orphan_keys
             .iter()
-            .filter_map(|(id, b)| {
-                let pk = b.parent_key.as_ref()?;
-                Some((id, self.blocks.id_of(b.tenant, pk)))
+            .map(|(&id, pk)| {
+                let tenant = self.blocks.get(id).expect("recovered").tenant;
+                (id, self.blocks.id_of(tenant, pk))
             })
             .collect();
         links.sort_unstable();
         for (id, pid) in links {
             match pid {
                 Some(pid) => {
-                    let p = self.blocks.get_mut(pid).expect("indexed");
-                    p.children.push(id);
-                    let pk = p.key.clone();
-                    let b = self.blocks.get_mut(id).expect("listed");
-                    b.parent = pid;
+                    self.add_kid(pid, id);
+                    self.blocks.get_mut(id).expect("listed").parent = pid;
                     // The record's copy of the parent key gives way to the parent's own.
-                    b.parent_key = Some(pk);
+                    self.orphan_keys.remove(&id);
                 }
                 None => {
-                    let b = self.blocks.get(id).expect("listed");
-                    let pk = (b.tenant, b.parent_key.clone().expect("listed with a parent key"));
-                    self.orphans.entry(pk).or_default().push(id);
+                    let tenant = self.blocks.get(id).expect("listed").tenant;
+                    let pk = self.orphan_keys[&id].clone();
+                    self.orphans.entry((tenant, pk)).or_default().push(id);
                 }
             }
         }
+        // Most recovered blocks found their parent: give back the table's room.
+        self.orphan_keys.shrink_to_fit();
         // Depths: roots are 0, a block under a known parent one more; orphans stay unknown.
         let ids: Vec<u64> = self.blocks.ids().collect();
         let mut path = Vec::new();
@@ -639,7 +748,7 @@ impl<D: CopyHandle> Index<D> {
                 if b.depth != NO_DEPTH {
                     break b.depth;
                 }
-                if b.parent_key.is_none() {
+                if !b.has_parent {
                     break 0;
                 }
                 if b.parent == NO_PARENT || path.len() > self.blocks.len() {
@@ -678,7 +787,7 @@ impl<D: CopyHandle> Index<D> {
                 pending.push(Pending::Skip(PutStatus::AlreadyExists));
                 continue;
             }
-            if self.gran.footprint(Tier::Dram, it.size) > max_copy {
+            if self.gran.footprint(Tier::Dram, it.size) > max_copy || it.size > u64::from(u32::MAX) {
                 pending.push(Pending::Skip(PutStatus::NoSpace));
                 continue;
             }
@@ -788,10 +897,10 @@ impl<D: CopyHandle> Index<D> {
         };
         self.tick += 1;
         self.clock(wall_ms.saturating_mul(1000));
-        let key: Arc<[u8]> = spec.key.into();
+        let last_us = self.clock_us;
         let hash = key_hash(tenant, spec.key);
         // Resident blocks that were waiting for this key as their parent.
-        let children: SmallVec<[u64; 1]> = self
+        let children: Vec<u64> = self
             .orphans
             .remove(&probe(tenant, spec.key))
             .unwrap_or_default()
@@ -800,107 +909,120 @@ impl<D: CopyHandle> Index<D> {
             .collect();
         for c in &children {
             self.blocks.get_mut(*c).expect("filtered").parent = id;
+            self.orphan_keys.remove(c);
         }
-        let parent_key: Option<Arc<[u8]>> = match (parent, spec.parent) {
+        match (parent, spec.parent) {
             (NO_PARENT, Some(pk)) => {
                 let pk: Arc<[u8]> = pk.into();
                 self.orphans.entry((tenant, pk.clone())).or_default().push(id);
-                Some(pk)
+                self.orphan_keys.insert(id, pk);
             }
-            (NO_PARENT, None) => None,
-            (pid, _) => {
-                let p = self.blocks.get_mut(pid).expect("indexed");
-                p.children.push(id);
-                Some(p.key.clone())
+            (NO_PARENT, None) => {}
+            (pid, _) => self.add_kid(pid, id),
+        }
+        let kids = match children[..] {
+            [] => Kids::NONE,
+            [c] => Kids(c),
+            _ => {
+                self.many_kids.insert(id, children);
+                Kids::MANY
             }
         };
         let block = Block {
             id,
             tenant,
-            key,
-            size: spec.size,
+            key: KeyAt::UNSET,
+            // plan_put refused sizes beyond 4 bytes.
+            size: u32::try_from(spec.size).unwrap_or(u32::MAX),
             tokens: spec.tokens,
-            seq_tokens: spec.seq_tokens,
-            parent_key,
+            seq_tokens: saturate(spec.seq_tokens),
             parent,
             checksum,
             created_ms: wall_ms,
             pin,
-            pin_until_ms,
+            has_parent: spec.parent.is_some(),
             lease_until: LeaseDeadline::NONE,
             dram,
             ssd: Locator::from(ssd),
             moving: false,
-            last_access: self.tick,
-            hash,
             depth: self.depth_under(parent, spec.parent),
             wanted: self.misses.count(hash),
-            last_us: self.clock_us,
-            children,
+            last_us,
+            last_access: self.tick,
+            kids,
         };
+        if pin == Pin::Soft {
+            self.soft_pins.insert((pin_until_ms, id));
+            self.pin_until.insert(id, pin_until_ms);
+        }
+        self.blocks.insert(block, spec.key);
         // Only blocks with an SSD copy are persisted: a DRAM copy does not survive a restart.
-        if block.ssd.is_some() {
-            meta.push(MetaOp::Put { tenant, key: Box::from(&*block.key), record: block.record() });
+        if self.blocks.get(id).expect("just inserted").ssd.is_some() {
+            let key = Box::from(spec.key);
+            meta.push(MetaOp::Put { tenant, key, record: self.record_of(id) });
         }
         for tier in [Tier::Dram, Tier::Ssd] {
-            if block.has(tier) {
+            let b = self.blocks.get(id).expect("just inserted");
+            if b.has(tier) {
+                let ev = b.event(spec.key, id, EventKind::Inserted, tier);
+                let change = self.changes.is_some().then(|| self.change_of(id, ChangeKind::Stored, tier));
                 self.copy_added(tenant, tier, spec.size);
-                let ev = block.event(id, EventKind::Inserted, tier);
                 self.emit(ev);
-                if let Some(c) = &mut self.changes {
-                    c.push(block.change(ChangeKind::Stored, tier));
+                if let (Some(c), Some(change)) = (&mut self.changes, change) {
+                    c.push(change);
                 }
             }
         }
         self.tenant_mut(tenant).resident += 1;
-        if pin == Pin::Soft {
-            self.soft_pins.insert((pin_until_ms, id));
-        }
-        self.blocks.insert(block);
         Ok((replaced, meta))
     }
 
     /// Take a block out of the index: its copies for the caller to free, and the removal of its
     /// record when it had one (only blocks with an SSD copy have one).
     fn drop_block(&mut self, id: u64, why: ChangeKind) -> Option<(Dropped<D>, Option<MetaOp>)> {
-        let b = self.blocks.remove(id)?;
+        let parent_key = self.changes.is_some().then(|| self.blocks.get(id).and_then(|b| self.parent_key(b))).flatten();
+        let (b, key) = self.blocks.remove(id)?;
         // Chain links: out of the parent's children (or the orphans waiting for it); the
         // children wait for this key to come back.
-        if let Some(p) = self.blocks.get_mut(b.parent) {
-            p.children.retain(|c| *c != id);
-        } else if let Some(pk) = &b.parent_key {
-            if let Some(w) = self.orphans.get_mut(&probe(b.tenant, pk)) {
+        if self.blocks.contains(b.parent) {
+            self.remove_kid(b.parent, id);
+        } else if let Some(pk) = self.orphan_keys.remove(&id) {
+            if let Some(w) = self.orphans.get_mut(&probe(b.tenant, &pk)) {
                 w.retain(|&c| c != id);
                 if w.is_empty() {
-                    self.orphans.remove(&probe(b.tenant, pk));
+                    self.orphans.remove(&probe(b.tenant, &pk));
                 }
             }
         }
-        if !b.children.is_empty() {
-            for c in &b.children {
+        let children = self.take_kids(id, b.kids);
+        if !children.is_empty() {
+            let key: Arc<[u8]> = Arc::from(&*key);
+            for c in &children {
                 if let Some(cb) = self.blocks.get_mut(*c) {
                     cb.parent = NO_PARENT;
+                    self.orphan_keys.insert(*c, key.clone());
                 }
             }
-            self.orphans.entry((b.tenant, b.key.clone())).or_default().extend(b.children.iter().copied());
+            self.orphans.entry((b.tenant, key)).or_default().extend(children);
         }
         self.tenant_mut(b.tenant).resident -= 1;
         self.leased.remove(&id);
         self.moving.remove(&id);
-        if b.pin == Pin::Soft {
-            self.soft_pins.remove(&(b.pin_until_ms, id));
+        if let Some(until) = self.pin_until.remove(&id) {
+            self.soft_pins.remove(&(until, id));
         }
         for tier in [Tier::Dram, Tier::Ssd] {
             if b.has(tier) {
-                self.copy_removed(b.tenant, tier, b.size);
-                self.emit(b.event(id, EventKind::Removed, tier));
+                self.copy_removed(b.tenant, tier, b.size());
+                self.emit(b.event(&key, id, EventKind::Removed, tier));
                 if let Some(c) = &mut self.changes {
-                    c.push(b.change(why, tier));
+                    c.push(b.change(&key, why, tier, parent_key.clone()));
                 }
             }
         }
-        let meta = b.ssd.is_some().then(|| MetaOp::Remove { tenant: b.tenant, key: Box::from(&*b.key) });
-        Some((Dropped { dram: b.dram, ssd: b.ssd.get().map(|f| (f, b.size)) }, meta))
+        let meta = b.ssd.is_some().then_some(MetaOp::Remove { tenant: b.tenant, key });
+        let size = b.size();
+        Some((Dropped { dram: b.dram, ssd: b.ssd.get().map(|f| (f, size)) }, meta))
     }
 
     // ---- reads --------------------------------------------------------------------------
@@ -933,24 +1055,24 @@ impl<D: CopyHandle> Index<D> {
                 continue;
             };
             self.tick += 1;
-            let tick = self.tick;
-            let now_us = self.clock_us;
+            let (tick, now_us) = (self.tick, self.clock_us);
             let b = self.blocks.get_mut(id).expect("index and blocks agree");
-            b.lease_until = LeaseDeadline::at(lease_until);
             b.last_access = tick;
+            let k: &[u8] = k;
+            b.lease_until = LeaseDeadline::at(lease_until);
             b.last_us = now_us;
             b.wanted = b.wanted.saturating_add(1);
             prev = Some((id, b.depth));
             let (loc, ev) = match &b.dram {
                 Some(d) => (
                     Located::Dram { id, copy: d.clone(), checksum: b.checksum },
-                    b.event(id, EventKind::Accessed, Tier::Dram),
+                    b.event(k, id, EventKind::Accessed, Tier::Dram),
                 ),
                 None => {
                     let locator = b.ssd.get().expect("a block has at least one copy");
                     (
-                        Located::Ssd { id, locator, size: b.size, checksum: b.checksum },
-                        b.event(id, EventKind::Accessed, Tier::Ssd),
+                        Located::Ssd { id, locator, size: b.size(), checksum: b.checksum },
+                        b.event(k, id, EventKind::Accessed, Tier::Ssd),
                     )
                 }
             };
@@ -1080,7 +1202,7 @@ impl<D: CopyHandle> Index<D> {
             {
                 continue;
             }
-            freed += b.size;
+            freed += b.size();
             valid.push(id);
         }
         valid
@@ -1093,10 +1215,10 @@ impl<D: CopyHandle> Index<D> {
             .filter_map(|&id| self.blocks.get(id).map(|b| (id, b)))
             .map(|(id, b)| AdmitRequest {
                 id,
-                key: b.hash,
-                size: b.size,
+                key: key_hash(b.tenant, self.blocks.key(b)),
+                size: b.size(),
                 tokens: b.tokens,
-                seq_tokens: b.seq_tokens,
+                seq_tokens: u64::from(b.seq_tokens),
                 tier: Tier::Ssd,
                 parent: b.parent,
                 depth: b.depth,
@@ -1111,7 +1233,7 @@ impl<D: CopyHandle> Index<D> {
         let mut i = 0;
         while i < sub.len() {
             let b = self.blocks.get(sub[i]).expect("resident");
-            for &c in &b.children {
+            for &c in self.kids_of(b) {
                 let cb = self.blocks.get(c)?;
                 if cb.leased(now) || cb.moving || cb.pin == Pin::Hard {
                     return None;
@@ -1140,7 +1262,7 @@ impl<D: CopyHandle> Index<D> {
             if !b.has(tier) || b.moving {
                 continue;
             }
-            let (tenant, size) = (b.tenant, b.size);
+            let (tenant, size) = (b.tenant, b.size());
             let demote = tier == Tier::Dram
                 && self.has_ssd
                 && b.ssd.is_none()
@@ -1187,19 +1309,17 @@ impl<D: CopyHandle> Index<D> {
             }
             out.gone += 1;
             self.tenant_mut(tenant).evictions[slot(tier)] += 1;
-            let b = self.blocks.get_mut(id).expect("exists");
+            let (b, key) = self.blocks.get_mut_with_key(id).expect("exists");
             let dropped = match tier {
                 Tier::Dram => Dropped { dram: b.dram.take(), ssd: None },
                 _ => {
                     // The SSD copy was the persisted one.
-                    out.meta.push(MetaOp::Remove { tenant, key: Box::from(&*b.key) });
+                    out.meta.push(MetaOp::Remove { tenant, key: key.into() });
                     Dropped { dram: None, ssd: b.ssd.take().map(|f| (f, size)) }
                 }
             };
-            let ev = b.event(id, EventKind::Removed, tier);
-            if let Some(c) = &mut self.changes {
-                c.push(b.change(ChangeKind::Evicted, tier));
-            }
+            let ev = b.event(key, id, EventKind::Removed, tier);
+            self.note_change(id, ChangeKind::Evicted, tier);
             out.dropped.push(dropped);
             self.copy_removed(tenant, tier, size);
             self.emit(ev);
@@ -1217,24 +1337,24 @@ impl<D: CopyHandle> Index<D> {
             return Demoted::Vanished;
         };
         b.moving = false;
+        let (b, key) = self.blocks.get_mut_with_key(id).expect("present");
         let Some(file) = written else {
             return match self.drop_block(id, ChangeKind::Evicted) {
                 Some((dropped, meta)) => Demoted::Evicted { dropped, meta },
                 None => Demoted::Vanished,
             };
         };
-        let (tenant, size) = (b.tenant, b.size);
+        let (tenant, size) = (b.tenant, b.size());
         let dram = b.dram.take();
         b.ssd = Locator::some(file);
         b.created_ms = b.created_ms.max(wall_ms);
-        let removed = b.event(id, EventKind::Removed, Tier::Dram);
-        let inserted = b.event(id, EventKind::Inserted, Tier::Ssd);
-        if let Some(c) = &mut self.changes {
-            // The new copy first: a router never sees the block absent while it moves.
-            c.push(b.change(ChangeKind::Stored, Tier::Ssd));
-            c.push(b.change(ChangeKind::Evicted, Tier::Dram));
-        }
-        let meta = MetaOp::Put { tenant, key: Box::from(&*b.key), record: b.record() };
+        let removed = b.event(key, id, EventKind::Removed, Tier::Dram);
+        let inserted = b.event(key, id, EventKind::Inserted, Tier::Ssd);
+        let key = Box::from(key);
+        // The new copy first: a router never sees the block absent while it moves.
+        self.note_change(id, ChangeKind::Stored, Tier::Ssd);
+        self.note_change(id, ChangeKind::Evicted, Tier::Dram);
+        let meta = MetaOp::Put { tenant, key, record: self.record_of(id) };
         self.copy_removed(tenant, Tier::Dram, size);
         self.copy_added(tenant, Tier::Ssd, size);
         self.tenant_mut(tenant).demotions += 1;
@@ -1246,15 +1366,15 @@ impl<D: CopyHandle> Index<D> {
     /// An SSD copy was read back into DRAM: keep the DRAM copy when the block still has that
     /// SSD copy and no DRAM copy. `Err` gives the copy back (nothing changed).
     pub fn install_promoted(&mut self, id: u64, locator: u64, copy: D) -> Result<(), D> {
-        let Some(b) = self.blocks.get_mut(id).filter(|b| b.dram.is_none() && b.ssd.get() == Some(locator)) else {
+        let Some((b, key)) =
+            self.blocks.get_mut_with_key(id).filter(|(b, _)| b.dram.is_none() && b.ssd.get() == Some(locator))
+        else {
             return Err(copy);
         };
         b.dram = Some(copy);
-        let (tenant, size) = (b.tenant, b.size);
-        let ev = b.event(id, EventKind::Inserted, Tier::Dram);
-        if let Some(c) = &mut self.changes {
-            c.push(b.change(ChangeKind::Stored, Tier::Dram));
-        }
+        let (tenant, size) = (b.tenant, b.size());
+        let ev = b.event(key, id, EventKind::Inserted, Tier::Dram);
+        self.note_change(id, ChangeKind::Stored, Tier::Dram);
         self.copy_added(tenant, Tier::Dram, size);
         self.tenant_mut(tenant).promotions += 1;
         self.emit(ev);
@@ -1265,18 +1385,16 @@ impl<D: CopyHandle> Index<D> {
     /// block goes with it unless it still has a DRAM copy. Never served again.
     pub fn drop_corrupt(&mut self, id: u64, locator: u64) -> Option<(Dropped<D>, Option<MetaOp>)> {
         let b = self.blocks.get_mut(id).filter(|b| b.ssd.get() == Some(locator))?;
-        let (tenant, size) = (b.tenant, b.size);
+        let (tenant, size) = (b.tenant, b.size());
         self.tenant_mut(tenant).corrupt += 1;
-        let b = self.blocks.get_mut(id).expect("exists");
+        let (b, key) = self.blocks.get_mut_with_key(id).expect("exists");
         if b.dram.is_none() {
             return self.drop_block(id, ChangeKind::Removed);
         }
         b.ssd = Locator::NONE;
-        let ev = b.event(id, EventKind::Removed, Tier::Ssd);
-        if let Some(c) = &mut self.changes {
-            c.push(b.change(ChangeKind::Removed, Tier::Ssd));
-        }
-        let meta = MetaOp::Remove { tenant, key: Box::from(&*b.key) };
+        let ev = b.event(key, id, EventKind::Removed, Tier::Ssd);
+        let meta = MetaOp::Remove { tenant, key: key.into() };
+        self.note_change(id, ChangeKind::Removed, Tier::Ssd);
         self.copy_removed(tenant, Tier::Ssd, size);
         self.emit(ev);
         Some((Dropped { dram: None, ssd: Some((locator, size)) }, Some(meta)))
@@ -1289,6 +1407,7 @@ impl<D: CopyHandle> Index<D> {
                 break;
             }
             self.soft_pins.pop_first();
+            self.pin_until.remove(&id);
             if let Some(b) = self.blocks.get_mut(id) {
                 b.pin = Pin::None;
                 self.emit(Event::pin_changed(id, Pin::None));
@@ -1314,11 +1433,13 @@ impl<D: CopyHandle> Index<D> {
             ev.push(Event::missed(hash, depth, parent).with_count(count).with_time(time));
         }
         // Walk by slot: a scratch array marks the blocks already sent.
-        let mut order: Vec<(u64, usize)> = blocks.slots().map(|(s, b)| (b.last_access, s)).collect();
+        // Recovered blocks (tick 0) are ordered by their records' times, then ids.
+        let mut order: Vec<(u64, u64, u64, usize)> =
+            blocks.slots().map(|(s, b)| (b.last_access, b.last_us, b.id, s)).collect();
         order.sort_unstable();
         let mut done = vec![false; blocks.slot_bound()];
         let mut stack = Vec::new();
-        for (_, s) in order {
+        for (.., s) in order {
             let mut cur = s;
             while !done[cur] {
                 stack.push(cur);
@@ -1337,10 +1458,10 @@ impl<D: CopyHandle> Index<D> {
                 }
                 let b = blocks.at_slot(x).expect("stacked");
                 if b.ssd.is_some() {
-                    ev.push(b.event(b.id, EventKind::Inserted, Tier::Ssd).with_time(b.last_us));
+                    ev.push(b.event(blocks.key(b), b.id, EventKind::Inserted, Tier::Ssd).with_time(b.last_us));
                 }
                 if b.dram.is_some() {
-                    ev.push(b.event(b.id, EventKind::Inserted, Tier::Dram).with_time(b.last_us));
+                    ev.push(b.event(blocks.key(b), b.id, EventKind::Inserted, Tier::Dram).with_time(b.last_us));
                 }
             }
         }
@@ -1351,7 +1472,7 @@ impl<D: CopyHandle> Index<D> {
 impl<D: CopyHandle> crate::IndexView for Index<D> {
     fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
         let b = self.blocks.get(id)?;
-        b.has(tier).then_some(b.size)
+        b.has(tier).then_some(b.size())
     }
 
     fn pin(&self, id: u64) -> Pin {
@@ -1362,12 +1483,12 @@ impl<D: CopyHandle> crate::IndexView for Index<D> {
         self.blocks
             .iter()
             .filter(|(id, b)| b.pin != Pin::Hard && exclude.binary_search(id).is_err() && b.has(tier))
-            .map(|(_, b)| b.size)
+            .map(|(_, b)| b.size())
             .sum()
     }
 
     fn resident_children(&self, id: u64) -> Vec<u64> {
-        self.blocks.get(id).map(|b| b.children.to_vec()).unwrap_or_default()
+        self.blocks.get(id).map(|b| self.kids_of(b).to_vec()).unwrap_or_default()
     }
 
     fn snapshot(&self) -> Events {

@@ -13,6 +13,7 @@
 //! child; stale entries are dropped when met at the front or when a tier is compacted.
 
 use crate::hash::{IdMap, IdSet};
+use crate::nodes::NodeMap;
 use kvpool_policy_sdk::{Event, EventKind, Pin, Tier, NO_PARENT};
 use std::collections::{BTreeMap, VecDeque};
 
@@ -98,7 +99,7 @@ struct TierQueues {
 /// The block tree and the per-tier leaf orderings.
 #[derive(Debug)]
 pub(crate) struct Leaves {
-    pub nodes: IdMap<u64, Node>,
+    pub nodes: NodeMap<Node>,
     tiers: [TierQueues; 3],
     classes: usize,
     /// Newest tick handed out (ticks start at 1; 0 means "no copy").
@@ -131,7 +132,7 @@ impl Leaves {
             queues: (0..PIN_SLOTS * classes).map(|_| Queue::default()).collect(),
             ..Default::default()
         };
-        Leaves { nodes: IdMap::default(), tiers: [mk(), mk(), mk()], classes, tick: 0 }
+        Leaves { nodes: NodeMap::default(), tiers: [mk(), mk(), mk()], classes, tick: 0 }
     }
 
     /// Queue of the copy in tier `t`, when it is an ordered leaf.

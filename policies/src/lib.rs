@@ -13,6 +13,7 @@ pub mod hash;
 pub mod leaf_lru;
 mod leaves;
 pub mod lru;
+mod nodes;
 pub mod placement;
 pub mod registry;
 pub mod s3fifo;

@@ -451,6 +451,10 @@ impl Config {
         if self.limits.max_key_len == 0 || self.limits.max_batch == 0 || self.limits.max_value_size.0 == 0 {
             return Err(ConfigError::Invalid { field: "limits", message: "limits must be positive".into() });
         }
+        // A DRAM block keeps its length in 4 bytes (the handle is paid per resident block).
+        if self.limits.max_value_size.0 > u64::from(u32::MAX) {
+            return Err(ConfigError::Invalid { field: "limits.max_value_size", message: "must be below 4GiB".into() });
+        }
         if self.limits.request_timeout_ms == 0 || self.limits.min_transfer_rate.0 < 1024 {
             return Err(ConfigError::Invalid {
                 field: "limits.request_timeout_ms / limits.min_transfer_rate",

@@ -108,6 +108,9 @@ impl DramTier {
     /// Reserve room for `len` bytes, or `None` when no free range is large enough.
     pub fn allocate(self: &Arc<Self>, len: u64) -> Option<DramBlock> {
         let units = u32::try_from(len.max(1).div_ceil(UNIT)).ok()?;
+        // Lengths are kept in 4 bytes (the handle's size is per resident block); values are
+        // bounded far below by `limits.max_value_size`.
+        let len = u32::try_from(len).ok()?;
         let mut a = self.alloc.lock();
         let allocation = a.allocate(units)?;
         let units = a.allocation_size(allocation);
@@ -123,22 +126,26 @@ impl DramTier {
 }
 
 /// A range of the segment holding (or about to hold) one block's bytes. Every resident block
-/// has one on the heap (behind the index's `Arc`): the offset comes from the allocation and the
-/// room is kept in units, so that it takes 32 bytes.
+/// has one on the heap (behind the index's [`SharedBlock`]): the offset comes from the
+/// allocation and the room is kept in units, so that it takes 24 bytes and, with a
+/// `triomphe::Arc`'s one count, fills a 32-byte allocation (std's `Arc` adds a weak count: 48).
 pub struct DramBlock {
     tier: Arc<DramTier>,
     allocation: Allocation,
-    len: u64,
+    len: u32,
     /// Units the allocator handed out (at least the length's).
     units: u32,
 }
 
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<DramBlock>() <= 32);
+const _: () = assert!(std::mem::size_of::<DramBlock>() <= 24);
+
+/// A committed block's shared handle: the index holds one, each in-flight read another.
+pub type SharedBlock = triomphe::Arc<DramBlock>;
 
 impl DramBlock {
     pub fn len(&self) -> u64 {
-        self.len
+        u64::from(self.len)
     }
 
     pub fn is_empty(&self) -> bool {

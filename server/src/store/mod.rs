@@ -18,7 +18,7 @@ pub mod ssd;
 mod tests;
 pub mod tier;
 
-pub use dram::DramBlock;
+pub use dram::{DramBlock, SharedBlock};
 
 use crate::events::EventLog;
 use crate::metrics::Metrics;
@@ -89,11 +89,11 @@ pub fn checksum(data: &[u8]) -> u64 {
 /// A DRAM copy as the index holds it: every reader holds a clone, and the range is freed when
 /// the last clone goes.
 #[derive(Clone, Debug)]
-pub struct DramCopy(pub Arc<DramBlock>);
+pub struct DramCopy(pub SharedBlock);
 
 impl CopyHandle for DramCopy {
     fn in_use(&self) -> bool {
-        Arc::strong_count(&self.0) > 1
+        SharedBlock::count(&self.0) > 1
     }
 }
 
@@ -110,7 +110,7 @@ pub enum PutPlan {
 
 /// A located block for a get, resolved under the lock and read outside it.
 pub enum GetPlan {
-    Dram { block: Arc<DramBlock>, checksum: u64 },
+    Dram { block: SharedBlock, checksum: u64 },
     Ssd { id: u64, file: u64, size: u64, checksum: u64 },
     Missing,
 }
@@ -118,12 +118,12 @@ pub enum GetPlan {
 /// Bytes of one get item, ready to send.
 pub enum Served {
     /// Served from a DRAM range (also after a promotion; the tier says where it came from).
-    Dram(Arc<DramBlock>, u64, Tier),
+    Dram(SharedBlock, u64, Tier),
     Owned(Vec<u8>, u64, Tier),
 }
 
 /// A DRAM block as bytes that may be sent without copying: it stays allocated while they live.
-struct BlockBytes(Arc<DramBlock>);
+struct BlockBytes(SharedBlock);
 
 impl AsRef<[u8]> for BlockBytes {
     fn as_ref(&self) -> &[u8] {
@@ -598,7 +598,7 @@ impl Store {
         block: DramBlock,
     ) -> ErrorCode {
         let sum = checksum(block.bytes());
-        self.commit_copy(tenant, id, item, mode, sum, Some(DramCopy(Arc::new(block))), None)
+        self.commit_copy(tenant, id, item, mode, sum, Some(DramCopy(SharedBlock::new(block))), None)
     }
 
     /// Publish a block whose bytes go straight to the SSD tier.
@@ -825,7 +825,7 @@ impl Store {
             }
             return Ok(Served::Owned(vec, sum, Tier::Ssd));
         };
-        let blk = Arc::new(blk);
+        let blk = SharedBlock::new(blk);
         self.install_promoted(id, file, blk.clone());
         Ok(Served::Dram(blk, sum, Tier::Ssd))
     }
@@ -844,10 +844,10 @@ impl Store {
         if Medium::write(&self.dram, &mut blk, 0, &data).is_err() {
             return;
         }
-        self.install_promoted(id, file, Arc::new(blk));
+        self.install_promoted(id, file, SharedBlock::new(blk));
     }
 
-    fn install_promoted(&self, id: u64, file: u64, blk: Arc<DramBlock>) {
+    fn install_promoted(&self, id: u64, file: u64, blk: SharedBlock) {
         let mut ix = self.ix();
         if ix.install_promoted(id, file, DramCopy(blk)).is_ok() {
             self.metrics.promotions.inc();
