@@ -661,6 +661,9 @@ impl<D: CopyHandle> Index<D> {
         let extents: Vec<(u64, u64)> = records.iter().filter_map(|(_, _, r)| candidate(r)).collect();
         let claimed = adopt(&extents);
         let mut claimed = claimed.into_iter();
+        // (child, tenant, parent key) of every recovered block put under a parent: linked below,
+        // and only those whose parent is gone keep their key (in `orphan_keys`).
+        let mut parents: Vec<(u64, u32, Vec<u8>)> = Vec::new();
         for (tenant, key, rec) in records {
             let usable = candidate(&rec).is_some() && claimed.next().unwrap_or(false);
             let Some(r) = rec.filter(|_| usable) else {
@@ -679,10 +682,9 @@ impl<D: CopyHandle> Index<D> {
                 self.soft_pins.insert((r.pin_until_ms, id));
                 self.pin_until.insert(id, r.pin_until_ms);
             }
-            // Every recovered block starts as an orphan; the linking below finds the parents.
             let has_parent = r.parent.is_some();
             if let Some(pk) = r.parent {
-                self.orphan_keys.insert(id, pk.into());
+                parents.push((id, tenant, pk));
             }
             let b = Block {
                 id,
@@ -712,32 +714,20 @@ impl<D: CopyHandle> Index<D> {
             self.blocks.insert(b, &key);
             out.kept += 1;
         }
-        let mut links: Vec<(u64, Option<u64>)> = self
-            .orphan_keys
-            .iter()
-            .map(|(&id, pk)| {
-                let tenant = self.blocks.get(id).expect("recovered").tenant;
-                (id, self.blocks.id_of(tenant, pk))
-            })
-            .collect();
-        links.sort_unstable();
-        for (id, pid) in links {
-            match pid {
+        // In id order (ids were given in record order), so that children lists are stable.
+        for (id, tenant, pk) in parents {
+            match self.blocks.id_of(tenant, &pk) {
                 Some(pid) => {
                     self.add_kid(pid, id);
                     self.blocks.get_mut(id).expect("listed").parent = pid;
-                    // The record's copy of the parent key gives way to the parent's own.
-                    self.orphan_keys.remove(&id);
                 }
                 None => {
-                    let tenant = self.blocks.get(id).expect("listed").tenant;
-                    let pk = self.orphan_keys[&id].clone();
+                    let pk: Arc<[u8]> = pk.into();
+                    self.orphan_keys.insert(id, pk.clone());
                     self.orphans.entry((tenant, pk)).or_default().push(id);
                 }
             }
         }
-        // Most recovered blocks found their parent: give back the table's room.
-        self.orphan_keys.shrink_to_fit();
         // Depths: roots are 0, a block under a known parent one more; orphans stay unknown.
         let ids: Vec<u64> = self.blocks.ids().collect();
         let mut path = Vec::new();
