@@ -12,7 +12,7 @@ use std::hash::{BuildHasher, RandomState};
 
 // Every resident block pays for its record: keep it from growing unnoticed (64-bit targets).
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Block<std::sync::Arc<u8>>>() <= 120);
+const _: () = assert!(std::mem::size_of::<Block<std::sync::Arc<u8>>>() <= 112);
 
 pub(crate) struct Blocks<D> {
     slab: Slab<Block<D>>,
@@ -255,7 +255,6 @@ mod tests {
             created_ms: 0,
             pin: Pin::None,
             has_parent: false,
-            lease_until: crate::index::LeaseDeadline::NONE,
             dram: Some(id),
             ssd: crate::index::Locator::NONE,
             moving: false,

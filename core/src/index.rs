@@ -13,7 +13,7 @@ use kvpool_policy_sdk::{
 };
 use serde::{Deserialize, Serialize};
 use smallvec::SmallVec;
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -118,33 +118,6 @@ impl From<Option<u64>> for Locator {
     }
 }
 
-/// The end of a block's lease in 8 bytes instead of an `Option<Instant>`'s 16: nanoseconds
-/// since the first lease of the process, plus one; 0 is "no lease".
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct LeaseDeadline(u64);
-
-fn lease_epoch() -> Instant {
-    static EPOCH: std::sync::OnceLock<Instant> = std::sync::OnceLock::new();
-    *EPOCH.get_or_init(Instant::now)
-}
-
-fn lease_ticks(t: Instant) -> u64 {
-    // u64 nanoseconds last 584 years; an instant before the epoch counts as the epoch.
-    (t.saturating_duration_since(lease_epoch()).as_nanos() as u64).saturating_add(1)
-}
-
-impl LeaseDeadline {
-    pub(crate) const NONE: LeaseDeadline = LeaseDeadline(0);
-
-    pub(crate) fn at(t: Instant) -> LeaseDeadline {
-        LeaseDeadline(lease_ticks(t))
-    }
-    /// The lease runs past `now`.
-    pub(crate) fn after(self, now: Instant) -> bool {
-        self.0 != 0 && self.0 > lease_ticks(now)
-    }
-}
-
 pub(crate) struct Block<D> {
     pub(crate) id: u64,
     pub(crate) tenant: u32,
@@ -165,7 +138,6 @@ pub(crate) struct Block<D> {
     pub(crate) pin: Pin,
     /// The block was put with a parent key.
     pub(crate) has_parent: bool,
-    pub(crate) lease_until: LeaseDeadline,
     pub(crate) dram: Option<D>,
     pub(crate) ssd: Locator,
     /// A demotion of this block is in flight.
@@ -197,10 +169,6 @@ impl<D> Block<D> {
             ssd_file: self.ssd.get(),
             in_dram: self.dram.is_some(),
         }
-    }
-
-    fn leased(&self, now: Instant) -> bool {
-        self.lease_until.after(now)
     }
 
     /// A KV event about this block's copy in `tier`.
@@ -343,8 +311,9 @@ pub struct Index<D> {
     /// Keyed with SipHash (std's randomly keyed hasher): keys are chosen by clients.
     blocks: Blocks<D>,
     next_id: u64,
-    /// Ids with a lease that may still be running (expired ones are pruned lazily).
-    leased: BTreeSet<u64>,
+    /// When each lease ends, by id, for leases that may still be running (expired ones are
+    /// pruned lazily). Aside, not in the record: only blocks being read have one.
+    leases: BTreeMap<u64, Instant>,
     /// Ids with a demotion in flight.
     moving: BTreeSet<u64>,
     soft_pins: BTreeSet<(u64, u64)>,
@@ -439,7 +408,7 @@ impl<D: CopyHandle> Index<D> {
         Index {
             blocks: Blocks::new(),
             next_id: 1,
-            leased: BTreeSet::new(),
+            leases: BTreeMap::new(),
             moving: BTreeSet::new(),
             soft_pins: BTreeSet::new(),
             events: Events::new(),
@@ -499,6 +468,11 @@ impl<D: CopyHandle> Index<D> {
     /// Advance the clock events are stamped with (wall clock, µs; it never goes back).
     fn clock(&mut self, wall_us: u64) {
         self.clock_us = self.clock_us.max(wall_us);
+    }
+
+    /// A lease on block `id` runs past `now`.
+    fn is_leased(&self, id: u64, now: Instant) -> bool {
+        self.leases.get(&id).is_some_and(|until| *until > now)
     }
 
     /// The resident children of `b`.
@@ -699,7 +673,6 @@ impl<D: CopyHandle> Index<D> {
                 created_ms: r.created_ms,
                 pin,
                 has_parent,
-                lease_until: LeaseDeadline::NONE,
                 dram: None,
                 ssd: Locator::some(file),
                 moving: false,
@@ -870,7 +843,7 @@ impl<D: CopyHandle> Index<D> {
             if !upsert {
                 return Err(PutStatus::AlreadyExists);
             }
-            if self.blocks.get(old).is_some_and(|b| b.leased(now)) {
+            if self.is_leased(old, now) {
                 return Err(PutStatus::Leased);
             }
             let (d, m) = self.drop_block(old, ChangeKind::Removed).expect("indexed block exists");
@@ -931,7 +904,6 @@ impl<D: CopyHandle> Index<D> {
             created_ms: wall_ms,
             pin,
             has_parent: spec.parent.is_some(),
-            lease_until: LeaseDeadline::NONE,
             dram,
             ssd: Locator::from(ssd),
             moving: false,
@@ -996,7 +968,7 @@ impl<D: CopyHandle> Index<D> {
             self.orphans.entry((b.tenant, key)).or_default().extend(children);
         }
         self.tenant_mut(b.tenant).resident -= 1;
-        self.leased.remove(&id);
+        self.leases.remove(&id);
         self.moving.remove(&id);
         if let Some(until) = self.pin_until.remove(&id) {
             self.soft_pins.remove(&(until, id));
@@ -1049,7 +1021,6 @@ impl<D: CopyHandle> Index<D> {
             let b = self.blocks.get_mut(id).expect("index and blocks agree");
             b.last_access = tick;
             let k: &[u8] = k;
-            b.lease_until = LeaseDeadline::at(lease_until);
             b.last_us = now_us;
             b.wanted = b.wanted.saturating_add(1);
             prev = Some((id, b.depth));
@@ -1073,7 +1044,7 @@ impl<D: CopyHandle> Index<D> {
                 t.misses[0] += 1;
                 t.hits[1] += 1;
             }
-            self.leased.insert(id);
+            self.leases.insert(id, lease_until);
             self.emit(ev);
             out.push(loc);
         }
@@ -1127,7 +1098,7 @@ impl<D: CopyHandle> Index<D> {
             .iter()
             .map(|k| {
                 let Some(id) = self.blocks.id_of(tenant, k) else { return RemoveStatus::NotFound };
-                if !force && self.blocks.get(id).is_some_and(|b| b.leased(now)) {
+                if !force && self.is_leased(id, now) {
                     return RemoveStatus::Leased;
                 }
                 let (d, m) = self.drop_block(id, ChangeKind::Removed).expect("indexed block exists");
@@ -1142,8 +1113,12 @@ impl<D: CopyHandle> Index<D> {
     /// Remove every block of the tenant; leased ones stay unless `force`.
     /// Returns (removed, skipped, copies to free, sled removals).
     pub fn remove_all(&mut self, tenant: u32, force: bool, now: Instant) -> (u64, u64, Vec<Dropped<D>>, Vec<MetaOp>) {
-        let ids: Vec<(u64, bool)> =
-            self.blocks.iter().filter(|(_, b)| b.tenant == tenant).map(|(id, b)| (id, b.leased(now))).collect();
+        let ids: Vec<(u64, bool)> = self
+            .blocks
+            .iter()
+            .filter(|(_, b)| b.tenant == tenant)
+            .map(|(id, _)| (id, self.is_leased(id, now)))
+            .collect();
         let (mut removed, mut skipped, mut dropped, mut meta) = (0, 0, Vec::new(), Vec::new());
         for (id, leased) in ids {
             if leased && !force {
@@ -1164,10 +1139,9 @@ impl<D: CopyHandle> Index<D> {
     /// readable, not where: with an SSD tier, a leased DRAM copy may still leave DRAM (demoted,
     /// or dropped when an SSD copy exists); the in-flight bytes are protected by the handle.
     pub fn excluded(&mut self, now: Instant, tier: Tier) -> Vec<u64> {
-        let blocks = &self.blocks;
-        self.leased.retain(|&id| blocks.get(id).is_some_and(|b| b.leased(now)));
+        self.leases.retain(|_, until| *until > now);
         let mut ex: Vec<u64> =
-            if tier == Tier::Dram && self.has_ssd { Vec::new() } else { self.leased.iter().copied().collect() };
+            if tier == Tier::Dram && self.has_ssd { Vec::new() } else { self.leases.keys().copied().collect() };
         ex.extend(self.moving.iter().copied());
         ex.sort_unstable();
         ex.dedup();
@@ -1225,7 +1199,7 @@ impl<D: CopyHandle> Index<D> {
             let b = self.blocks.get(sub[i]).expect("resident");
             for &c in self.kids_of(b) {
                 let cb = self.blocks.get(c)?;
-                if cb.leased(now) || cb.moving || cb.pin == Pin::Hard {
+                if self.is_leased(c, now) || cb.moving || cb.pin == Pin::Hard {
                     return None;
                 }
                 sub.push(c);
@@ -1268,7 +1242,7 @@ impl<D: CopyHandle> Index<D> {
                 Tier::Dram => b.ssd.is_some(),
                 _ => b.dram.is_some(),
             };
-            if !other_copy && b.leased(now) {
+            if !other_copy && self.is_leased(id, now) {
                 continue;
             }
             if !other_copy {

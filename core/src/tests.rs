@@ -478,21 +478,14 @@ fn the_swap_snapshot_is_warm() {
 }
 
 #[test]
-fn compact_locator_and_lease_deadline() {
-    use crate::index::{LeaseDeadline, Locator};
-    use std::time::Instant;
+fn compact_locator() {
+    use crate::index::Locator;
     let mut l = Locator::some(0);
     assert_eq!((l.get(), l.is_some()), (Some(0), true));
     assert_eq!(l.take(), Some(0));
     assert!(l.is_none() && l.get().is_none());
     assert_eq!(Locator::from(None), Locator::NONE);
     assert_eq!(Locator::from(Some(4096)).get(), Some(4096));
-    let now = Instant::now();
-    assert!(!LeaseDeadline::NONE.after(now));
-    let d = LeaseDeadline::at(now + Duration::from_millis(50));
-    assert!(d.after(now));
-    assert!(!d.after(now + Duration::from_millis(50)), "a lease ends at its deadline");
-    assert!(!d.after(now + Duration::from_secs(1)));
 }
 
 /// (kind, tier, key) of the index's KV events since the last call.

@@ -17,6 +17,11 @@ use crate::nodes::NodeMap;
 use kvpool_policy_sdk::{Event, EventKind, Pin, Tier, NO_PARENT};
 use std::collections::{BTreeMap, VecDeque};
 
+/// A policy's logical clock: one tick per insert or read. Four bytes, not eight, because every
+/// node keeps one per tier; when the clock runs out, [`Leaves`] renumbers the ticks in use
+/// (order kept), which happens once per 4 billion events.
+pub(crate) type Tick = u32;
+
 /// A block as the policies see it.
 #[derive(Debug, Clone)]
 pub(crate) struct Node {
@@ -26,9 +31,9 @@ pub(crate) struct Node {
     /// The policy's ordering class (below [`Leaves::classes`]).
     pub class: u8,
     /// Per tier: tick of the copy's last insert or read; 0 when there is no copy.
-    pub at: [u64; 3],
-    /// The block's size (the same in every tier).
-    pub size: u64,
+    pub at: [Tick; 3],
+    /// The block's size (the same in every tier), saturating at 4 GiB.
+    pub size: u32,
     /// Per tier: resident children with a copy in that tier.
     pub children: [u32; 3],
 }
@@ -43,12 +48,12 @@ impl Node {
 /// copy that re-enters with an older tick goes to `late` (ordered).
 #[derive(Debug, Default)]
 struct Queue {
-    fifo: VecDeque<(u64, u64)>,
-    late: BTreeMap<u64, u64>,
+    fifo: VecDeque<(Tick, u64)>,
+    late: BTreeMap<Tick, u64>,
 }
 
 impl Queue {
-    fn push(&mut self, tick: u64, id: u64) {
+    fn push(&mut self, tick: Tick, id: u64) {
         if self.fifo.back().is_none_or(|&(last, _)| last < tick) {
             self.fifo.push_back((tick, id));
         } else {
@@ -56,7 +61,7 @@ impl Queue {
         }
     }
     /// Entries in tick order, stale ones included.
-    fn iter(&self) -> impl Iterator<Item = (u64, u64)> + '_ {
+    fn iter(&self) -> impl Iterator<Item = (Tick, u64)> + '_ {
         let mut a = self.fifo.iter().peekable();
         let mut b = self.late.iter().peekable();
         std::iter::from_fn(move || {
@@ -103,7 +108,9 @@ pub(crate) struct Leaves {
     tiers: [TierQueues; 3],
     classes: usize,
     /// Newest tick handed out (ticks start at 1; 0 means "no copy").
-    pub tick: u64,
+    tick: Tick,
+    /// The clock is renumbered when it reaches this ([`Tick::MAX`]; lower in tests).
+    tick_limit: Tick,
 }
 
 /// What an event did to a node, for the policy's own bookkeeping.
@@ -132,7 +139,7 @@ impl Leaves {
             queues: (0..PIN_SLOTS * classes).map(|_| Queue::default()).collect(),
             ..Default::default()
         };
-        Leaves { nodes: NodeMap::default(), tiers: [mk(), mk(), mk()], classes, tick: 0 }
+        Leaves { nodes: NodeMap::default(), tiers: [mk(), mk(), mk()], classes, tick: 0, tick_limit: Tick::MAX }
     }
 
     /// Queue of the copy in tier `t`, when it is an ordered leaf.
@@ -188,8 +195,7 @@ impl Leaves {
         let t = e.tier as usize;
         match e.kind {
             EventKind::Inserted => {
-                self.tick += 1;
-                let tick = self.tick;
+                let tick = self.next_tick();
                 let fresh = !self.nodes.contains_key(&e.id);
                 if fresh {
                     let class = init(e).min(self.classes as u8 - 1);
@@ -203,7 +209,7 @@ impl Leaves {
                 let before = self.queues_of(n);
                 let n = self.nodes.get_mut(&e.id).expect("just ensured");
                 n.at[t] = tick;
-                n.size = e.size;
+                n.size = u32::try_from(e.size).unwrap_or(u32::MAX);
                 n.pin = e.pin;
                 let parent = n.parent;
                 self.requeue(e.id, before, Some(t));
@@ -214,12 +220,12 @@ impl Leaves {
                 Change::Inserted { fresh }
             }
             EventKind::Accessed => {
-                let Some(n) = self.nodes.get_mut(&e.id) else { return Change::Other };
-                if !n.has(t) {
+                if !self.nodes.get(&e.id).is_some_and(|n| n.has(t)) {
                     return Change::Other;
                 }
-                self.tick += 1;
-                let age = self.tick - n.at[t];
+                let tick = self.next_tick();
+                let n = self.nodes.get_mut(&e.id).expect("checked");
+                let age = u64::from(tick - n.at[t]);
                 n.at[t] = self.tick;
                 let (tick, classes) = (self.tick, self.classes);
                 // The hot path: same queue, newest tick, a plain append.
@@ -237,7 +243,7 @@ impl Leaves {
                 if !n.has(t) {
                     return Change::Other;
                 }
-                let age = self.tick.saturating_sub(n.at[t]);
+                let age = u64::from(self.tick.saturating_sub(n.at[t]));
                 let before = self.queues_of(n);
                 let parent = n.parent;
                 let n = self.nodes.get_mut(&e.id).expect("present");
@@ -264,12 +270,50 @@ impl Leaves {
         }
     }
 
+    /// The next tick, renumbering the ticks in use first when the clock has run out.
+    fn next_tick(&mut self) -> Tick {
+        if self.tick >= self.tick_limit {
+            self.renumber();
+        }
+        self.tick += 1;
+        self.tick
+    }
+
+    /// Give the ticks in use the numbers 1, 2, ... in their order, and restart the clock after
+    /// them. Orderings are unchanged; ages measured across a renumbering come out shorter.
+    fn renumber(&mut self) {
+        for t in 0..3 {
+            self.compact(t);
+        }
+        let mut used: Vec<Tick> = self.nodes.values().flat_map(|n| n.at).filter(|&a| a != 0).collect();
+        used.sort_unstable();
+        used.dedup();
+        let new = |old: Tick| -> Tick {
+            // Every live tick is in `used`; 0 (no copy) stays 0.
+            used.binary_search(&old).map_or(0, |i| i as Tick + 1)
+        };
+        for n in self.nodes.values_mut() {
+            for a in &mut n.at {
+                *a = new(*a);
+            }
+        }
+        for tq in &mut self.tiers {
+            for q in &mut tq.queues {
+                for e in &mut q.fifo {
+                    e.0 = new(e.0);
+                }
+                q.late = std::mem::take(&mut q.late).into_iter().map(|(tick, id)| (new(tick), id)).collect();
+            }
+        }
+        self.tick = used.len() as Tick;
+    }
+
     /// Room for `n` more blocks (a bulk load is coming).
     pub fn reserve(&mut self, n: usize) {
         self.nodes.reserve(n);
     }
 
-    fn live(&self, t: usize, q: usize, tick: u64, id: u64) -> bool {
+    fn live(&self, t: usize, q: usize, tick: Tick, id: u64) -> bool {
         self.nodes.get(&id).is_some_and(|n| n.at[t] == tick && self.queue_of(n, t) == Some(q))
     }
 
@@ -279,6 +323,12 @@ impl Leaves {
         if tq.entries <= 2 * tq.live + 1024 {
             return;
         }
+        self.compact(t);
+    }
+
+    /// Drop every stale entry of tier `t`.
+    fn compact(&mut self, t: usize) {
+        let tq = &self.tiers[t];
         let mut fresh: Vec<Queue> = (0..tq.queues.len()).map(|_| Queue::default()).collect();
         let mut entries = 0;
         for (q, queue) in tq.queues.iter().enumerate() {
@@ -338,13 +388,13 @@ impl Leaves {
         let mut chosen: IdSet<u64> = IdSet::default();
         let mut taken_children: IdMap<u64, u32> = IdMap::default();
         // Parents all of whose children were chosen, waiting for the pin slot they belong to.
-        let mut waiting: Vec<(u64, u64)> = Vec::new();
+        let mut waiting: Vec<(Tick, u64)> = Vec::new();
         for slot in 0..PIN_SLOTS {
             // Cursors over this slot's queues, and parents promoted to leaves in this call.
             let tq = &self.tiers[t];
             let mut iters: Vec<_> = (0..classes).map(|c| tq.queues[slot * classes + c].iter().peekable()).collect();
             let nodes = &self.nodes;
-            let mut promoted: Vec<(u64, u64)> = Vec::new();
+            let mut promoted: Vec<(Tick, u64)> = Vec::new();
             waiting.retain(|&(tick, id)| {
                 let mine = nodes.get(&id).is_some_and(|n| pin_slot(n.pin) == Some(slot));
                 if mine {
@@ -352,7 +402,7 @@ impl Leaves {
                 }
                 !mine
             });
-            let live = |q: usize, tick: u64, id: u64| {
+            let live = |q: usize, tick: Tick, id: u64| {
                 nodes.get(&id).is_some_and(|n| {
                     n.at[t] == tick
                         && n.children[t] == 0
@@ -362,7 +412,7 @@ impl Leaves {
             };
             while freed < bytes {
                 // The best head among the classes and the promoted parents.
-                let mut best: Option<(R, u64, usize, u64)> = None;
+                let mut best: Option<(R, Tick, usize, u64)> = None;
                 for (c, it) in iters.iter_mut().enumerate() {
                     let q = slot * classes + c;
                     while let Some(&(tick, id)) = it.peek() {
@@ -372,14 +422,14 @@ impl Leaves {
                         it.next();
                     }
                     if let Some(&(tick, id)) = it.peek() {
-                        let r = rank(&nodes[&id], tick);
+                        let r = rank(&nodes[&id], u64::from(tick));
                         if best.as_ref().is_none_or(|b| r < b.0 || (r == b.0 && tick < b.1)) {
                             best = Some((r, tick, c, id));
                         }
                     }
                 }
                 for (i, &(tick, id)) in promoted.iter().enumerate() {
-                    let r = rank(&nodes[&id], tick);
+                    let r = rank(&nodes[&id], u64::from(tick));
                     if best.as_ref().is_none_or(|b| r < b.0 || (r == b.0 && tick < b.1)) {
                         best = Some((r, tick, classes + i, id));
                     }
@@ -394,7 +444,7 @@ impl Leaves {
                 out.push(id);
                 let n = &nodes[&id];
                 picked(n);
-                freed = freed.saturating_add(n.size);
+                freed = freed.saturating_add(u64::from(n.size));
                 if let Some(p) = nodes.get(&n.parent) {
                     let taken = taken_children.entry(n.parent).or_insert(0);
                     *taken += 1;
@@ -412,7 +462,7 @@ impl Leaves {
             }
             // No leaf left in this slot: inner blocks, oldest first (their subtrees go with
             // them under the host's chain rule, or they stay when a descendant cannot).
-            let mut inner: Vec<(u64, u64)> = nodes
+            let mut inner: Vec<(Tick, u64)> = nodes
                 .iter()
                 .filter(|(id, n)| {
                     n.has(t)
@@ -429,12 +479,68 @@ impl Leaves {
                 }
                 chosen.insert(id);
                 out.push(id);
-                freed = freed.saturating_add(nodes[&id].size);
+                freed = freed.saturating_add(u64::from(nodes[&id].size));
             }
             if freed >= bytes {
                 break;
             }
         }
         out
+    }
+}
+
+// Every node keeps a tick per tier: keep the node from growing unnoticed.
+const _: () = assert!(std::mem::size_of::<Node>() <= 48);
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvpool_policy_sdk::Tier;
+
+    /// A clock renumbered every few dozen events chooses exactly the victims of one that never
+    /// is, over a random stream of chained inserts, reads, removals and pin changes in two tiers.
+    #[test]
+    fn renumbering_the_clock_keeps_every_choice() {
+        let mut plain = Leaves::new(2);
+        let mut small = Leaves::new(2);
+        // Above the ticks 300 blocks in two tiers can hold, so each renumbering frees room.
+        small.tick_limit = 1_000;
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let class = |e: &Event| (e.id % 2) as u8;
+        let mut renumbered = 0;
+        for step in 0..20_000 {
+            let id = 1 + rnd() % 300;
+            let tier = if rnd() % 3 == 0 { Tier::Ssd } else { Tier::Dram };
+            let e = match rnd() % 10 {
+                0..=3 => Event::inserted(
+                    id,
+                    1 + rnd() % 100,
+                    tier,
+                    if id > 1 && rnd() % 2 == 0 { id - 1 } else { NO_PARENT },
+                ),
+                4..=6 => Event::accessed(id, tier),
+                7 | 8 => Event::removed(id, tier),
+                _ => Event::pin_changed(id, [Pin::None, Pin::Soft][(rnd() % 2) as usize]),
+            };
+            let before = small.tick;
+            assert_eq!(plain.apply(&e, class) == Change::Other, small.apply(&e, class) == Change::Other);
+            renumbered += usize::from(small.tick < before);
+            if step % 97 == 0 {
+                let bytes = rnd() % 2_000;
+                let ex: Vec<u64> =
+                    (0..5).map(|_| 1 + rnd() % 300).collect::<std::collections::BTreeSet<_>>().into_iter().collect();
+                let a = plain.victims(tier, bytes, &ex, |n, tick| (n.class, tick), |_| {});
+                let b = small.victims(tier, bytes, &ex, |n, tick| (n.class, tick), |_| {});
+                assert_eq!(a, b, "step {step}");
+            }
+        }
+        assert!(renumbered > 10, "the small clock was renumbered {renumbered} times");
+        assert!(small.tick <= 1_000);
     }
 }

@@ -76,6 +76,10 @@ impl<V> NodeMap<V> {
         self.slab.iter().map(|(_, (_, v))| v)
     }
 
+    pub fn values_mut(&mut self) -> impl Iterator<Item = &mut V> {
+        self.slab.iter_mut().map(|(_, (_, v))| v)
+    }
+
     pub fn iter(&self) -> impl Iterator<Item = (&u64, &V)> {
         self.slab.iter().map(|(_, (id, v))| (id, v))
     }
