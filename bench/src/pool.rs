@@ -206,7 +206,8 @@ impl SimPool {
                 self.stats.invalid_victims += 1;
             }
         }
-        let victims = self.index.valid_victims(&proposed, Tier::Dram, need as u64, &exclude);
+        // The simulator reads no copy while evicting: none is in use.
+        let victims = self.index.valid_victims(&proposed, Tier::Dram, need as u64, &exclude, |_| false);
         let out = self.index.evict(&victims, Tier::Dram, &[], now);
         self.stats.cascaded += out.cascaded as u64;
         self.stats.refused += out.refused as u64;

@@ -1149,7 +1149,15 @@ impl<D: CopyHandle> Index<D> {
     }
 
     /// Keep the proposed victims that may really go, in order, until `bytes` are covered.
-    pub fn valid_victims(&self, proposed: &[u64], tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
+    /// `in_use` says whether a DRAM copy is held by a read (its memory would not come free).
+    pub fn valid_victims(
+        &self,
+        proposed: &[u64],
+        tier: Tier,
+        bytes: u64,
+        exclude: &[u64],
+        in_use: impl Fn(&D) -> bool,
+    ) -> Vec<u64> {
         let mut freed = 0u64;
         let mut valid = Vec::new();
         for &id in proposed {
@@ -1158,7 +1166,7 @@ impl<D: CopyHandle> Index<D> {
             }
             let Some(b) = self.blocks.get(id) else { continue };
             let eligible = match tier {
-                Tier::Dram => b.dram.as_ref().is_some_and(|d| !d.in_use()),
+                Tier::Dram => b.dram.as_ref().is_some_and(|d| !in_use(d)),
                 Tier::Ssd => b.ssd.is_some(),
                 Tier::Device => false,
             };

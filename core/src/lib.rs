@@ -142,7 +142,7 @@ impl<D: CopyHandle> Pool<D> {
         self.flush();
         let exclude = self.index.excluded(now, tier);
         let proposed = self.policies.eviction.victims(&self.index, tier, bytes, &exclude);
-        self.index.valid_victims(&proposed, tier, bytes, &exclude)
+        self.index.valid_victims(&proposed, tier, bytes, &exclude, D::in_use)
     }
 
     /// Evict at least `bytes` from `tier` (DRAM victims go to SSD when admission takes them).

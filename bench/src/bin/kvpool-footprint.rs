@@ -11,7 +11,7 @@ use kvpool_core::{BlockRecord, Granularity, Index, Native, PinRequest, Policies,
 use kvpool_policies::{LeafLru, ThresholdAdmission};
 use kvpool_server::store::dram::DramTier;
 use kvpool_server::store::meta::Meta;
-use kvpool_server::store::{DramCopy, SharedBlock};
+use kvpool_server::store::DramCopy;
 use serde::Serialize;
 use stats_alloc::{StatsAlloc, INSTRUMENTED_SYSTEM};
 use std::alloc::System;
@@ -112,11 +112,11 @@ fn main() -> Result<()> {
     m.part("DRAM segment allocator (sized to the segment, not per block)");
     let mut copies: Vec<DramCopy> = Vec::with_capacity(n as usize);
     for _ in 0..n {
-        copies.push(DramCopy(SharedBlock::new(tier.allocate(a.value_size).expect("segment sized for the blocks"))));
+        copies.push(DramCopy(tier.allocate(a.value_size).expect("segment sized for the blocks").commit()));
     }
     // The list holding the handles until they move into the index is not theirs.
     let list = (n as usize * std::mem::size_of::<DramCopy>()) as i64;
-    m.part_less("DRAM copy handle (triomphe::Arc<DramBlock>)", list);
+    m.part_less("DRAM copy handle (a DramRef inline in the record: no heap)", list);
 
     let gran = Granularity { dram: 256, ssd: 4096 };
     let mut index: Index<DramCopy> = Index::new(gran, false);

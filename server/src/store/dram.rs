@@ -1,12 +1,16 @@
 //! The DRAM tier: one pre-allocated segment per node, carved by an offset allocator, so that a
 //! transport can register it once and move bytes in and out of it one-sidedly.
 //!
-//! Space is handed out as [`DramBlock`]s. A block frees its range when the last reference drops:
-//! the index holds one, every in-flight read holds another, so removing or evicting a block that
-//! is being read never frees memory under the reader.
+//! Space is handed out as [`DramBlock`]s, owned by their writer. A committed block becomes a
+//! [`DramRef`], 12 bytes kept inline in the index's record (no heap handle per resident
+//! block). A read pins the range ([`DramTier::pin`], under the index's lock); when the index lets
+//! a block go it hands the range back ([`DramTier::release_ref`]), and the range is freed at once or,
+//! while reads hold it, when the last of them ends. So removing or evicting a block that is being
+//! read never frees memory under the reader.
 
 use offset_allocator::{Allocation, Allocator};
 use parking_lot::Mutex;
+use std::collections::HashMap;
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -51,6 +55,8 @@ pub struct DramTier {
     capacity: u64,
     alloc: Mutex<Allocator>,
     used: AtomicU64,
+    /// Committed ranges that reads hold, by offset (in units): only those, so a few entries.
+    readers: Mutex<HashMap<u32, Readers>>,
     /// Woken whenever space is returned, for puts waiting on eviction.
     pub freed: Notify,
 }
@@ -82,6 +88,7 @@ impl DramTier {
             capacity,
             alloc: Mutex::new(Allocator::with_max_allocs(units, max_allocs(units))),
             used: AtomicU64::new(0),
+            readers: Mutex::new(HashMap::new()),
             freed: Notify::new(),
         }))
     }
@@ -116,7 +123,51 @@ impl DramTier {
         let units = a.allocation_size(allocation);
         drop(a);
         self.used.fetch_add(units as u64 * UNIT, Ordering::Relaxed);
-        Some(DramBlock { tier: self.clone(), allocation, len, units })
+        Some(DramBlock { tier: self.clone(), allocation, len, committed: false })
+    }
+
+    /// Pin a committed range for a read: it stays allocated until the returned handle drops,
+    /// even if the index lets it go meanwhile. Call it while the index still holds `r` (under
+    /// its lock), so that `r` cannot have been released.
+    pub fn pin(self: &Arc<Self>, r: DramRef) -> PinnedBlock {
+        self.readers.lock().entry(r.allocation.offset).or_insert(Readers { count: 0, released: false }).count += 1;
+        PinnedBlock { tier: self.clone(), r }
+    }
+
+    /// The index let go of `r`: free it now, or when the last read of it ends. Each committed
+    /// range is released exactly once.
+    pub fn release_ref(&self, r: DramRef) {
+        let mut readers = self.readers.lock();
+        match readers.get_mut(&r.allocation.offset) {
+            Some(e) => {
+                debug_assert!(!e.released, "a range released twice");
+                e.released = true;
+            }
+            None => {
+                drop(readers);
+                self.free(r.allocation);
+            }
+        }
+    }
+
+    /// A read holds `r` (its memory would not come free if the index let it go now).
+    pub fn in_use(&self, r: &DramRef) -> bool {
+        self.readers.lock().contains_key(&r.allocation.offset)
+    }
+
+    fn free(&self, allocation: Allocation) {
+        let mut a = self.alloc.lock();
+        let units = a.allocation_size(allocation);
+        a.free(allocation);
+        drop(a);
+        self.used.fetch_sub(units as u64 * UNIT, Ordering::Relaxed);
+        self.freed.notify_waiters();
+    }
+
+    fn range(&self, r: &DramRef) -> &[u8] {
+        // SAFETY: a committed range lies inside the segment; callers hold it allocated (the
+        // index's reference under its lock, or a pin), and nobody writes a committed range.
+        unsafe { std::slice::from_raw_parts(self.seg.ptr.as_ptr().add(r.offset() as usize), r.len as usize) }
     }
 
     /// Largest single range that could be allocated now.
@@ -125,25 +176,122 @@ impl DramTier {
     }
 }
 
-/// A range of the segment holding (or about to hold) one block's bytes. Every resident block
-/// has one on the heap (behind the index's [`SharedBlock`]): the offset comes from the
-/// allocation and the room is kept in units, so that it takes 24 bytes and, with a
-/// `triomphe::Arc`'s one count, fills a 32-byte allocation (std's `Arc` adds a weak count: 48).
+#[derive(Debug)]
+struct Readers {
+    count: u32,
+    /// The index let the range go: free it when the count drops to 0.
+    released: bool,
+}
+
+/// A committed block's range as the index holds it: inline in the record, 12 bytes.
+#[derive(Clone, Copy)]
+pub struct DramRef {
+    allocation: Allocation,
+    len: u32,
+}
+
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<DramRef>() <= 12);
+
+impl DramRef {
+    pub fn len(&self) -> u64 {
+        u64::from(self.len)
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+
+    /// Byte offset in the segment.
+    pub fn offset(&self) -> u64 {
+        self.allocation.offset as u64 * UNIT
+    }
+}
+
+impl std::fmt::Debug for DramRef {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DramRef").field("offset", &self.offset()).field("len", &self.len).finish()
+    }
+}
+
+/// A committed range held for a read: its bytes stay allocated while this lives.
+pub struct PinnedBlock {
+    tier: Arc<DramTier>,
+    r: DramRef,
+}
+
+impl PinnedBlock {
+    pub fn len(&self) -> u64 {
+        self.r.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.r.is_empty()
+    }
+
+    pub fn offset(&self) -> u64 {
+        self.r.offset()
+    }
+
+    pub fn bytes(&self) -> &[u8] {
+        self.tier.range(&self.r)
+    }
+
+    /// The range as the index knows it.
+    pub fn dram_ref(&self) -> DramRef {
+        self.r
+    }
+}
+
+impl Clone for PinnedBlock {
+    fn clone(&self) -> PinnedBlock {
+        self.tier.pin(self.r)
+    }
+}
+
+impl std::fmt::Debug for PinnedBlock {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        self.r.fmt(f)
+    }
+}
+
+impl Drop for PinnedBlock {
+    fn drop(&mut self) {
+        let off = self.r.allocation.offset;
+        let mut readers = self.tier.readers.lock();
+        let Some(e) = readers.get_mut(&off) else {
+            debug_assert!(false, "a pin without its entry");
+            return;
+        };
+        e.count -= 1;
+        if e.count == 0 {
+            let released = e.released;
+            readers.remove(&off);
+            drop(readers);
+            if released {
+                self.tier.free(self.r.allocation);
+            }
+        }
+    }
+}
+
+/// A range of the segment being written by its one owner (a put, a promotion). Dropped
+/// uncommitted, it frees its range; [`DramBlock::commit`] hands it to the index instead.
 pub struct DramBlock {
     tier: Arc<DramTier>,
     allocation: Allocation,
     len: u32,
-    /// Units the allocator handed out (at least the length's).
-    units: u32,
+    committed: bool,
 }
 
-#[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<DramBlock>() <= 24);
-
-/// A committed block's shared handle: the index holds one, each in-flight read another.
-pub type SharedBlock = triomphe::Arc<DramBlock>;
-
 impl DramBlock {
+    /// The range, written, for the index to hold: it is no longer freed on drop but by
+    /// [`DramTier::release_ref`].
+    pub fn commit(mut self) -> DramRef {
+        self.committed = true;
+        DramRef { allocation: self.allocation, len: self.len }
+    }
+
     pub fn len(&self) -> u64 {
         u64::from(self.len)
     }
@@ -180,9 +328,9 @@ impl std::fmt::Debug for DramBlock {
 
 impl Drop for DramBlock {
     fn drop(&mut self) {
-        self.tier.alloc.lock().free(self.allocation);
-        self.tier.used.fetch_sub(self.units as u64 * UNIT, Ordering::Relaxed);
-        self.tier.freed.notify_waiters();
+        if !self.committed {
+            self.tier.free(self.allocation);
+        }
     }
 }
 
@@ -206,5 +354,38 @@ mod tests {
         let again: Vec<_> = std::iter::from_fn(|| t.allocate(100_000)).collect();
         assert_eq!(again.len(), n);
         assert!(again.iter().all(|b| b.bytes().len() == 100_000));
+    }
+
+    /// A committed range is freed when the index releases it, unless reads hold it: then when
+    /// the last of them ends. Its bytes stay readable through every pin until then.
+    #[test]
+    fn a_released_range_outlives_its_readers_and_no_longer() {
+        let t = DramTier::new(1 << 20, false).unwrap();
+        let mut b = t.allocate(1000).unwrap();
+        b.bytes_mut().fill(9);
+        let r = b.commit();
+        let used = t.used();
+        assert!(used >= 1000);
+        assert!(!t.in_use(&r));
+        let p1 = t.pin(r);
+        let p2 = p1.clone();
+        assert!(t.in_use(&r));
+        t.release_ref(r);
+        assert_eq!(t.used(), used, "still held by two reads");
+        drop(p1);
+        assert_eq!(t.used(), used, "still held by one read");
+        assert!(p2.bytes().iter().all(|&x| x == 9));
+        drop(p2);
+        assert_eq!(t.used(), 0, "freed with the last read");
+        // Released with no read: freed at once; a pin that ends first changes nothing.
+        let r = t.allocate(1000).unwrap().commit();
+        drop(t.pin(r));
+        assert_eq!(t.used(), used);
+        t.release_ref(r);
+        assert_eq!(t.used(), 0);
+        assert!(t.readers.lock().is_empty());
+        // An uncommitted block frees itself when dropped.
+        drop(t.allocate(1000).unwrap());
+        assert_eq!(t.used(), 0);
     }
 }

@@ -18,7 +18,7 @@ pub mod ssd;
 mod tests;
 pub mod tier;
 
-pub use dram::{DramBlock, SharedBlock};
+pub use dram::{DramBlock, DramRef, PinnedBlock};
 
 use crate::events::EventLog;
 use crate::metrics::Metrics;
@@ -86,16 +86,15 @@ pub fn checksum(data: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(data)
 }
 
-/// A DRAM copy as the index holds it: every reader holds a clone, and the range is freed when
-/// the last clone goes.
-#[derive(Clone, Debug)]
-pub struct DramCopy(pub SharedBlock);
+/// A DRAM copy as the index holds it: the range, inline in the record. Reads pin it
+/// ([`DramTier::pin`]) under the index's lock; a copy the index lets go is handed back with
+/// [`DramTier::release_ref`] (see [`Store::release`]), exactly once.
+#[derive(Clone, Copy, Debug)]
+pub struct DramCopy(pub DramRef);
 
-impl CopyHandle for DramCopy {
-    fn in_use(&self) -> bool {
-        SharedBlock::count(&self.0) > 1
-    }
-}
+/// Whether a read holds a copy is the tier's to say: the store passes
+/// [`DramTier::in_use`] to [`Index::valid_victims`].
+impl CopyHandle for DramCopy {}
 
 /// What a put item will do, decided before its bytes are read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -110,7 +109,7 @@ pub enum PutPlan {
 
 /// A located block for a get, resolved under the lock and read outside it.
 pub enum GetPlan {
-    Dram { block: SharedBlock, checksum: u64 },
+    Dram { block: PinnedBlock, checksum: u64 },
     Ssd { id: u64, file: u64, size: u64, checksum: u64 },
     Missing,
 }
@@ -118,12 +117,12 @@ pub enum GetPlan {
 /// Bytes of one get item, ready to send.
 pub enum Served {
     /// Served from a DRAM range (also after a promotion; the tier says where it came from).
-    Dram(SharedBlock, u64, Tier),
+    Dram(PinnedBlock, u64, Tier),
     Owned(Vec<u8>, u64, Tier),
 }
 
 /// A DRAM block as bytes that may be sent without copying: it stays allocated while they live.
-struct BlockBytes(SharedBlock);
+struct BlockBytes(PinnedBlock);
 
 impl AsRef<[u8]> for BlockBytes {
     fn as_ref(&self) -> &[u8] {
@@ -444,7 +443,9 @@ impl Store {
     fn release(&self, dropped: impl IntoIterator<Item = Dropped<DramCopy>>) {
         let mut extents = Vec::new();
         for d in dropped {
-            drop(d.dram);
+            if let Some(c) = d.dram {
+                self.dram.release_ref(c.0);
+            }
             if let Some((offset, len)) = d.ssd {
                 extents.push(SsdExtent { offset, len });
             }
@@ -584,7 +585,14 @@ impl Store {
                 self.release(replaced);
                 ErrorCode::Ok
             }
-            Err(status) => put_code(status),
+            Err(status) => {
+                drop(ix);
+                // Refused before the index took it: the range is still ours to give back.
+                if let Some(c) = dram {
+                    self.dram.release_ref(c.0);
+                }
+                put_code(status)
+            }
         }
     }
 
@@ -598,7 +606,7 @@ impl Store {
         block: DramBlock,
     ) -> ErrorCode {
         let sum = checksum(block.bytes());
-        self.commit_copy(tenant, id, item, mode, sum, Some(DramCopy(SharedBlock::new(block))), None)
+        self.commit_copy(tenant, id, item, mode, sum, Some(DramCopy(block.commit())), None)
     }
 
     /// Publish a block whose bytes go straight to the SSD tier.
@@ -652,7 +660,7 @@ impl Store {
             pol.feed(&ev);
             let exclude = ix.excluded(now, tier);
             let proposed = pol.eviction.victims(&*ix, tier, bytes, &exclude);
-            let victims = ix.valid_victims(&proposed, tier, bytes, &exclude);
+            let victims = ix.valid_victims(&proposed, tier, bytes, &exclude, |c| self.dram.in_use(&c.0));
             if victims.is_empty() && !proposed.is_empty() {
                 tracing::debug!(proposed = proposed.len(), "eviction policy proposed only ineligible victims");
             }
@@ -664,11 +672,13 @@ impl Store {
         if victims.is_empty() {
             return 0;
         }
-        let out = {
+        let (out, demotions) = {
             let mut ix = self.ix();
             let mut out = ix.evict(&victims, tier, &decisions, now);
             self.meta.enqueue(std::mem::take(&mut out.meta));
-            out
+            // Pinned while the index still holds them: the demotion reads them unlocked.
+            let pins: Vec<(u64, PinnedBlock)> = out.demotions.iter().map(|(id, c)| (*id, self.dram.pin(c.0))).collect();
+            (out, pins)
         };
         let evicted = out.gone + out.demotions.len();
         self.metrics.evictions.with_label_values(&[tier.name()]).inc_by(evicted as u64);
@@ -676,7 +686,7 @@ impl Store {
         self.metrics.evictions_refused.inc_by(out.refused as u64);
         let mut gone = out.gone;
         self.release(out.dropped);
-        for (id, copy) in out.demotions {
+        for (id, copy) in demotions {
             if self.demote(id, copy).await {
                 gone += 1;
             }
@@ -686,12 +696,12 @@ impl Store {
 
     /// Copy a DRAM victim to SSD, then drop its DRAM copy. When SSD has no room the block is
     /// simply evicted. Returns whether the DRAM copy left.
-    async fn demote(&self, id: u64, copy: DramCopy) -> bool {
+    async fn demote(&self, id: u64, copy: PinnedBlock) -> bool {
         let Some(ssd) = self.ssd.clone() else { return false };
-        let size = copy.0.len();
+        let size = copy.len();
         let written = match self.reserve_in(&*ssd, size, None).await {
             Some(extent) => {
-                let (s2, data) = (ssd.clone(), copy.0.clone());
+                let (s2, data) = (ssd.clone(), copy.clone());
                 let write = move || {
                     let mut extent = extent;
                     Medium::write(&*s2, &mut extent, 0, data.bytes())
@@ -713,7 +723,9 @@ impl Store {
             Demoted::Moved { dram, meta } => {
                 self.meta.enqueue(vec![meta]);
                 drop(ix);
-                drop(dram);
+                if let Some(c) = dram {
+                    self.dram.release_ref(c.0);
+                }
                 self.metrics.demotions.inc();
             }
             Demoted::Evicted { dropped, meta } => {
@@ -760,23 +772,37 @@ impl Store {
     /// Locate and lease the keys of a get; hits update recency.
     pub fn plan_get(&self, tenant: u32, keys: &[Vec<u8>]) -> Vec<GetPlan> {
         let lease = Instant::now() + self.cfg.lease_ttl;
-        let located = self.ix().plan_get(tenant, keys, lease, wall_us());
+        let mut ix = self.ix();
+        let located = ix.plan_get(tenant, keys, lease, wall_us());
+        // DRAM hits are pinned while the index still holds them: they are read unlocked.
+        let located: Vec<(Located<DramCopy>, Option<PinnedBlock>)> = located
+            .into_iter()
+            .map(|l| {
+                let pin = match &l {
+                    Located::Dram { copy, .. } => Some(self.dram.pin(copy.0)),
+                    _ => None,
+                };
+                (l, pin)
+            })
+            .collect();
+        drop(ix);
         let m = &self.metrics;
         located
             .into_iter()
-            .map(|l| match l {
-                Located::Missing => {
+            .map(|(l, pin)| match (l, pin) {
+                (Located::Missing, _) => {
                     m.misses.with_label_values(&["dram"]).inc();
                     if self.ssd.is_some() {
                         m.misses.with_label_values(&["ssd"]).inc();
                     }
                     GetPlan::Missing
                 }
-                Located::Dram { copy, checksum, .. } => {
+                (Located::Dram { checksum, .. }, Some(block)) => {
                     m.hits.with_label_values(&["dram"]).inc();
-                    GetPlan::Dram { block: copy.0, checksum }
+                    GetPlan::Dram { block, checksum }
                 }
-                Located::Ssd { id, locator, size, checksum } => {
+                (Located::Dram { .. }, None) => unreachable!("every DRAM hit was pinned"),
+                (Located::Ssd { id, locator, size, checksum }, _) => {
                     m.misses.with_label_values(&["dram"]).inc();
                     m.hits.with_label_values(&["ssd"]).inc();
                     GetPlan::Ssd { id, file: locator, size, checksum }
@@ -825,9 +851,7 @@ impl Store {
             }
             return Ok(Served::Owned(vec, sum, Tier::Ssd));
         };
-        let blk = SharedBlock::new(blk);
-        self.install_promoted(id, file, blk.clone());
-        Ok(Served::Dram(blk, sum, Tier::Ssd))
+        Ok(Served::Dram(self.install_promoted(id, file, blk), sum, Tier::Ssd))
     }
 
     async fn promote(&self, id: u64, file: u64, data: Vec<u8>) {
@@ -844,14 +868,22 @@ impl Store {
         if Medium::write(&self.dram, &mut blk, 0, &data).is_err() {
             return;
         }
-        self.install_promoted(id, file, SharedBlock::new(blk));
+        self.install_promoted(id, file, blk);
     }
 
-    fn install_promoted(&self, id: u64, file: u64, blk: SharedBlock) {
+    /// Give a promoted copy to the index (when the block still wants it), pinned for the read
+    /// that promoted it; a copy the index did not take is freed when that pin drops.
+    fn install_promoted(&self, id: u64, file: u64, blk: DramBlock) -> PinnedBlock {
+        let r = blk.commit();
         let mut ix = self.ix();
-        if ix.install_promoted(id, file, DramCopy(blk)).is_ok() {
+        let pin = self.dram.pin(r);
+        if ix.install_promoted(id, file, DramCopy(r)).is_ok() {
             self.metrics.promotions.inc();
+        } else {
+            drop(ix);
+            self.dram.release_ref(r);
         }
+        pin
     }
 
     fn drop_corrupt(&self, id: u64, file: u64) {
