@@ -13,6 +13,9 @@ use std::hash::{BuildHasher, RandomState};
 // Every resident block pays for its record: keep it from growing unnoticed (64-bit targets).
 #[cfg(target_pointer_width = "64")]
 const _: () = assert!(std::mem::size_of::<Block<std::sync::Arc<u8>>>() <= 112);
+// The server's DRAM handle: 12 bytes with a niche (an allocator node index).
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<Block<(u32, std::num::NonZeroU32, u32)>>() <= 112);
 
 pub(crate) struct Blocks<D> {
     slab: Slab<Block<D>>,

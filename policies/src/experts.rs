@@ -40,7 +40,7 @@
 use crate::filters::Sketch;
 use crate::ghosts::Ghosts;
 use crate::hash::IdMap;
-use crate::leaves::{Change, Leaves, Node};
+use crate::leaves::{Change, Key, Leaves, Node};
 use kvpool_policy_sdk::{
     Event, EventKind, Events, EvictionPolicy, FromParams, ParamError, Params, Tier, NO_DEPTH, NO_PARENT,
 };
@@ -79,7 +79,7 @@ const REUSED: u8 = 1;
 /// ARC's target): used for the real tier and for every shadow.
 #[derive(Debug)]
 struct Orderings {
-    leaves: Leaves,
+    leaves: Leaves<Key>,
     /// B1 (evicted fresh) and B2 (evicted reused).
     ghosts: [Ghosts; 2],
     /// ARC's target number of fresh copies, per tier.
@@ -109,7 +109,7 @@ impl Orderings {
         if e.kind == EventKind::Missed {
             return;
         }
-        let before = self.leaves.nodes.get(&e.id).map(|n| (n.class, n.key, n.at));
+        let before = self.leaves.nodes.get(&e.id).map(|n| (n.class, n.extra.0, n.at));
         if e.kind == EventKind::Inserted && before.is_none() {
             // ARC adapts when a ghost comes back: a fresh one says fresh blocks went too soon.
             let back = if self.ghosts[0].take(e.key) {
@@ -178,11 +178,11 @@ impl Orderings {
                     tier,
                     bytes,
                     exclude,
-                    |n: &Node, _| {
+                    |n: &Node<Key>, _| {
                         let over = fresh_left.get() as f64 > target;
                         (u8::from((n.class == FRESH) != over), 0u64)
                     },
-                    |n: &Node| {
+                    |n: &Node<Key>| {
                         if n.class == FRESH {
                             fresh_left.set(fresh_left.get().saturating_sub(1));
                         }
@@ -365,14 +365,14 @@ impl ChainExperts {
             match e.kind {
                 EventKind::Accessed => {
                     let node = self.real.leaves.nodes.get(&e.id);
-                    let parent_key = node.and_then(|n| self.real.leaves.nodes.get(&n.parent)).map(|p| p.key);
-                    let key = node.map_or(e.key, |n| n.key);
+                    let parent_key = node.and_then(|n| self.real.leaves.nodes.get(&n.parent)).map(|p| p.extra.0);
+                    let key = node.map_or(e.key, |n| n.extra.0);
                     let tag = self.tags.get(&e.id).copied().unwrap_or(key);
                     self.shadow(t, key, parent_key, tag);
                 }
                 EventKind::Missed => {
                     let (parent_key, parent_tag) = match self.real.leaves.nodes.get(&e.parent) {
-                        Some(p) => (Some(p.key), self.tags.get(&e.parent).copied()),
+                        Some(p) => (Some(p.extra.0), self.tags.get(&e.parent).copied()),
                         None if e.depth != NO_DEPTH && e.depth > 0 && self.last_miss[t].0 == e.depth - 1 => {
                             (Some(self.last_miss[t].1), Some(self.last_miss[t].2))
                         }

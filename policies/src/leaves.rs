@@ -22,11 +22,31 @@ use std::collections::{BTreeMap, VecDeque};
 /// (order kept), which happens once per 4 billion events.
 pub(crate) type Tick = u32;
 
+/// What a policy keeps per node beyond the tree and the orderings, taken from the node's first
+/// insert: nothing for leaf-first LRU, the key hash for the policies that look keys up.
+pub(crate) trait Extra: Copy + std::fmt::Debug {
+    fn of(e: &Event) -> Self;
+}
+
+impl Extra for () {
+    fn of(_: &Event) {}
+}
+
+/// The block's key hash ([`Event::key`]).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Key(pub u64);
+
+impl Extra for Key {
+    fn of(e: &Event) -> Key {
+        Key(e.key)
+    }
+}
+
 /// A block as the policies see it.
 #[derive(Debug, Clone)]
-pub(crate) struct Node {
+pub(crate) struct Node<X = ()> {
     pub parent: u64,
-    pub key: u64,
+    pub extra: X,
     pub pin: Pin,
     /// The policy's ordering class (below [`Leaves::classes`]).
     pub class: u8,
@@ -38,7 +58,7 @@ pub(crate) struct Node {
     pub children: [u32; 3],
 }
 
-impl Node {
+impl<X> Node<X> {
     pub fn has(&self, t: usize) -> bool {
         self.at[t] != 0
     }
@@ -103,8 +123,8 @@ struct TierQueues {
 
 /// The block tree and the per-tier leaf orderings.
 #[derive(Debug)]
-pub(crate) struct Leaves {
-    pub nodes: NodeMap<Node>,
+pub(crate) struct Leaves<X = ()> {
+    pub nodes: NodeMap<Node<X>>,
     tiers: [TierQueues; 3],
     classes: usize,
     /// Newest tick handed out (ticks start at 1; 0 means "no copy").
@@ -132,8 +152,8 @@ pub(crate) enum Change {
     Other,
 }
 
-impl Leaves {
-    pub fn new(classes: usize) -> Leaves {
+impl<X: Extra> Leaves<X> {
+    pub fn new(classes: usize) -> Leaves<X> {
         let classes = classes.max(1);
         let mk = || TierQueues {
             queues: (0..PIN_SLOTS * classes).map(|_| Queue::default()).collect(),
@@ -143,14 +163,14 @@ impl Leaves {
     }
 
     /// Queue of the copy in tier `t`, when it is an ordered leaf.
-    fn queue_of(&self, n: &Node, t: usize) -> Option<usize> {
+    fn queue_of(&self, n: &Node<X>, t: usize) -> Option<usize> {
         if !n.has(t) || n.children[t] > 0 {
             return None;
         }
         Some(pin_slot(n.pin)? * self.classes + n.class as usize)
     }
 
-    fn queues_of(&self, n: &Node) -> [Option<usize>; 3] {
+    fn queues_of(&self, n: &Node<X>) -> [Option<usize>; 3] {
         [self.queue_of(n, 0), self.queue_of(n, 1), self.queue_of(n, 2)]
     }
 
@@ -182,7 +202,7 @@ impl Leaves {
     }
 
     /// Run `f` on node `id` (if known), keeping the orderings in step.
-    pub fn update(&mut self, id: u64, f: impl FnOnce(&mut Node)) {
+    pub fn update(&mut self, id: u64, f: impl FnOnce(&mut Node<X>)) {
         let Some(n) = self.nodes.get(&id) else { return };
         let before = self.queues_of(n);
         f(self.nodes.get_mut(&id).expect("present"));
@@ -199,8 +219,15 @@ impl Leaves {
                 let fresh = !self.nodes.contains_key(&e.id);
                 if fresh {
                     let class = init(e).min(self.classes as u8 - 1);
-                    let node =
-                        Node { parent: e.parent, key: e.key, pin: e.pin, class, at: [0; 3], size: 0, children: [0; 3] };
+                    let node = Node {
+                        parent: e.parent,
+                        extra: X::of(e),
+                        pin: e.pin,
+                        class,
+                        at: [0; 3],
+                        size: 0,
+                        children: [0; 3],
+                    };
                     self.nodes.insert(e.id, node);
                 }
                 let n = self.nodes.get(&e.id).expect("just ensured");
@@ -374,8 +401,8 @@ impl Leaves {
         tier: Tier,
         bytes: u64,
         exclude: &[u64],
-        mut rank: impl FnMut(&Node, u64) -> R,
-        mut picked: impl FnMut(&Node),
+        mut rank: impl FnMut(&Node<X>, u64) -> R,
+        mut picked: impl FnMut(&Node<X>),
     ) -> Vec<u64> {
         let t = tier as usize;
         let mut out = Vec::new();
@@ -490,7 +517,7 @@ impl Leaves {
 }
 
 // Every node keeps a tick per tier: keep the node from growing unnoticed.
-const _: () = assert!(std::mem::size_of::<Node>() <= 48);
+const _: () = assert!(std::mem::size_of::<Node>() <= 40);
 
 #[cfg(test)]
 mod tests {
@@ -501,8 +528,8 @@ mod tests {
     /// is, over a random stream of chained inserts, reads, removals and pin changes in two tiers.
     #[test]
     fn renumbering_the_clock_keeps_every_choice() {
-        let mut plain = Leaves::new(2);
-        let mut small = Leaves::new(2);
+        let mut plain: Leaves = Leaves::new(2);
+        let mut small: Leaves = Leaves::new(2);
         // Above the ticks 300 blocks in two tiers can hold, so each renumbering frees room.
         small.tick_limit = 1_000;
         let mut x = 0x2545_F491_4F6C_DD1Du64;

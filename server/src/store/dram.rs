@@ -183,7 +183,8 @@ struct Readers {
     released: bool,
 }
 
-/// A committed block's range as the index holds it: inline in the record, 12 bytes.
+/// A committed block's range as the index holds it: inline in the record, 12 bytes (as an
+/// `Option` too: the allocator's node index has a niche).
 #[derive(Clone, Copy)]
 pub struct DramRef {
     allocation: Allocation,
@@ -191,7 +192,7 @@ pub struct DramRef {
 }
 
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<DramRef>() <= 12);
+const _: () = assert!(std::mem::size_of::<Option<DramRef>>() <= 12);
 
 impl DramRef {
     pub fn len(&self) -> u64 {
