@@ -123,7 +123,7 @@ impl DramTier {
         let units = a.allocation_size(allocation);
         drop(a);
         self.used.fetch_add(units as u64 * UNIT, Ordering::Relaxed);
-        Some(DramBlock { tier: self.clone(), allocation, len, committed: false })
+        Some(DramBlock { held: Held { tier: self.clone(), r: DramRef { allocation, len } }, committed: false })
     }
 
     /// Pin a committed range for a read: it stays allocated until the returned handle drops,
@@ -131,7 +131,7 @@ impl DramTier {
     /// its lock), so that `r` cannot have been released.
     pub fn pin(self: &Arc<Self>, r: DramRef) -> PinnedBlock {
         self.readers.lock().entry(r.allocation.offset).or_insert(Readers { count: 0, released: false }).count += 1;
-        PinnedBlock { tier: self.clone(), r }
+        PinnedBlock(Held { tier: self.clone(), r })
     }
 
     /// The index let go of `r`: free it now, or when the last read of it ends. Each committed
@@ -215,13 +215,14 @@ impl std::fmt::Debug for DramRef {
     }
 }
 
-/// A committed range held for a read: its bytes stay allocated while this lives.
-pub struct PinnedBlock {
+/// A range of the segment with its tier: what a read ([`PinnedBlock`]) and a writer
+/// ([`DramBlock`]) hold, and read through.
+pub struct Held {
     tier: Arc<DramTier>,
     r: DramRef,
 }
 
-impl PinnedBlock {
+impl Held {
     pub fn len(&self) -> u64 {
         self.r.len()
     }
@@ -237,10 +238,15 @@ impl PinnedBlock {
     pub fn bytes(&self) -> &[u8] {
         self.tier.range(&self.r)
     }
+}
 
-    /// The range as the index knows it.
-    pub fn dram_ref(&self) -> DramRef {
-        self.r
+/// A committed range held for a read: its bytes stay allocated while this lives.
+pub struct PinnedBlock(Held);
+
+impl std::ops::Deref for PinnedBlock {
+    type Target = Held;
+    fn deref(&self) -> &Held {
+        &self.0
     }
 }
 
@@ -279,10 +285,16 @@ impl Drop for PinnedBlock {
 /// A range of the segment being written by its one owner (a put, a promotion). Dropped
 /// uncommitted, it frees its range; [`DramBlock::commit`] hands it to the index instead.
 pub struct DramBlock {
-    tier: Arc<DramTier>,
-    allocation: Allocation,
-    len: u32,
+    /// The range it will be once committed.
+    held: Held,
     committed: bool,
+}
+
+impl std::ops::Deref for DramBlock {
+    type Target = Held;
+    fn deref(&self) -> &Held {
+        &self.held
+    }
 }
 
 impl DramBlock {
@@ -290,25 +302,7 @@ impl DramBlock {
     /// [`DramTier::release_ref`].
     pub fn commit(mut self) -> DramRef {
         self.committed = true;
-        DramRef { allocation: self.allocation, len: self.len }
-    }
-
-    pub fn len(&self) -> u64 {
-        u64::from(self.len)
-    }
-
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
-    }
-
-    pub fn offset(&self) -> u64 {
-        self.allocation.offset as u64 * UNIT
-    }
-
-    pub fn bytes(&self) -> &[u8] {
-        // SAFETY: the range lies inside the segment and stays allocated while `self` lives.
-        // Writers only get `bytes_mut` on a block they own exclusively (before it is shared).
-        unsafe { std::slice::from_raw_parts(self.tier.seg.ptr.as_ptr().add(self.offset() as usize), self.len as usize) }
+        self.held.r
     }
 
     /// Write access while the block is still exclusively owned (before it is committed and shared).
@@ -316,21 +310,24 @@ impl DramBlock {
         // SAFETY: as above, and `&mut self` proves no other reference to this range exists:
         // the allocator never hands out overlapping ranges.
         unsafe {
-            std::slice::from_raw_parts_mut(self.tier.seg.ptr.as_ptr().add(self.offset() as usize), self.len as usize)
+            std::slice::from_raw_parts_mut(
+                self.held.tier.seg.ptr.as_ptr().add(self.offset() as usize),
+                self.held.r.len as usize,
+            )
         }
     }
 }
 
 impl std::fmt::Debug for DramBlock {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DramBlock").field("offset", &self.offset()).field("len", &self.len).finish()
+        f.debug_struct("DramBlock").field("offset", &self.offset()).field("len", &self.len()).finish()
     }
 }
 
 impl Drop for DramBlock {
     fn drop(&mut self) {
         if !self.committed {
-            self.tier.free(self.allocation);
+            self.held.tier.free(self.held.r.allocation);
         }
     }
 }
