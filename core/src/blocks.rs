@@ -257,7 +257,6 @@ mod tests {
             checksum: 0,
             created_ms: 0,
             pin: Pin::None,
-            has_parent: false,
             dram: Some(id),
             ssd: crate::index::Locator::NONE,
             moving: false,

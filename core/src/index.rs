@@ -130,14 +130,12 @@ pub(crate) struct Block<D> {
     /// Saturates at `u32::MAX` tokens.
     pub(crate) seq_tokens: u32,
     /// The resident parent, or [`NO_PARENT`]. A block put under a parent key that is not
-    /// resident has `has_parent` and its parent key in the index's `orphan_keys`; otherwise its
-    /// parent key is the parent's own key (not stored twice).
+    /// resident has that key in the index's `orphan_keys`; otherwise its parent key is the
+    /// parent's own key (not stored twice), and a block with neither is a root.
     pub(crate) parent: u64,
     pub(crate) checksum: u64,
     pub(crate) created_ms: u64,
     pub(crate) pin: Pin,
-    /// The block was put with a parent key.
-    pub(crate) has_parent: bool,
     pub(crate) dram: Option<D>,
     pub(crate) ssd: Locator,
     /// A demotion of this block is in flight.
@@ -523,9 +521,6 @@ impl<D: CopyHandle> Index<D> {
 
     /// The parent key `b` was put under, if any.
     fn parent_key(&self, b: &Block<D>) -> Option<Arc<[u8]>> {
-        if !b.has_parent {
-            return None;
-        }
         match self.blocks.get(b.parent) {
             Some(p) => Some(self.blocks.key(p).into()),
             None => self.orphan_keys.get(&b.id).cloned(),
@@ -656,7 +651,6 @@ impl<D: CopyHandle> Index<D> {
                 self.soft_pins.insert((r.pin_until_ms, id));
                 self.pin_until.insert(id, r.pin_until_ms);
             }
-            let has_parent = r.parent.is_some();
             if let Some(pk) = r.parent {
                 parents.push((id, tenant, pk));
             }
@@ -672,7 +666,6 @@ impl<D: CopyHandle> Index<D> {
                 checksum: r.checksum,
                 created_ms: r.created_ms,
                 pin,
-                has_parent,
                 dram: None,
                 ssd: Locator::some(file),
                 moving: false,
@@ -711,7 +704,7 @@ impl<D: CopyHandle> Index<D> {
                 if b.depth != NO_DEPTH {
                     break b.depth;
                 }
-                if !b.has_parent {
+                if b.parent == NO_PARENT && !self.orphan_keys.contains_key(&cur) {
                     break 0;
                 }
                 if b.parent == NO_PARENT || path.len() > self.blocks.len() {
@@ -903,7 +896,6 @@ impl<D: CopyHandle> Index<D> {
             checksum,
             created_ms: wall_ms,
             pin,
-            has_parent: spec.parent.is_some(),
             dram,
             ssd: Locator::from(ssd),
             moving: false,
@@ -927,12 +919,9 @@ impl<D: CopyHandle> Index<D> {
             let b = self.blocks.get(id).expect("just inserted");
             if b.has(tier) {
                 let ev = b.event(spec.key, id, EventKind::Inserted, tier);
-                let change = self.changes.is_some().then(|| self.change_of(id, ChangeKind::Stored, tier));
                 self.copy_added(tenant, tier, spec.size);
                 self.emit(ev);
-                if let (Some(c), Some(change)) = (&mut self.changes, change) {
-                    c.push(change);
-                }
+                self.note_change(id, ChangeKind::Stored, tier);
             }
         }
         self.tenant_mut(tenant).resident += 1;
