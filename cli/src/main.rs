@@ -142,6 +142,12 @@ enum Cmd {
         #[arg(long)]
         idle_ms: Option<u64>,
     },
+    /// The storage nodes of a cluster pool, their tiers, use and liveness (ask the master)
+    Nodes {
+        /// Print as JSON
+        #[arg(long)]
+        json: bool,
+    },
     /// Measure round-trip time
     Ping {
         /// Number of pings
@@ -396,7 +402,7 @@ async fn run(cli: Cli) -> Outcome {
         Cmd::Lookup { keys } | Cmd::Exists { keys } | Cmd::Rm { keys, .. } => {
             parse_keys(keys, cli.hex)?;
         }
-        Cmd::Stats { .. } | Cmd::Ping { .. } | Cmd::Policy { .. } | Cmd::Events { .. } => {}
+        Cmd::Stats { .. } | Cmd::Ping { .. } | Cmd::Policy { .. } | Cmd::Events { .. } | Cmd::Nodes { .. } => {}
     }
     let cfg = client_config(&cli)?;
     let client = Client::connect(cfg).await?;
@@ -525,6 +531,15 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
             let line = serde_json::json!({ "next": next, "log_id": format!("{:016x}", sub.log_id()) });
             out(format_args!("{line}\n"))?;
         }
+        Cmd::Nodes { json } => {
+            let nodes = client.nodes().await?;
+            if *json {
+                let text = serde_json::to_string_pretty(&nodes).map_err(|e| Failure::io(e.to_string()))?;
+                out(format_args!("{text}\n"))?;
+            } else {
+                out(format_args!("{}", render_nodes(&nodes)))?;
+            }
+        }
         Cmd::Stats { json } => {
             let s = client.stats().await?;
             if *json {
@@ -640,6 +655,46 @@ fn uptime(s: u64) -> String {
 }
 
 /// The report for a person: sizes, hit rates, latency percentiles.
+fn render_nodes(nodes: &[kvpool_client::proto::NodeInfo]) -> String {
+    use std::fmt::Write as _;
+    let mut o = String::new();
+    let _ = writeln!(
+        o,
+        "{:<5} {:<20} {:<22} {:<5} {:>9} {:>8}  tiers (used / capacity)",
+        "node", "name", "address", "state", "silent", "copies"
+    );
+    for n in nodes {
+        let tiers: Vec<String> = n
+            .tiers
+            .iter()
+            .map(|t| {
+                let name = match t.tier {
+                    0 => "device",
+                    1 => "dram",
+                    2 => "ssd",
+                    _ => "?",
+                };
+                format!("{name} {} / {}", ByteSize(t.used), ByteSize(t.capacity))
+            })
+            .collect();
+        let _ = writeln!(
+            o,
+            "{:<5} {:<20} {:<22} {:<5} {:>7}ms {:>8}  {}",
+            n.node,
+            n.name,
+            n.addr,
+            if n.live { "live" } else { "dead" },
+            n.silent_ms,
+            n.copies,
+            tiers.join(", ")
+        );
+    }
+    if nodes.is_empty() {
+        o.push_str("(no storage node has joined)\n");
+    }
+    o
+}
+
 fn render_stats(s: &StatsReport, tenant: &str) -> String {
     use std::fmt::Write as _;
     let mut o = String::new();

@@ -14,6 +14,7 @@
 
 mod admin;
 pub mod blocking;
+mod cluster;
 mod config;
 mod error;
 mod events;
@@ -24,6 +25,7 @@ mod shm;
 mod testing;
 pub mod tls;
 
+pub use cluster::ClusterClient;
 pub use config::{parse_fingerprint, read_key_file, ClientConfig, EndpointInfo, TransportChoice, Trust};
 pub use error::{ClientError, Result};
 pub use events::{SubscribeOptions, Subscription};

@@ -1378,6 +1378,20 @@ impl<D: CopyHandle> Index<D> {
 
     // ---- policy snapshot ----------------------------------------------------------------
 
+    /// Every copy the index holds, as `Stored` changes (tenant, key, parent key, tier, size):
+    /// what a storage node announces to a master that does not know it yet.
+    pub fn inventory(&self) -> Vec<Change> {
+        let mut out = Vec::with_capacity(self.blocks.len());
+        for (_, b) in self.blocks.slots() {
+            for tier in [Tier::Dram, Tier::Ssd] {
+                if b.has(tier) {
+                    out.push(self.change_of(b.id, ChangeKind::Stored, tier));
+                }
+            }
+        }
+        out
+    }
+
     /// The warm snapshot a new policy starts from: the recent misses the index remembers as
     /// `Missed` events, oldest first (with the count of each key's remembered misses), then the
     /// block set as `Inserted` events, one per copy, least recently used first, every parent

@@ -50,10 +50,84 @@ pub enum Request {
     /// Follow the pool's KV events (copies stored, removed, evicted): answered with a stream of
     /// `Events` frames that lasts until either side ends it.
     Subscribe(SubscribeRequest),
+    // ---- version 2: cluster (PROTOCOL.md 11.8) ---------------------------------------------
+    /// A storage node joins the master (admin keys only): answered with its node id.
+    NodeJoin(NodeJoinRequest),
+    /// A storage node's heartbeat: its tier use and the copies it stored or dropped since its
+    /// last report (its whole inventory after a join, `reset`).
+    NodeReport(NodeReportRequest),
+    /// The pool's storage nodes, their tiers, use and liveness.
+    Nodes,
+    /// Which live storage nodes hold these keys (the caller's tenant): answered with `Routes`.
+    Route(KeysRequest),
+    /// Which storage nodes should store these new blocks: answered with `Routes`.
+    Place(PlaceRequest),
 }
 
 /// Number of request variants this version knows (tags `0..REQUEST_TAGS`).
-pub const REQUEST_TAGS: u32 = 23;
+pub const REQUEST_TAGS: u32 = 28;
+
+/// Use of one tier of a storage node.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct TierUse {
+    /// 0 device, 1 DRAM, 2 SSD.
+    pub tier: u8,
+    pub capacity: u64,
+    pub used: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeJoinRequest {
+    /// Stable name of the node (a restarted node joins under the same name and keeps its id).
+    pub name: String,
+    /// QUIC address clients connect to (`host:port`).
+    pub addr: String,
+    /// TLS server name of that address.
+    pub server_name: String,
+    /// SHA-256 of the node's certificate (DER): clients pin it.
+    #[serde(with = "serde_bytes")]
+    pub fingerprint: Vec<u8>,
+    /// Random per joining process: reports of an older incarnation are refused.
+    pub incarnation: u64,
+    pub tiers: Vec<TierUse>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeJoined {
+    /// The node's id in the pool (from 1).
+    pub node: u32,
+    /// Report at least this often (ms); the master declares a node dead after a few missed.
+    pub report_ms: u32,
+}
+
+/// A copy a storage node stored (`Stored`) or no longer holds (`Removed`, `Evicted`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeBlock {
+    pub kind: KvEventKind,
+    pub tier: u8,
+    pub tenant: String,
+    #[serde(with = "serde_bytes")]
+    pub key: Vec<u8>,
+    pub size: u64,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeReportRequest {
+    pub node: u32,
+    pub incarnation: u64,
+    /// Forget every copy reported before: `blocks` starts the node's inventory again.
+    pub reset: bool,
+    pub tiers: Vec<TierUse>,
+    pub blocks: Vec<NodeBlock>,
+}
+
+/// Blocks to place: the keys, sizes, parents and tokens as a put would name them.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PlaceRequest {
+    pub items: Vec<PutItem>,
+    /// Copies per block, on distinct nodes (at least 1; capped at the live nodes).
+    pub replicas: u32,
+}
 
 /// Whose KV events a subscription follows.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -382,6 +456,49 @@ pub enum Response {
     LocalOffer(LocalOffer),
     /// The frames of a `Subscribe` stream.
     Events(EventBatch),
+    /// Answer to `NodeJoin`.
+    NodeJoined(NodeJoined),
+    /// Answer to `Nodes`.
+    NodeList(NodeList),
+    /// Answer to `Route` and `Place`.
+    Routes(Routes),
+}
+
+/// A storage node as the master sees it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeInfo {
+    pub node: u32,
+    pub name: String,
+    pub addr: String,
+    pub live: bool,
+    /// Milliseconds since its last report.
+    pub silent_ms: u64,
+    /// Copies it holds, as reported.
+    pub copies: u64,
+    pub tiers: Vec<TierUse>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeList {
+    pub nodes: Vec<NodeInfo>,
+}
+
+/// How to reach a storage node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodeAddr {
+    pub node: u32,
+    pub addr: String,
+    pub server_name: String,
+    #[serde(with = "serde_bytes")]
+    pub fingerprint: Vec<u8>,
+}
+
+/// Per item of the request, the ids of its nodes (best first; empty: none); `nodes` tells how
+/// to reach each id named.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Routes {
+    pub nodes: Vec<NodeAddr>,
+    pub items: Vec<Vec<u32>>,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -808,7 +925,7 @@ mod tests {
             ),
             Some(20)
         );
-        assert_eq!(REQUEST_TAGS, 23);
+        assert_eq!(REQUEST_TAGS, 28);
         assert_eq!(codec::encode(&Response::Done).unwrap(), vec![15, 0, 0, 0]);
         assert_eq!(codec::encode(&ErrorCode::Expired).unwrap(), vec![23, 0, 0, 0]);
     }

@@ -72,6 +72,59 @@ pub struct Config {
     pub policy: PolicySection,
     pub quic: QuicSection,
     pub events: EventsSection,
+    pub cluster: ClusterSection,
+}
+
+/// What this process is in a pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Role {
+    /// One process that is the whole pool (the embedded default).
+    #[default]
+    All,
+    /// The control plane of a cluster: where blocks are (reported by the storage nodes), node
+    /// liveness, and placement of new blocks. Holds no block data.
+    Master,
+    /// Capacity of a cluster: stores and serves blocks, and reports them to the master.
+    Storage,
+}
+
+/// Cluster roles (see README "Cluster").
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(default)]
+pub struct ClusterSection {
+    pub role: Role,
+    /// Storage: the master's QUIC address (`host:port`).
+    pub master: Option<String>,
+    /// Storage: how to trust the master: the SHA-256 fingerprint of its certificate (64 hex
+    /// digits) or a CA file.
+    pub master_fingerprint: Option<String>,
+    pub master_ca: Option<PathBuf>,
+    /// Storage: TLS server name of the master.
+    pub master_server_name: String,
+    /// Storage: file holding an admin API key of the master.
+    pub master_key_file: Option<PathBuf>,
+    /// Storage: this node's name in the pool (default: the address it advertises).
+    pub node_name: Option<String>,
+    /// Master: how often storage nodes report (ms); a node silent for `node_timeout_ms` is dead.
+    pub report_ms: u32,
+    pub node_timeout_ms: u64,
+}
+
+impl Default for ClusterSection {
+    fn default() -> Self {
+        ClusterSection {
+            role: Role::All,
+            master: None,
+            master_fingerprint: None,
+            master_ca: None,
+            master_server_name: "localhost".into(),
+            master_key_file: None,
+            node_name: None,
+            report_ms: 500,
+            node_timeout_ms: 3_000,
+        }
+    }
 }
 
 /// KV events (`Subscribe`): the log subscribers read from.
@@ -432,6 +485,36 @@ impl Config {
             }
         };
         wm("dram watermarks", self.dram.high_watermark, self.dram.low_watermark)?;
+        let c = &self.cluster;
+        if c.role == Role::Storage {
+            let missing = |field: &'static str| ConfigError::Invalid {
+                field,
+                message: "a storage node needs it (--master, --master-fingerprint or master_ca, --master-key-file)"
+                    .into(),
+            };
+            if c.master.as_deref().is_none_or(str::is_empty) {
+                return Err(missing("cluster.master"));
+            }
+            if c.master_fingerprint.is_none() && c.master_ca.is_none() {
+                return Err(missing("cluster.master_fingerprint"));
+            }
+            if c.master_key_file.is_none() {
+                return Err(missing("cluster.master_key_file"));
+            }
+            if self.events.buffer == 0 {
+                return Err(ConfigError::Invalid {
+                    field: "events.buffer",
+                    message: "a storage node reports its changes to the master through the event log: it must be on"
+                        .into(),
+                });
+            }
+        }
+        if c.report_ms == 0 || c.node_timeout_ms < 2 * u64::from(c.report_ms) {
+            return Err(ConfigError::Invalid {
+                field: "cluster.report_ms / cluster.node_timeout_ms",
+                message: "reports must be positive and the node timeout at least two report intervals".into(),
+            });
+        }
         wm("ssd watermarks", self.ssd.high_watermark, self.ssd.low_watermark)?;
         if self.dram.size.0 < 1 << 20 {
             return Err(ConfigError::Invalid { field: "dram.size", message: "must be at least 1MiB".into() });

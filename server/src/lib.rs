@@ -2,6 +2,7 @@
 //! SSD tiers, built-in admission and eviction policies.
 
 pub mod auth;
+pub mod cluster;
 pub mod config;
 pub mod events;
 pub mod metrics;
@@ -358,6 +359,9 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         data_path,
         events,
         node: node_name(cfg),
+        master: (cfg.cluster.role == config::Role::Master).then(|| {
+            Arc::new(cluster::Master::new(cfg.cluster.report_ms, Duration::from_millis(cfg.cluster.node_timeout_ms)))
+        }),
     });
     Ok(Node { shared, data_dir, api_key_file, hixl })
 }
@@ -430,6 +434,21 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
         }
     }));
 
+    if let Some(m) = shared.master.clone() {
+        let every = Duration::from_millis(u64::from(cfg.cluster.report_ms).max(10) / 2);
+        tasks.push(tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(every).await;
+                m.sweep(Instant::now());
+            }
+        }));
+    }
+    if cfg.cluster.role == config::Role::Storage {
+        let link = storage_link(&cfg, quic_addr, &tls.fingerprint)?;
+        info!(master = %link.master, name = %link.name, addr = %link.addr, "storage node: joining the master");
+        tasks.push(tokio::spawn(cluster::storage::run(shared.clone(), link)));
+    }
+
     let endpoint_info = serde_json::json!({
         "quic_addr": quic_addr.to_string(),
         "metrics_addr": metrics_addr.map(|a| a.to_string()),
@@ -455,6 +474,47 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
         store,
         tasks,
         hixl,
+    })
+}
+
+/// How a storage node reaches its master and presents itself (config validated beforehand).
+fn storage_link(cfg: &Config, quic_addr: SocketAddr, fingerprint: &str) -> Result<cluster::storage::Link, ServerError> {
+    let bad =
+        |field: &'static str, message: String| ServerError::Config(config::ConfigError::Invalid { field, message });
+    let c = &cfg.cluster;
+    let master = c.master.clone().ok_or_else(|| bad("cluster.master", "missing".into()))?;
+    let trust = match (&c.master_fingerprint, &c.master_ca) {
+        (Some(fp), _) => kvpool_client::Trust::Fingerprint(
+            kvpool_client::parse_fingerprint(fp).map_err(|e| bad("cluster.master_fingerprint", e.to_string()))?,
+        ),
+        (None, Some(ca)) => kvpool_client::Trust::CaFile(ca.clone()),
+        (None, None) => return Err(bad("cluster.master_fingerprint", "or cluster.master_ca is needed".into())),
+    };
+    let key_file = c.master_key_file.as_ref().ok_or_else(|| bad("cluster.master_key_file", "missing".into()))?;
+    let api_key = kvpool_client::read_key_file(key_file).map_err(|e| bad("cluster.master_key_file", e.to_string()))?;
+    // Clients reach this node where it advertises itself; a wildcard listen address is not
+    // an address, so a node without `advertise_host` advertises loopback (a one-host pool).
+    let host = match cfg.server.advertise_host.as_deref().filter(|h| !h.is_empty()) {
+        Some(h) => h.to_string(),
+        None if quic_addr.ip().is_unspecified() => "127.0.0.1".to_string(),
+        None => quic_addr.ip().to_string(),
+    };
+    let addr = if host.contains(':') {
+        format!("[{host}]:{}", quic_addr.port())
+    } else {
+        format!("{host}:{}", quic_addr.port())
+    };
+    let mut fp = [0u8; 32];
+    hex::decode_to_slice(fingerprint, &mut fp).map_err(|e| bad("server.cert", format!("fingerprint: {e}")))?;
+    Ok(cluster::storage::Link {
+        master,
+        master_server_name: c.master_server_name.clone(),
+        trust,
+        api_key,
+        name: c.node_name.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| addr.clone()),
+        addr,
+        server_name: cfg.server.server_name.clone(),
+        fingerprint: fp,
     })
 }
 

@@ -46,6 +46,21 @@ struct Args {
     /// Overrides quic.segmentation (auto, offload, large-datagrams).
     #[arg(long)]
     quic_segmentation: Option<kvpool_net::Segmentation>,
+    /// Overrides cluster.role: all (a pool of one), master, or storage.
+    #[arg(long)]
+    role: Option<config::Role>,
+    /// Storage: the master's QUIC address (cluster.master).
+    #[arg(long)]
+    master: Option<String>,
+    /// Storage: SHA-256 fingerprint of the master's certificate (cluster.master_fingerprint).
+    #[arg(long)]
+    master_fingerprint: Option<String>,
+    /// Storage: file holding an admin API key of the master (cluster.master_key_file).
+    #[arg(long)]
+    master_key_file: Option<PathBuf>,
+    /// Storage: this node's name in the pool (cluster.node_name).
+    #[arg(long)]
+    node_name: Option<String>,
     /// Print the effective config (TOML) and exit.
     #[arg(long)]
     print_config: bool,
@@ -86,6 +101,21 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(s) = args.quic_segmentation {
         c.quic.segmentation = s;
+    }
+    if let Some(r) = args.role {
+        c.cluster.role = r;
+    }
+    if let Some(m) = args.master {
+        c.cluster.master = Some(m);
+    }
+    if let Some(f) = args.master_fingerprint {
+        c.cluster.master_fingerprint = Some(f);
+    }
+    if let Some(f) = args.master_key_file {
+        c.cluster.master_key_file = Some(f);
+    }
+    if let Some(n) = args.node_name {
+        c.cluster.node_name = Some(n);
     }
     c.validate()?;
     for w in &loaded.warnings {

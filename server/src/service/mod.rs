@@ -24,6 +24,7 @@ use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
 use tokio::time::Instant as Deadline;
 use tracing::{debug, info, warn, Instrument};
 
+mod cluster;
 pub mod local;
 pub mod memory;
 mod session;
@@ -133,6 +134,8 @@ pub struct Shared {
     pub events: Option<Arc<crate::events::EventLog>>,
     /// This node's name, as KV events give it.
     pub node: String,
+    /// The master's view of the cluster (`cluster.role = "master"` only).
+    pub master: Option<Arc<crate::cluster::Master>>,
 }
 
 impl Shared {
@@ -501,6 +504,11 @@ fn op_name(r: &Request) -> &'static str {
         Request::GetInto(_) => "get_into",
         Request::Write(_) => "write",
         Request::Read(_) => "read",
+        Request::NodeJoin(_) => "node_join",
+        Request::NodeReport(_) => "node_report",
+        Request::Nodes => "nodes",
+        Request::Route(_) => "route",
+        Request::Place(_) => "place",
     }
 }
 
@@ -586,8 +594,19 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
     let t = p.tenant_id;
     // Requests without value bytes must end after their frame; nothing takes effect before the
     // end of the stream is seen.
+    if s.master.is_some() && holds_blocks(&req) {
+        return Err(Fail::Reply(error(
+            ErrorCode::Unsupported,
+            "this server is a cluster master and holds no blocks: ask it where blocks are (Route, Place) \
+             and move them to and from the storage nodes (kvpool_client::ClusterClient does both)",
+        )));
+    }
     let resp = match req {
         Request::Hello(_) => return Err(malformed("hello is only valid as the first request of a connection")),
+        c
+        @ (Request::NodeJoin(_) | Request::NodeReport(_) | Request::Nodes | Request::Route(_) | Request::Place(_)) => {
+            cluster::dispatch(c, recv, session, s, deadline).await?
+        }
         Request::Put(put) => {
             let list = put_items(put, recv, p, s).await?;
             Response::Put(list)
@@ -683,6 +702,30 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
         }
     };
     reply(send, &resp, Deadline::now() + s.timeouts.request).await
+}
+
+/// Requests about blocks a node holds: a master answers them `unsupported`.
+fn holds_blocks(r: &Request) -> bool {
+    matches!(
+        r,
+        Request::Put(_)
+            | Request::Get(_)
+            | Request::Lookup(_)
+            | Request::Exists(_)
+            | Request::Remove(_)
+            | Request::RemoveAll(_)
+            | Request::ShmAttach
+            | Request::LocalAttach
+            | Request::PutIntent(_)
+            | Request::PutDone(_)
+            | Request::GetLocate(_)
+            | Request::Release(_)
+            | Request::PutFrom(_)
+            | Request::GetInto(_)
+            | Request::Write(_)
+            | Request::Read(_)
+            | Request::Subscribe(_)
+    )
 }
 
 /// A put item whose bytes have been received, waiting for the end of the stream.

@@ -433,6 +433,25 @@ impl Store {
         self.ix().tenant_counters(tenant)
     }
 
+    /// This node's inventory and the event-log position it is consistent with: every change
+    /// logged from that position on came after it (changes are published under the index lock).
+    pub fn inventory(&self) -> (u64, Vec<kvpool_core::Change>) {
+        let ix = self.ix();
+        let cursor = self.events.get().map_or(0, |l| l.next_seq());
+        (cursor, ix.inventory())
+    }
+
+    /// The answer of this node's placement module (`None` when none is loaded).
+    pub fn place(
+        &self,
+        batch: &kvpool_policy_sdk::PlaceBatch,
+        nodes: &NodeSet,
+    ) -> Option<kvpool_policy_sdk::Placements> {
+        let mut pol = self.policies.lock();
+        self.feed(&mut pol);
+        pol.placement.as_mut().map(|p| p.place(batch, nodes))
+    }
+
     pub fn tier_usage(&self) -> Vec<(Tier, u64, u64)> {
         self.spaces().into_iter().map(|(s, _, _)| (s.tier(), s.capacity(), s.used())).collect()
     }

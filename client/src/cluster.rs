@@ -1,0 +1,267 @@
+//! A client of a cluster pool: control requests go to the master (where are these keys, where
+//! should these new blocks go), block bytes go straight to and from the storage nodes, which
+//! the client reaches with the same API key, pinning the certificate the master vouches for.
+
+use crate::{unexpected, Client, ClientConfig, GetResult, PutEntry, Result, Trust};
+use futures_util::future::join_all;
+use kvpool_proto::{
+    ErrorCode, KeysRequest, NodeAddr, NodeInfo, NodeJoinRequest, NodeJoined, NodeReportRequest, PlaceRequest, PutItem,
+    PutMode, Request, Response, Routes,
+};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::Arc;
+use tokio::sync::Mutex;
+
+// ---- the cluster requests on a plain connection (to the master) -------------------------------
+
+impl Client {
+    /// Storage nodes: join the master (admin key); the answer is this node's id.
+    pub async fn node_join(&self, req: NodeJoinRequest) -> Result<NodeJoined> {
+        match self.call(Request::NodeJoin(req)).await? {
+            Response::NodeJoined(j) => Ok(j),
+            other => Err(unexpected("NodeJoined", &other)),
+        }
+    }
+
+    /// Storage nodes: report tier use and the copies stored or dropped since the last report.
+    /// `expired` means the master no longer knows this node's incarnation: join again.
+    pub async fn node_report(&self, req: NodeReportRequest) -> Result<()> {
+        match self.call(Request::NodeReport(req)).await? {
+            Response::Done => Ok(()),
+            other => Err(unexpected("Done", &other)),
+        }
+    }
+
+    /// The pool's storage nodes, as the master sees them.
+    pub async fn nodes(&self) -> Result<Vec<NodeInfo>> {
+        match self.call(Request::Nodes).await? {
+            Response::NodeList(l) => Ok(l.nodes),
+            other => Err(unexpected("NodeList", &other)),
+        }
+    }
+
+    /// Which live storage nodes hold each key (best first).
+    pub async fn route<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Routes> {
+        self.check_keys(keys.iter().map(|k| k.as_ref()))?;
+        let req = Request::Route(KeysRequest { keys: keys.iter().map(|k| k.as_ref().to_vec()).collect() });
+        routes(self.call(req).await?, keys.len())
+    }
+
+    /// Which storage nodes should store each new block (`replicas` distinct nodes each).
+    pub async fn place(&self, items: Vec<PutItem>, replicas: u32) -> Result<Routes> {
+        let n = items.len();
+        routes(self.call(Request::Place(PlaceRequest { items, replicas })).await?, n)
+    }
+}
+
+fn routes(resp: Response, n: usize) -> Result<Routes> {
+    match resp {
+        Response::Routes(r) if r.items.len() == n => Ok(r),
+        Response::Routes(r) => {
+            Err(crate::ClientError::Protocol(format!("{n} items answered with {} routes", r.items.len())))
+        }
+        other => Err(unexpected("Routes", &other)),
+    }
+}
+
+// ---- the cluster client ----------------------------------------------------------------------
+
+/// A connector's view of a cluster pool: [`Client`]'s calls, answered by the storage nodes the
+/// master names. Cheap to clone.
+#[derive(Clone)]
+pub struct ClusterClient {
+    master: Client,
+    /// Connections to storage nodes, by node id, with the address they were made to.
+    nodes: Arc<Mutex<HashMap<u32, (NodeAddr, Client)>>>,
+    /// How to connect to a node (server, name and trust are replaced per node).
+    template: ClientConfig,
+}
+
+impl std::fmt::Debug for ClusterClient {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ClusterClient").field("master", &self.master).finish()
+    }
+}
+
+impl ClusterClient {
+    /// Connect to the master; storage nodes are connected to when first needed, with the same
+    /// API key and client settings.
+    pub async fn connect(master: ClientConfig) -> Result<ClusterClient> {
+        let template = master.clone();
+        // The master holds no blocks, so it offers no shared memory: control goes over QUIC.
+        let mut master = master;
+        master.transport = crate::TransportChoice::Quic;
+        let master = Client::connect(master).await?;
+        Ok(ClusterClient { master, nodes: Arc::default(), template })
+    }
+
+    /// The connection to the master.
+    pub fn master(&self) -> &Client {
+        &self.master
+    }
+
+    async fn node(&self, a: &NodeAddr) -> Result<Client> {
+        let mut nodes = self.nodes.lock().await;
+        if let Some((known, c)) = nodes.get(&a.node) {
+            // A client reconnects by itself; a new address (the node moved) needs a new one.
+            if known == a {
+                return Ok(c.clone());
+            }
+        }
+        let fp: [u8; 32] = a.fingerprint.as_slice().try_into().map_err(|_| {
+            crate::ClientError::Protocol(format!("node {} has a fingerprint of {} bytes", a.node, a.fingerprint.len()))
+        })?;
+        let mut cfg = self.template.clone();
+        cfg.server = a.addr.clone();
+        cfg.server_name = a.server_name.clone();
+        cfg.trust = Trust::Fingerprint(fp);
+        let c = Client::connect(cfg).await?;
+        nodes.insert(a.node, (a.clone(), c.clone()));
+        Ok(c)
+    }
+
+    /// Forget a node's connection after it failed (the next use connects again).
+    async fn drop_node(&self, id: u32) {
+        self.nodes.lock().await.remove(&id);
+    }
+
+    /// Number of leading blocks of `chain` that some live storage node holds.
+    pub async fn lookup<K: AsRef<[u8]>>(&self, chain: &[K]) -> Result<usize> {
+        if chain.is_empty() {
+            return Ok(0);
+        }
+        let r = self.master.route(chain).await?;
+        Ok(r.items.iter().take_while(|n| !n.is_empty()).count())
+    }
+
+    /// Put blocks on the nodes the master places them on (`replicas` distinct nodes each).
+    /// One status per entry: `Ok` when every copy was stored, else the first other status
+    /// (`NoSpace` when no storage node is live). The master learns of the new copies from the
+    /// nodes' next reports, a moment later.
+    pub async fn put_batch(&self, entries: &[PutEntry<'_>], mode: PutMode, replicas: u32) -> Result<Vec<ErrorCode>> {
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let items = self.master.put_items(entries.iter().map(|e| (e.key, e.value.len() as u64, &e.opts)))?;
+        let routes = self.master.place(items, replicas).await?;
+        let addrs: HashMap<u32, &NodeAddr> = routes.nodes.iter().map(|a| (a.node, a)).collect();
+        let mut status = vec![ErrorCode::Ok; entries.len()];
+        let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+        for (i, nodes) in routes.items.iter().enumerate() {
+            if nodes.is_empty() {
+                status[i] = ErrorCode::NoSpace;
+            }
+            for &n in nodes {
+                by_node.entry(n).or_default().push(i);
+            }
+        }
+        let puts = by_node.into_iter().map(|(n, idx)| {
+            let addr = addrs.get(&n).copied().cloned();
+            async move {
+                let Some(addr) = addr else {
+                    return (idx, Err(crate::ClientError::Protocol(format!("node {n} is routed to but not named"))));
+                };
+                let batch: Vec<PutEntry<'_>> = idx.iter().map(|&i| entries[i].clone()).collect();
+                let r = match self.node(&addr).await {
+                    Ok(c) => c.put_batch(&batch, mode).await,
+                    Err(e) => Err(e),
+                };
+                if r.is_err() {
+                    self.drop_node(n).await;
+                }
+                (idx, r)
+            }
+        });
+        for (idx, r) in join_all(puts).await {
+            match r {
+                Ok(codes) => {
+                    for (&i, c) in idx.iter().zip(codes) {
+                        if status[i] == ErrorCode::Ok {
+                            status[i] = c;
+                        }
+                    }
+                }
+                Err(e) => {
+                    for &i in &idx {
+                        if status[i] == ErrorCode::Ok {
+                            status[i] = e.code();
+                        }
+                    }
+                }
+            }
+        }
+        Ok(status)
+    }
+
+    /// Get blocks from the nodes that hold them: each key from its best holder, then from the
+    /// next one for keys that holder did not answer (node down, or the copy went since the
+    /// master heard of it). A key no holder could serve is `NotFound`. Bytes are checked
+    /// against their checksums as with [`Client::get_batch`].
+    pub async fn get_batch<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<GetResult>> {
+        let mut out: Vec<GetResult> = (0..keys.len())
+            .map(|_| GetResult { status: ErrorCode::NotFound, value: None, tier: 0, lease_ms: 0 })
+            .collect();
+        if keys.is_empty() {
+            return Ok(out);
+        }
+        let routes = self.master.route(keys).await?;
+        let addrs: HashMap<u32, NodeAddr> = routes.nodes.iter().map(|a| (a.node, a.clone())).collect();
+        // Per key, the holders still to try.
+        let mut left: Vec<std::collections::VecDeque<u32>> =
+            routes.items.into_iter().map(|v| v.into_iter().collect()).collect();
+        loop {
+            let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+            for (i, q) in left.iter_mut().enumerate() {
+                if out[i].status == ErrorCode::NotFound {
+                    if let Some(n) = q.pop_front() {
+                        by_node.entry(n).or_default().push(i);
+                    }
+                }
+            }
+            if by_node.is_empty() {
+                return Ok(out);
+            }
+            let gets = by_node.into_iter().map(|(n, idx)| {
+                let addr = addrs.get(&n).cloned();
+                async move {
+                    let Some(addr) = addr else { return (idx, None) };
+                    let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
+                    let r = match self.node(&addr).await {
+                        Ok(c) => c.get_batch(&ks).await,
+                        Err(e) => Err(e),
+                    };
+                    match r {
+                        Ok(items) => (idx, Some(items)),
+                        Err(e) => {
+                            tracing::debug!(node = n, error = %e, "storage node failed a get: trying other holders");
+                            self.drop_node(n).await;
+                            (idx, None)
+                        }
+                    }
+                }
+            });
+            for (idx, r) in join_all(gets).await {
+                let Some(items) = r else { continue };
+                for (i, item) in idx.into_iter().zip(items) {
+                    out[i] = item;
+                }
+            }
+        }
+    }
+
+    /// Read one block; `None` when no live node has it.
+    pub async fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        let mut r = self.get_batch(&[key.as_ref()]).await?;
+        let r = r.pop().expect("one key");
+        match r.status {
+            ErrorCode::Ok => Ok(r.value),
+            ErrorCode::NotFound => Ok(None),
+            code => Err(crate::ClientError::status(code, "get")),
+        }
+    }
+
+    /// The pool's storage nodes, as the master sees them.
+    pub async fn nodes(&self) -> Result<Vec<NodeInfo>> {
+        self.master.nodes().await
+    }
+}

@@ -1,0 +1,460 @@
+//! The master's view of the pool: storage nodes (liveness, tier use) and which node holds which
+//! block, as the nodes report it; and the placement of new blocks over the live nodes.
+//!
+//! The storage nodes are the truth: each keeps its own index in its own sled and reports every
+//! copy it stores or drops (its whole inventory after it joins). The master only routes, so a
+//! master that restarts, or a node that returns, rebuilds this view from the nodes' reports
+//! with nothing lost. A node silent past the timeout is dead: its copies are forgotten at
+//! once, so clients see misses, never a route to a node that cannot answer.
+
+use kvpool_policy_sdk::{NodeSet, PlaceBatch, PlacementPolicy, Placements, Tier, NO_NODE, NO_PARENT};
+use kvpool_proto::{
+    KvEventKind, NodeAddr, NodeBlock, NodeInfo, NodeJoinRequest, NodeJoined, NodeList, NodeReportRequest, PutItem,
+    Routes, TierUse,
+};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::time::{Duration, Instant};
+use tracing::{info, warn};
+
+/// Why a report was refused: the node must join again (and then re-announce its inventory).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ReportError {
+    #[error("node {0} is not known to this master (it restarted, or the node was declared dead): join again")]
+    Unknown(u32),
+    #[error("node {0} joined again since (another incarnation): this report is stale")]
+    Stale(u32),
+}
+
+struct NodeEntry {
+    name: String,
+    addr: String,
+    server_name: String,
+    fingerprint: Vec<u8>,
+    incarnation: u64,
+    live: bool,
+    last: Instant,
+    tiers: Vec<TierUse>,
+    copies: u64,
+    /// Bytes placed on the node since its last report (not in its reported use yet), so that
+    /// back-to-back placements between two reports spread out.
+    placed: u64,
+}
+
+impl NodeEntry {
+    fn free(&self, tier: Tier) -> u64 {
+        let t = self.tiers.iter().find(|u| u.tier == tier as u8);
+        let free = t.map_or(0, |u| u.capacity.saturating_sub(u.used));
+        if tier == Tier::Dram {
+            free.saturating_sub(self.placed)
+        } else {
+            free
+        }
+    }
+
+    /// DRAM fill in permille: the load a placement policy sees.
+    fn load(&self) -> u32 {
+        let Some(d) = self.tiers.iter().find(|u| u.tier == Tier::Dram as u8) else { return 1000 };
+        let used = d.used.saturating_add(self.placed).min(d.capacity);
+        (used.saturating_mul(1000) / d.capacity.max(1)) as u32
+    }
+
+    fn addr(&self, id: u32) -> NodeAddr {
+        NodeAddr {
+            node: id,
+            addr: self.addr.clone(),
+            server_name: self.server_name.clone(),
+            fingerprint: self.fingerprint.clone(),
+        }
+    }
+}
+
+/// Copies of one block: (node, bit per tier).
+type Copies = Vec<(u32, u8)>;
+
+#[derive(Default)]
+struct State {
+    /// Node `i + 1` is `nodes[i]`; ids stay with a name for the master's life.
+    nodes: Vec<NodeEntry>,
+    by_name: HashMap<String, u32>,
+    /// Tenant name -> the master's own id for it.
+    tenants: HashMap<String, u32>,
+    /// Per tenant id: key -> copies.
+    blocks: HashMap<u32, HashMap<Box<[u8]>, Copies>>,
+}
+
+impl State {
+    fn node(&self, id: u32) -> Option<&NodeEntry> {
+        self.nodes.get((id as usize).checked_sub(1)?)
+    }
+
+    fn node_mut(&mut self, id: u32) -> Option<&mut NodeEntry> {
+        self.nodes.get_mut((id as usize).checked_sub(1)?)
+    }
+
+    fn tenant(&mut self, name: &str) -> u32 {
+        if let Some(&t) = self.tenants.get(name) {
+            return t;
+        }
+        let t = self.tenants.len() as u32;
+        self.tenants.insert(name.to_string(), t);
+        t
+    }
+
+    /// Forget every copy on `node`.
+    fn forget(&mut self, node: u32) {
+        for map in self.blocks.values_mut() {
+            map.retain(|_, copies| {
+                copies.retain(|&(n, _)| n != node);
+                !copies.is_empty()
+            });
+        }
+        if let Some(n) = self.node_mut(node) {
+            n.copies = 0;
+        }
+    }
+
+    fn apply(&mut self, node: u32, b: NodeBlock) {
+        let Some(tier) = Tier::from_u8(b.tier) else { return };
+        let bit = 1u8 << (tier as u8);
+        let tenant = self.tenant(&b.tenant);
+        let map = self.blocks.entry(tenant).or_default();
+        let mut delta: i64 = 0;
+        match b.kind {
+            KvEventKind::Stored => {
+                let copies = map.entry(b.key.into_boxed_slice()).or_default();
+                match copies.iter_mut().find(|(n, _)| *n == node) {
+                    Some((_, bits)) => *bits |= bit,
+                    None => {
+                        copies.push((node, bit));
+                        delta = 1;
+                    }
+                }
+            }
+            KvEventKind::Removed | KvEventKind::Evicted => {
+                if let Some(copies) = map.get_mut(b.key.as_slice()) {
+                    if let Some(i) = copies.iter().position(|&(n, _)| n == node) {
+                        copies[i].1 &= !bit;
+                        if copies[i].1 == 0 {
+                            copies.swap_remove(i);
+                            delta = -1;
+                        }
+                    }
+                    if copies.is_empty() {
+                        map.remove(b.key.as_slice());
+                    }
+                }
+            }
+        }
+        if let Some(n) = self.node_mut(node) {
+            n.copies = n.copies.saturating_add_signed(delta);
+        }
+    }
+
+    /// Live nodes holding `key` of `tenant`, DRAM copies first.
+    fn holders(&self, tenant: Option<u32>, key: &[u8]) -> Vec<u32> {
+        let Some(copies) = tenant.and_then(|t| self.blocks.get(&t)).and_then(|m| m.get(key)) else {
+            return Vec::new();
+        };
+        let mut out: Vec<(bool, u32)> = copies
+            .iter()
+            .filter(|&&(n, _)| self.node(n).is_some_and(|e| e.live))
+            .map(|&(n, bits)| (bits & (1 << Tier::Dram as u8) == 0, n))
+            .collect();
+        out.sort_unstable();
+        out.into_iter().map(|(_, n)| n).collect()
+    }
+
+    fn routes(&self, items: Vec<Vec<u32>>) -> Routes {
+        let mut named: Vec<u32> = items.iter().flatten().copied().collect();
+        named.sort_unstable();
+        named.dedup();
+        let nodes = named.into_iter().filter_map(|id| Some(self.node(id)?.addr(id))).collect();
+        Routes { nodes, items }
+    }
+}
+
+/// The master role's state.
+pub struct Master {
+    state: Mutex<State>,
+    /// How often nodes report.
+    pub report_ms: u32,
+    /// Silence after which a node is dead.
+    pub timeout: Duration,
+}
+
+impl Master {
+    pub fn new(report_ms: u32, timeout: Duration) -> Master {
+        Master { state: Mutex::new(State::default()), report_ms, timeout }
+    }
+
+    /// A node joins (or joins again under its name, keeping its id): its earlier copies are
+    /// forgotten until it re-announces them.
+    pub fn join(&self, req: NodeJoinRequest) -> NodeJoined {
+        let mut st = self.state.lock();
+        let entry = NodeEntry {
+            name: req.name.clone(),
+            addr: req.addr,
+            server_name: req.server_name,
+            fingerprint: req.fingerprint,
+            incarnation: req.incarnation,
+            live: true,
+            last: Instant::now(),
+            tiers: req.tiers,
+            copies: 0,
+            placed: 0,
+        };
+        let id = match st.by_name.get(&req.name).copied() {
+            Some(id) => {
+                st.forget(id);
+                *st.node_mut(id).expect("named nodes exist") = entry;
+                id
+            }
+            None => {
+                st.nodes.push(entry);
+                let id = st.nodes.len() as u32;
+                st.by_name.insert(req.name.clone(), id);
+                id
+            }
+        };
+        info!(node = id, name = %req.name, "storage node joined");
+        NodeJoined { node: id, report_ms: self.report_ms }
+    }
+
+    /// Apply a node's report (also its heartbeat).
+    pub fn report(&self, req: NodeReportRequest) -> Result<(), ReportError> {
+        let mut st = self.state.lock();
+        let n = st.node_mut(req.node).filter(|n| n.live).ok_or(ReportError::Unknown(req.node))?;
+        if n.incarnation != req.incarnation {
+            return Err(ReportError::Stale(req.node));
+        }
+        n.last = Instant::now();
+        n.tiers = req.tiers;
+        n.placed = 0;
+        if req.reset {
+            st.forget(req.node);
+        }
+        for b in req.blocks {
+            st.apply(req.node, b);
+        }
+        Ok(())
+    }
+
+    /// Declare dead every live node silent for longer than the timeout; returns how many.
+    pub fn sweep(&self, now: Instant) -> usize {
+        let mut st = self.state.lock();
+        let dead: Vec<u32> = (1..=st.nodes.len() as u32)
+            .filter(|&id| st.node(id).is_some_and(|n| n.live && now.saturating_duration_since(n.last) > self.timeout))
+            .collect();
+        for &id in &dead {
+            let n = st.node_mut(id).expect("listed");
+            n.live = false;
+            warn!(node = id, name = %n.name, "storage node is silent past the timeout: dead, its blocks are misses");
+            st.forget(id);
+        }
+        dead.len()
+    }
+
+    pub fn nodes(&self) -> NodeList {
+        let st = self.state.lock();
+        let now = Instant::now();
+        let nodes = st
+            .nodes
+            .iter()
+            .enumerate()
+            .map(|(i, n)| NodeInfo {
+                node: i as u32 + 1,
+                name: n.name.clone(),
+                addr: n.addr.clone(),
+                live: n.live,
+                silent_ms: now.saturating_duration_since(n.last).as_millis() as u64,
+                copies: n.copies,
+                tiers: n.tiers.clone(),
+            })
+            .collect();
+        NodeList { nodes }
+    }
+
+    /// (live nodes, copies known) for the gauges.
+    pub fn counts(&self) -> (usize, u64) {
+        let st = self.state.lock();
+        (st.nodes.iter().filter(|n| n.live).count(), st.nodes.iter().map(|n| n.copies).sum())
+    }
+
+    /// Where each key of `tenant` is: live holders, DRAM copies first.
+    pub fn route(&self, tenant: &str, keys: &[Vec<u8>]) -> Routes {
+        let st = self.state.lock();
+        let t = st.tenants.get(tenant).copied();
+        let items = keys.iter().map(|k| st.holders(t, k)).collect();
+        st.routes(items)
+    }
+
+    /// Choose nodes for new blocks of `tenant`: `policy` (the master's placement module) when
+    /// it gives a valid answer, else the built-in least-loaded placement. An item gets no node
+    /// when no node is live.
+    pub fn place(
+        &self,
+        tenant: &str,
+        items: &[PutItem],
+        replicas: u32,
+        policy: impl FnOnce(&PlaceBatch, &NodeSet) -> Option<Placements>,
+    ) -> Routes {
+        let mut st = self.state.lock();
+        let t = st.tenants.get(tenant).copied();
+        let mut nodes = NodeSet::default();
+        for (i, n) in st.nodes.iter().enumerate().filter(|(_, n)| n.live) {
+            nodes.push(i as u64 + 1, [0, n.free(Tier::Dram), n.free(Tier::Ssd)], n.load());
+        }
+        if nodes.is_empty() {
+            return Routes { nodes: Vec::new(), items: vec![Vec::new(); items.len()] };
+        }
+        let batch = place_batch(&st, t, items, replicas);
+        let r = batch.effective_replicas(nodes.len());
+        let valid = |p: &Placements| {
+            p.node.len() == items.len() * r
+                && p.node.chunks(r.max(1)).all(|c| {
+                    c.iter().all(|n| nodes.id.contains(n)) && c.iter().enumerate().all(|(i, n)| !c[..i].contains(n))
+                })
+        };
+        let chosen = match policy(&batch, &nodes) {
+            Some(p) if valid(&p) => p,
+            Some(_) => {
+                warn!("the placement policy's answer names unknown or repeated nodes: placed least-loaded");
+                kvpool_policies::LeastLoaded.place(&batch, &nodes)
+            }
+            None => kvpool_policies::PrefixAffinity::default().place(&batch, &nodes),
+        };
+        let mut out: Vec<Vec<u32>> = vec![Vec::new(); items.len()];
+        if r > 0 {
+            for (i, c) in chosen.node.chunks(r).enumerate().take(items.len()) {
+                out[i] = c.iter().map(|&n| n as u32).collect();
+                for &n in c {
+                    if let Some(e) = st.node_mut(n as u32) {
+                        e.placed = e.placed.saturating_add(items[i].size);
+                    }
+                }
+            }
+        }
+        st.routes(out)
+    }
+}
+
+/// The placement question: blocks in request order, a parent in the same batch named by its
+/// position, a parent already in the pool by the node that holds it.
+fn place_batch(st: &State, tenant: Option<u32>, items: &[PutItem], replicas: u32) -> PlaceBatch {
+    let mut b = PlaceBatch { replicas: replicas.max(1), ..PlaceBatch::default() };
+    let mut pos: HashMap<&[u8], u64> = HashMap::new();
+    for (i, it) in items.iter().enumerate() {
+        let id = i as u64 + 1;
+        let (parent, parent_node) = match it.parent.as_deref() {
+            None => (NO_PARENT, NO_NODE),
+            Some(p) => match pos.get(p) {
+                Some(&pid) => (pid, NO_NODE),
+                None => (NO_PARENT, st.holders(tenant, p).first().map_or(NO_NODE, |&n| u64::from(n))),
+            },
+        };
+        b.id.push(id);
+        b.size.push(it.size);
+        b.tokens.push(it.tokens);
+        b.parent.push(parent);
+        b.parent_node.push(parent_node);
+        b.tier.push(Tier::Dram as u8);
+        pos.insert(&it.key, id);
+    }
+    b
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kvpool_proto::PinSpec;
+
+    fn join(m: &Master, name: &str, dram: u64) -> u32 {
+        m.join(NodeJoinRequest {
+            name: name.into(),
+            addr: format!("{name}:1"),
+            server_name: "localhost".into(),
+            fingerprint: vec![0; 32],
+            incarnation: 7,
+            tiers: vec![TierUse { tier: 1, capacity: dram, used: 0 }],
+        })
+        .node
+    }
+
+    fn stored(key: &str, tier: u8) -> NodeBlock {
+        NodeBlock { kind: KvEventKind::Stored, tier, tenant: "t".into(), key: key.as_bytes().to_vec(), size: 10 }
+    }
+
+    fn report(m: &Master, node: u32, reset: bool, blocks: Vec<NodeBlock>) -> Result<(), ReportError> {
+        let tiers = vec![TierUse { tier: 1, capacity: 10_000, used: 0 }];
+        m.report(NodeReportRequest { node, incarnation: 7, reset, tiers, blocks })
+    }
+
+    fn item(key: &str, parent: Option<&str>) -> PutItem {
+        PutItem {
+            key: key.into(),
+            size: 100,
+            parent: parent.map(|p| p.as_bytes().to_vec()),
+            tokens: 16,
+            seq_tokens: 0,
+            pin: PinSpec::None,
+        }
+    }
+
+    #[test]
+    fn reports_route_and_death_forgets() {
+        let m = Master::new(100, Duration::from_millis(300));
+        let (a, b) = (join(&m, "a", 1000), join(&m, "b", 1000));
+        report(&m, a, true, vec![stored("k1", 1), stored("k2", 2)]).unwrap();
+        report(&m, b, true, vec![stored("k1", 2)]).unwrap();
+        let r = m.route("t", &[b"k1".to_vec(), b"k2".to_vec(), b"k3".to_vec()]);
+        // DRAM holders first.
+        assert_eq!(r.items, vec![vec![a, b], vec![a], vec![]]);
+        assert_eq!(r.nodes.len(), 2);
+        // Another tenant sees nothing.
+        assert_eq!(m.route("u", &[b"k1".to_vec()]).items, vec![Vec::<u32>::new()]);
+        // An eviction of the only tier drops the node's copy.
+        report(&m, a, false, vec![NodeBlock { kind: KvEventKind::Evicted, ..stored("k1", 1) }]).unwrap();
+        assert_eq!(m.route("t", &[b"k1".to_vec()]).items, vec![vec![b]]);
+        // Silence kills; a dead node's reports are refused until it joins again.
+        let later = Instant::now() + Duration::from_secs(1);
+        assert_eq!(m.sweep(later), 2);
+        assert!(m.route("t", &[b"k2".to_vec()]).items[0].is_empty());
+        assert_eq!(report(&m, a, false, vec![]), Err(ReportError::Unknown(a)));
+        assert_eq!(join(&m, "a", 1000), a, "a node keeps its id across joins");
+        assert_eq!(
+            m.report(NodeReportRequest { node: a, incarnation: 8, reset: true, tiers: vec![], blocks: vec![] }),
+            Err(ReportError::Stale(a))
+        );
+        report(&m, a, true, vec![stored("k2", 2)]).unwrap();
+        assert_eq!(m.route("t", &[b"k2".to_vec()]).items, vec![vec![a]]);
+        let list = m.nodes();
+        assert_eq!(list.nodes.iter().map(|n| (n.live, n.copies)).collect::<Vec<_>>(), vec![(true, 1), (false, 0)]);
+    }
+
+    #[test]
+    fn placement_keeps_chains_spreads_replicas_and_checks_the_policy() {
+        let m = Master::new(100, Duration::from_secs(3));
+        let (a, b, c) = (join(&m, "a", 10_000), join(&m, "b", 10_000), join(&m, "c", 10_000));
+        report(&m, b, true, vec![stored("root", 1)]).unwrap();
+        // A chain continues where its parent is, and stays together within the batch.
+        let items = vec![item("x1", Some("root")), item("x2", Some("x1"))];
+        let r = m.place("t", &items, 1, |_, _| None);
+        assert_eq!(r.items, vec![vec![b], vec![b]]);
+        // Replicas land on distinct nodes.
+        let r = m.place("t", &[item("y", None)], 3, |_, _| None);
+        let mut got = r.items[0].clone();
+        got.sort_unstable();
+        assert_eq!(got, vec![a, b, c]);
+        // A policy that names a node that does not exist is overruled.
+        let r = m.place("t", &[item("z", None)], 1, |_, _| Some(Placements { node: vec![99], tier: vec![1] }));
+        assert!(r.items[0].len() == 1 && r.items[0][0] != 99);
+        // A valid answer is followed.
+        let r =
+            m.place("t", &[item("z", None)], 1, |_, _| Some(Placements { node: vec![u64::from(c)], tier: vec![1] }));
+        assert_eq!(r.items, vec![vec![c]]);
+        // With no live node nothing is placed.
+        m.sweep(Instant::now() + Duration::from_secs(10));
+        assert_eq!(m.place("t", &[item("w", None)], 1, |_, _| None).items, vec![Vec::<u32>::new()]);
+    }
+}

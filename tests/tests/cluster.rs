@@ -1,0 +1,283 @@
+//! A cluster pool of real processes on 127.0.0.1: a master and storage nodes, driven through
+//! `ClusterClient` and the `kvpool nodes` command.
+
+use kvpool_client::proto::NodeInfo;
+use kvpool_client::{ClientConfig, ClusterClient, ErrorCode, PutEntry, PutMode, PutOptions, Trust};
+use kvpool_tests::{bin, value_for, Opts, TestServer, ADMIN_KEY, ALICE_KEY, BOB_KEY};
+use std::time::{Duration, Instant};
+
+const REPORT_MS: u64 = 100;
+const TIMEOUT_MS: u64 = 1000;
+
+struct Cluster {
+    master: TestServer,
+    nodes: Vec<TestServer>,
+    /// Holds the master's admin key file for the storage nodes.
+    _keys: tempfile::TempDir,
+}
+
+fn master() -> TestServer {
+    TestServer::start(Opts {
+        dram: "1MiB",
+        extra: format!("[cluster]\nrole = \"master\"\nreport_ms = {REPORT_MS}\nnode_timeout_ms = {TIMEOUT_MS}\n"),
+        ..Opts::default()
+    })
+}
+
+fn storage(
+    master: &TestServer,
+    key_file: &std::path::Path,
+    name: &str,
+    dram: &'static str,
+    ssd: &'static str,
+) -> TestServer {
+    let extra = format!(
+        "[cluster]\nrole = \"storage\"\nmaster = \"{}\"\nmaster_fingerprint = \"{}\"\nmaster_key_file = \"{}\"\nnode_name = \"{name}\"\n",
+        master.addr(),
+        master.endpoint["fingerprint"].as_str().expect("fingerprint"),
+        key_file.display()
+    );
+    TestServer::start(Opts { dram, ssd, extra, ..Opts::default() })
+}
+
+fn cluster(n: usize, dram: &'static str, ssd: &'static str) -> Cluster {
+    let keys = tempfile::tempdir().unwrap();
+    let key_file = keys.path().join("master-key");
+    std::fs::write(&key_file, format!("{ADMIN_KEY}\n")).unwrap();
+    let master = master();
+    let nodes = (0..n).map(|i| storage(&master, &key_file, &format!("s{i}"), dram, ssd)).collect();
+    Cluster { master, nodes, _keys: keys }
+}
+
+impl Cluster {
+    fn config(&self, key: &str) -> ClientConfig {
+        let cert = std::path::PathBuf::from(self.master.endpoint["cert_path"].as_str().unwrap());
+        let mut cfg = ClientConfig::new(self.master.addr(), key, Trust::CaFile(cert));
+        cfg.transport = kvpool_tests::test_transport();
+        // A killed node must not hold a request for long.
+        cfg.request_timeout = Duration::from_secs(3);
+        cfg
+    }
+
+    async fn client(&self, key: &str) -> ClusterClient {
+        ClusterClient::connect(self.config(key)).await.expect("connect to the master")
+    }
+
+    fn key_file(&self) -> std::path::PathBuf {
+        self._keys.path().join("master-key")
+    }
+}
+
+/// Wait until `ok` holds of the master's node list.
+async fn nodes_until(c: &ClusterClient, what: &str, ok: impl Fn(&[NodeInfo]) -> bool) -> Vec<NodeInfo> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let n = c.nodes().await.expect("nodes");
+        if ok(&n) {
+            return n;
+        }
+        assert!(Instant::now() < deadline, "{what}: nodes are {n:#?}");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Wait until the master routes every key (the nodes report their puts a moment later).
+async fn visible(c: &ClusterClient, keys: &[String]) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = c.master().route(keys).await.expect("route");
+        if r.items.iter().all(|n| !n.is_empty()) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "the master never learnt of every put: {:?}", r.items);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+fn chain(prefix: &str, n: usize) -> Vec<String> {
+    (0..n).map(|i| format!("{prefix}-{i}")).collect()
+}
+
+async fn put_chain(c: &ClusterClient, keys: &[String], size: usize, replicas: u32) -> Vec<ErrorCode> {
+    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, size)).collect();
+    let entries: Vec<PutEntry<'_>> = keys
+        .iter()
+        .zip(&values)
+        .enumerate()
+        .map(|(i, (k, v))| PutEntry {
+            key: k.as_bytes(),
+            value: v,
+            opts: PutOptions {
+                parent: (i > 0).then(|| keys[i - 1].as_bytes().to_vec()),
+                tokens: 16,
+                ..Default::default()
+            },
+        })
+        .collect();
+    c.put_batch(&entries, PutMode::Insert, replicas).await.expect("put")
+}
+
+async fn read_back(c: &ClusterClient, keys: &[String], size: usize) -> Vec<ErrorCode> {
+    let got = c.get_batch(keys).await.expect("get");
+    keys.iter()
+        .zip(got)
+        .map(|(k, g)| {
+            if g.status == ErrorCode::Ok {
+                assert!(g.value.as_deref() == Some(value_for(k, size).as_slice()), "{k}: wrong bytes");
+            }
+            g.status
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn capacity_is_the_sum_of_the_nodes_and_a_put_is_a_hit_for_every_client() {
+    let cl = cluster(3, "16MiB", "0");
+    let a = cl.client(ALICE_KEY).await;
+    nodes_until(&a, "three nodes join", |n| n.len() == 3 && n.iter().all(|n| n.live)).await;
+    // 24 MiB of chains, more than one node's 16 MiB of DRAM.
+    const SIZE: usize = 512 << 10;
+    let chains: Vec<Vec<String>> = (0..12).map(|i| chain(&format!("conv{i}"), 4)).collect();
+    for ch in &chains {
+        assert_eq!(put_chain(&a, ch, SIZE, 1).await, vec![ErrorCode::Ok; 4], "{ch:?}");
+    }
+    let all: Vec<String> = chains.concat();
+    visible(&a, &all).await;
+    // Another inference node (its own client) finds every chain and reads it back.
+    let b = cl.client(ALICE_KEY).await;
+    for ch in &chains {
+        assert_eq!(b.lookup(ch).await.unwrap(), 4, "{ch:?}");
+    }
+    assert_eq!(read_back(&b, &all, SIZE).await, vec![ErrorCode::Ok; all.len()]);
+    // A chain stays on one node; the chains spread over all three.
+    let r = b.master().route(&all).await.unwrap();
+    for (ch, routes) in chains.iter().zip(r.items.chunks(4)) {
+        assert!(routes.iter().all(|n| n == &routes[0]), "{ch:?} split over {routes:?}");
+    }
+    let nodes = nodes_until(&b, "every copy reported", |n| n.iter().map(|n| n.copies).sum::<u64>() == 48).await;
+    assert!(nodes.iter().all(|n| n.copies > 0 && n.copies < 48), "{nodes:#?}");
+    // Tenants stay apart across the cluster.
+    let bob = cl.client(BOB_KEY).await;
+    assert_eq!(bob.lookup(&chains[0]).await.unwrap(), 0);
+    assert_eq!(read_back(&bob, &chains[0], SIZE).await, vec![ErrorCode::NotFound; 4]);
+    // The master holds no blocks: a plain put to it is refused with a reason.
+    let mut cfg = cl.config(ALICE_KEY);
+    cfg.transport = kvpool_client::TransportChoice::Quic;
+    let plain = kvpool_client::Client::connect(cfg).await.unwrap();
+    let e = plain.put("k", b"v").await.unwrap_err();
+    assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");
+    // `kvpool nodes` shows the operator the same.
+    let out = std::process::Command::new(bin("kvpool"))
+        .args(["--server", &cl.master.addr(), "--api-key", ADMIN_KEY, "--ca"])
+        .arg(cl.master.endpoint["cert_path"].as_str().unwrap())
+        .arg("nodes")
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text} {}", String::from_utf8_lossy(&out.stderr));
+    for name in ["s0", "s1", "s2"] {
+        assert!(text.lines().any(|l| l.contains(name) && l.contains("live") && l.contains("dram")), "{text}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_node_turns_into_misses_and_its_ssd_blocks_come_back() {
+    let mut cl = cluster(3, "8MiB", "256MiB");
+    let c = cl.client(ALICE_KEY).await;
+    nodes_until(&c, "three nodes join", |n| n.len() == 3 && n.iter().all(|n| n.live)).await;
+    // 36 MiB over 3 x 8 MiB of DRAM: every node demotes some blocks to its SSD.
+    const SIZE: usize = 1 << 20;
+    let chains: Vec<Vec<String>> = (0..9).map(|i| chain(&format!("doc{i}"), 4)).collect();
+    for ch in &chains {
+        assert_eq!(put_chain(&c, ch, SIZE, 1).await, vec![ErrorCode::Ok; 4]);
+    }
+    let all: Vec<String> = chains.concat();
+    visible(&c, &all).await;
+    let r = c.master().route(&all).await.unwrap();
+    let nodes = c.nodes().await.unwrap();
+    let victim = nodes.iter().max_by_key(|n| n.copies).unwrap().clone();
+    let idx = cl.nodes.iter().position(|s| s.addr() == victim.addr).expect("the victim is one of ours");
+    let on_victim: Vec<String> =
+        all.iter().zip(&r.items).filter(|(_, n)| n[0] == victim.node).map(|(k, _)| k.clone()).collect();
+    let elsewhere: Vec<String> =
+        all.iter().zip(&r.items).filter(|(_, n)| n[0] != victim.node).map(|(k, _)| k.clone()).collect();
+    assert!(!on_victim.is_empty() && !elsewhere.is_empty());
+
+    // Readers keep reading while the node dies: they may miss, never get wrong bytes.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (c, all, stop) = (c.clone(), all.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut reads = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    for st in read_back(&c, &all, SIZE).await {
+                        assert!(matches!(st, ErrorCode::Ok | ErrorCode::NotFound), "{st:?}");
+                    }
+                    reads += 1;
+                }
+                reads
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    cl.nodes[idx].kill();
+    let dead =
+        nodes_until(&c, "the killed node is declared dead", |n| n.iter().any(|n| n.node == victim.node && !n.live))
+            .await;
+    assert!(dead.iter().filter(|n| n.live).count() == 2);
+    // Its blocks are misses (not errors); every other block still serves.
+    assert_eq!(c.lookup(&on_victim[..1]).await.unwrap(), 0);
+    assert_eq!(read_back(&c, &on_victim, SIZE).await, vec![ErrorCode::NotFound; on_victim.len()]);
+    assert_eq!(read_back(&c, &elsewhere, SIZE).await, vec![ErrorCode::Ok; elsewhere.len()]);
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for r in readers {
+        assert!(r.await.unwrap() > 0);
+    }
+
+    // Back on the same data directory: it joins again, and what it kept on SSD serves again.
+    cl.nodes[idx].start_again();
+    let back =
+        nodes_until(&c, "the node returns", |n| n.iter().any(|n| n.node == victim.node && n.live && n.copies > 0))
+            .await;
+    let returned = back.iter().find(|n| n.node == victim.node).unwrap();
+    assert_eq!(returned.name, victim.name, "same name, same id");
+    let direct = cl.nodes[idx].client(ADMIN_KEY).await;
+    let alice_direct = cl.nodes[idx].client(ALICE_KEY).await;
+    let kept = alice_direct.exists(&on_victim).await.unwrap();
+    let kept: Vec<String> = on_victim.iter().zip(kept).filter(|(_, p)| *p).map(|(k, _)| k.clone()).collect();
+    assert!(!kept.is_empty(), "the node kept nothing on SSD");
+    assert!(kept.len() < on_victim.len(), "DRAM copies cannot survive a kill");
+    assert_eq!(direct.stats().await.unwrap().tiers.iter().find(|t| t.tier == "dram").unwrap().blocks, 0);
+    visible(&c, &kept).await;
+    assert_eq!(read_back(&c, &kept, SIZE).await, vec![ErrorCode::Ok; kept.len()]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replicas_land_on_distinct_nodes_and_survive_a_sibling() {
+    let mut cl = cluster(3, "16MiB", "0");
+    let c = cl.client(ALICE_KEY).await;
+    nodes_until(&c, "three nodes join", |n| n.len() == 3 && n.iter().all(|n| n.live)).await;
+    const SIZE: usize = 64 << 10;
+    let keys = chain("rep", 10);
+    assert_eq!(put_chain(&c, &keys, SIZE, 2).await, vec![ErrorCode::Ok; 10]);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let routes = loop {
+        let r = c.master().route(&keys).await.unwrap();
+        if r.items.iter().all(|n| n.len() == 2) {
+            break r;
+        }
+        assert!(Instant::now() < deadline, "{:?}", r.items);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    assert!(routes.items.iter().all(|n| n[0] != n[1]), "{:?}", routes.items);
+    // Kill the node holding the most copies: every block still has its sibling.
+    let nodes = c.nodes().await.unwrap();
+    let victim = nodes.iter().max_by_key(|n| n.copies).unwrap().clone();
+    let idx = cl.nodes.iter().position(|s| s.addr() == victim.addr).unwrap();
+    cl.nodes[idx].kill();
+    nodes_until(&c, "the killed node is declared dead", |n| n.iter().any(|n| n.node == victim.node && !n.live)).await;
+    assert_eq!(c.lookup(&keys).await.unwrap(), 10);
+    assert_eq!(read_back(&c, &keys, SIZE).await, vec![ErrorCode::Ok; 10]);
+    let _ = cl.key_file();
+}
