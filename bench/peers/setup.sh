@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the systems kvpool-bench compares against, on a fresh Debian machine (run as root).
 #
-#   bench/peers/setup.sh                 # everything: redis mooncake libcachesim fonts
+#   bench/peers/setup.sh                 # everything: redis mooncake libcachesim etcd fonts
 #   bench/peers/setup.sh redis           # only Redis (the CI smoke needs just this)
 #   PEERS="redis libcachesim" bench/peers/setup.sh
 #
@@ -13,7 +13,7 @@ MOONCAKE_VERSION="${MOONCAKE_VERSION:-0.3.13.post1}"
 PYTHON="${PYTHON:-python3}"
 peers=("$@")
 if [ ${#peers[@]} -eq 0 ]; then
-    read -r -a peers <<<"${PEERS:-redis mooncake libcachesim fonts}"
+    read -r -a peers <<<"${PEERS:-redis mooncake libcachesim etcd fonts}"
 fi
 
 die() { echo "setup.sh: $*" >&2; exit 1; }
@@ -53,6 +53,11 @@ for peer in "${peers[@]}"; do
         apt_install redis-server
         # The Debian service may auto-start on 6379; the bench starts its own servers on free ports.
         command -v redis-server >/dev/null || die "redis-server not on PATH after install"
+        ;;
+    etcd)
+        # The cluster tests start their own etcd (leader election of masters) on free ports.
+        apt_install etcd-server
+        command -v etcd >/dev/null || die "etcd not on PATH after install"
         ;;
     mooncake)
         # libibverbs is a hard link-time dependency of the transfer engine even with protocol=tcp.

@@ -66,11 +66,24 @@ fn routes(resp: Response, n: usize) -> Result<Routes> {
 
 // ---- the cluster client ----------------------------------------------------------------------
 
+/// Where the master is.
+#[derive(Debug, Clone)]
+enum MasterAt {
+    Fixed,
+    /// Whoever leads according to etcd; looked up again when the master fails.
+    Etcd {
+        etcd: kvpool_etcd::Etcd,
+        prefix: String,
+    },
+}
+
 /// A connector's view of a cluster pool: [`Client`]'s calls, answered by the storage nodes the
-/// master names. Cheap to clone.
+/// master names. With etcd, a master that fails or no longer leads is replaced by the one etcd
+/// names next, and the call is tried again. Cheap to clone.
 #[derive(Clone)]
 pub struct ClusterClient {
-    master: Client,
+    master: Arc<std::sync::RwLock<Client>>,
+    at: MasterAt,
     /// Connections to storage nodes, by node id, with the address they were made to.
     nodes: Arc<Mutex<HashMap<u32, (NodeAddr, Client)>>>,
     /// How to connect to a node (server, name and trust are replaced per node).
@@ -92,12 +105,71 @@ impl ClusterClient {
         let mut master = master;
         master.transport = crate::TransportChoice::Quic;
         let master = Client::connect(master).await?;
-        Ok(ClusterClient { master, nodes: Arc::default(), template })
+        Ok(ClusterClient {
+            master: Arc::new(std::sync::RwLock::new(master)),
+            at: MasterAt::Fixed,
+            nodes: Arc::default(),
+            template,
+        })
     }
 
-    /// The connection to the master.
-    pub fn master(&self) -> &Client {
-        &self.master
+    /// Connect to the leading master of the cluster under `prefix` in etcd (`endpoints`:
+    /// comma-separated `http://host:port`), trusting the certificate fingerprint it published
+    /// there. `template` gives the API key and client settings (its server and trust are
+    /// replaced).
+    pub async fn connect_etcd(endpoints: &str, prefix: &str, template: ClientConfig) -> Result<ClusterClient> {
+        let etcd = kvpool_etcd::Etcd::new(endpoints).map_err(|e| crate::ClientError::Config(e.to_string()))?;
+        let at = MasterAt::Etcd { etcd, prefix: prefix.to_string() };
+        let master = leader(&at, &template).await?;
+        Ok(ClusterClient { master: Arc::new(std::sync::RwLock::new(master)), at, nodes: Arc::default(), template })
+    }
+
+    /// The connection to the master (the current leader).
+    pub fn master(&self) -> Client {
+        self.master.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// Run `f` on the master; with etcd, when the master is gone or no longer leads, find the
+    /// leader again and retry until the call's deadline (the client's request timeout).
+    async fn on_master<T, F, Fut>(&self, f: F) -> Result<T>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let deadline = std::time::Instant::now() + self.template.request_timeout;
+        loop {
+            let c = self.master();
+            let e = match f(c).await {
+                Ok(v) => return Ok(v),
+                Err(e) => e,
+            };
+            let failover = matches!(
+                e,
+                crate::ClientError::Connect { .. }
+                    | crate::ClientError::Closed(_)
+                    | crate::ClientError::Timeout(_)
+                    | crate::ClientError::Io(_)
+            ) || e.code() == ErrorCode::NotLeader;
+            if !failover || matches!(self.at, MasterAt::Fixed) {
+                return Err(e);
+            }
+            tracing::info!(error = %e, "master failed: looking up the leader again");
+            // Even past the deadline: the next call should not wait on the failed master again.
+            if let Ok(m) = leader(&self.at, &self.template).await {
+                *self.master.write().unwrap_or_else(|p| p.into_inner()) = m;
+            }
+            if std::time::Instant::now() >= deadline {
+                return Err(e);
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+        }
+    }
+
+    /// Where each key is (see [`Client::route`]).
+    pub async fn route<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Routes> {
+        let keys: Vec<&[u8]> = keys.iter().map(AsRef::as_ref).collect();
+        let keys = &keys;
+        self.on_master(|m| async move { m.route(keys).await }).await
     }
 
     async fn node(&self, a: &NodeAddr) -> Result<Client> {
@@ -130,7 +202,7 @@ impl ClusterClient {
         if chain.is_empty() {
             return Ok(0);
         }
-        let r = self.master.route(chain).await?;
+        let r = self.route(chain).await?;
         Ok(r.items.iter().take_while(|n| !n.is_empty()).count())
     }
 
@@ -142,8 +214,13 @@ impl ClusterClient {
         if entries.is_empty() {
             return Ok(Vec::new());
         }
-        let items = self.master.put_items(entries.iter().map(|e| (e.key, e.value.len() as u64, &e.opts)))?;
-        let routes = self.master.place(items, replicas).await?;
+        let items = self.master().put_items(entries.iter().map(|e| (e.key, e.value.len() as u64, &e.opts)))?;
+        let routes = self
+            .on_master(|m| {
+                let items = items.clone();
+                async move { m.place(items, replicas).await }
+            })
+            .await?;
         let addrs: HashMap<u32, &NodeAddr> = routes.nodes.iter().map(|a| (a.node, a)).collect();
         let mut status = vec![ErrorCode::Ok; entries.len()];
         let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
@@ -204,7 +281,7 @@ impl ClusterClient {
         if keys.is_empty() {
             return Ok(out);
         }
-        let routes = self.master.route(keys).await?;
+        let routes = self.route(keys).await?;
         let addrs: HashMap<u32, NodeAddr> = routes.nodes.iter().map(|a| (a.node, a.clone())).collect();
         // Per key, the holders still to try.
         let mut left: Vec<std::collections::VecDeque<u32>> =
@@ -262,6 +339,26 @@ impl ClusterClient {
 
     /// The pool's storage nodes, as the master sees them.
     pub async fn nodes(&self) -> Result<Vec<NodeInfo>> {
-        self.master.nodes().await
+        self.on_master(|m| async move { m.nodes().await }).await
     }
+}
+
+/// Connect to the master `at` names.
+async fn leader(at: &MasterAt, template: &ClientConfig) -> Result<Client> {
+    let mut cfg = template.clone();
+    cfg.transport = crate::TransportChoice::Quic;
+    if let MasterAt::Etcd { etcd, prefix } = at {
+        let l = etcd
+            .leader(prefix)
+            .await
+            .map_err(|e| crate::ClientError::Connect { addr: "etcd".into(), message: e.to_string() })?
+            .ok_or_else(|| crate::ClientError::Connect {
+                addr: "etcd".into(),
+                message: format!("no master leads the cluster under {prefix}"),
+            })?;
+        cfg.server = l.addr;
+        cfg.server_name = l.server_name;
+        cfg.trust = Trust::Fingerprint(crate::parse_fingerprint(&l.fingerprint)?);
+    }
+    Client::connect(cfg).await
 }

@@ -702,6 +702,9 @@ pub enum ErrorCode {
     /// The reservation or lease named does not exist (expired, released, committed, or never
     /// granted to this connection).
     Expired,
+    /// This master does not lead the cluster (another master does; etcd names it): ask the
+    /// leader.
+    NotLeader,
 }
 
 impl ErrorCode {
@@ -731,6 +734,7 @@ impl ErrorCode {
             ErrorCode::PolicyError => "policy-error",
             ErrorCode::Unsupported => "unsupported",
             ErrorCode::Expired => "expired",
+            ErrorCode::NotLeader => "not-leader",
         }
     }
 }

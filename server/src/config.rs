@@ -102,13 +102,21 @@ pub struct ClusterSection {
     pub master_ca: Option<PathBuf>,
     /// Storage: TLS server name of the master.
     pub master_server_name: String,
-    /// Storage: file holding an admin API key of the master.
+    /// Storage: file holding an admin API key of the master (of every master, with etcd).
     pub master_key_file: Option<PathBuf>,
     /// Storage: this node's name in the pool (default: the address it advertises).
     pub node_name: Option<String>,
     /// Master: how often storage nodes report (ms); a node silent for `node_timeout_ms` is dead.
     pub report_ms: u32,
     pub node_timeout_ms: u64,
+    /// etcd endpoints (`http://host:port`, comma-separated) for masters' leader election;
+    /// storage nodes and clients then find the leader there (no `master` needed). Without it a
+    /// single master runs with no outside dependency.
+    pub etcd: Option<String>,
+    /// Key prefix of this cluster in etcd.
+    pub etcd_prefix: String,
+    /// Master: TTL of the leader's etcd lease (seconds; etcd grants at least its minimum).
+    pub leader_ttl_s: u32,
 }
 
 impl Default for ClusterSection {
@@ -123,6 +131,9 @@ impl Default for ClusterSection {
             node_name: None,
             report_ms: 500,
             node_timeout_ms: 3_000,
+            etcd: None,
+            etcd_prefix: "/kvpool/".into(),
+            leader_ttl_s: 2,
         }
     }
 }
@@ -492,10 +503,11 @@ impl Config {
                 message: "a storage node needs it (--master, --master-fingerprint or master_ca, --master-key-file)"
                     .into(),
             };
-            if c.master.as_deref().is_none_or(str::is_empty) {
+            // With etcd the leader's address and fingerprint come from there.
+            if c.etcd.is_none() && c.master.as_deref().is_none_or(str::is_empty) {
                 return Err(missing("cluster.master"));
             }
-            if c.master_fingerprint.is_none() && c.master_ca.is_none() {
+            if c.etcd.is_none() && c.master_fingerprint.is_none() && c.master_ca.is_none() {
                 return Err(missing("cluster.master_fingerprint"));
             }
             if c.master_key_file.is_none() {
@@ -508,6 +520,13 @@ impl Config {
                         .into(),
                 });
             }
+        }
+        if let Some(e) = &c.etcd {
+            kvpool_etcd::Etcd::new(e)
+                .map_err(|e| ConfigError::Invalid { field: "cluster.etcd", message: e.to_string() })?;
+        }
+        if c.leader_ttl_s == 0 {
+            return Err(ConfigError::Invalid { field: "cluster.leader_ttl_s", message: "must be positive".into() });
         }
         if c.report_ms == 0 || c.node_timeout_ms < 2 * u64::from(c.report_ms) {
             return Err(ConfigError::Invalid {

@@ -434,6 +434,19 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
         }
     }));
 
+    if let (Some(m), Some(etcd)) = (shared.master.clone(), etcd_of(&cfg)?) {
+        // Follow until elected.
+        m.set_leading(false);
+        let addr = advertised_addr(&cfg, quic_addr);
+        let me = kvpool_etcd::LeaderInfo {
+            name: cfg.cluster.node_name.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| addr.clone()),
+            addr,
+            server_name: cfg.server.server_name.clone(),
+            fingerprint: tls.fingerprint.clone(),
+        };
+        let (prefix, ttl) = (cfg.cluster.etcd_prefix.clone(), i64::from(cfg.cluster.leader_ttl_s));
+        tasks.push(tokio::spawn(cluster::leader::campaign(m, etcd, prefix, me, ttl)));
+    }
     if let Some(m) = shared.master.clone() {
         let every = Duration::from_millis(u64::from(cfg.cluster.report_ms).max(10) / 2);
         tasks.push(tokio::spawn(async move {
@@ -477,39 +490,60 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     })
 }
 
-/// How a storage node reaches its master and presents itself (config validated beforehand).
-fn storage_link(cfg: &Config, quic_addr: SocketAddr, fingerprint: &str) -> Result<cluster::storage::Link, ServerError> {
-    let bad =
-        |field: &'static str, message: String| ServerError::Config(config::ConfigError::Invalid { field, message });
-    let c = &cfg.cluster;
-    let master = c.master.clone().ok_or_else(|| bad("cluster.master", "missing".into()))?;
-    let trust = match (&c.master_fingerprint, &c.master_ca) {
-        (Some(fp), _) => kvpool_client::Trust::Fingerprint(
-            kvpool_client::parse_fingerprint(fp).map_err(|e| bad("cluster.master_fingerprint", e.to_string()))?,
-        ),
-        (None, Some(ca)) => kvpool_client::Trust::CaFile(ca.clone()),
-        (None, None) => return Err(bad("cluster.master_fingerprint", "or cluster.master_ca is needed".into())),
-    };
-    let key_file = c.master_key_file.as_ref().ok_or_else(|| bad("cluster.master_key_file", "missing".into()))?;
-    let api_key = kvpool_client::read_key_file(key_file).map_err(|e| bad("cluster.master_key_file", e.to_string()))?;
-    // Clients reach this node where it advertises itself; a wildcard listen address is not
-    // an address, so a node without `advertise_host` advertises loopback (a one-host pool).
+/// The address clients reach this node at: `server.advertise_host` (else the listen IP, else
+/// loopback for a wildcard listen address: a one-host pool) and the bound port.
+fn advertised_addr(cfg: &Config, quic_addr: SocketAddr) -> String {
     let host = match cfg.server.advertise_host.as_deref().filter(|h| !h.is_empty()) {
         Some(h) => h.to_string(),
         None if quic_addr.ip().is_unspecified() => "127.0.0.1".to_string(),
         None => quic_addr.ip().to_string(),
     };
-    let addr = if host.contains(':') {
+    if host.contains(':') {
         format!("[{host}]:{}", quic_addr.port())
     } else {
         format!("{host}:{}", quic_addr.port())
+    }
+}
+
+fn etcd_of(cfg: &Config) -> Result<Option<kvpool_etcd::Etcd>, ServerError> {
+    cfg.cluster
+        .etcd
+        .as_deref()
+        .map(|e| {
+            kvpool_etcd::Etcd::new(e).map_err(|e| {
+                ServerError::Config(config::ConfigError::Invalid { field: "cluster.etcd", message: e.to_string() })
+            })
+        })
+        .transpose()
+}
+
+/// How a storage node reaches its master and presents itself (config validated beforehand).
+fn storage_link(cfg: &Config, quic_addr: SocketAddr, fingerprint: &str) -> Result<cluster::storage::Link, ServerError> {
+    let bad =
+        |field: &'static str, message: String| ServerError::Config(config::ConfigError::Invalid { field, message });
+    let c = &cfg.cluster;
+    let master = match etcd_of(cfg)? {
+        Some(etcd) => cluster::storage::MasterAt::Etcd { etcd, prefix: c.etcd_prefix.clone() },
+        None => {
+            let addr = c.master.clone().ok_or_else(|| bad("cluster.master", "missing".into()))?;
+            let trust = match (&c.master_fingerprint, &c.master_ca) {
+                (Some(fp), _) => kvpool_client::Trust::Fingerprint(
+                    kvpool_client::parse_fingerprint(fp)
+                        .map_err(|e| bad("cluster.master_fingerprint", e.to_string()))?,
+                ),
+                (None, Some(ca)) => kvpool_client::Trust::CaFile(ca.clone()),
+                (None, None) => return Err(bad("cluster.master_fingerprint", "or cluster.master_ca is needed".into())),
+            };
+            cluster::storage::MasterAt::Fixed { addr, server_name: c.master_server_name.clone(), trust }
+        }
     };
+    let key_file = c.master_key_file.as_ref().ok_or_else(|| bad("cluster.master_key_file", "missing".into()))?;
+    let api_key = kvpool_client::read_key_file(key_file).map_err(|e| bad("cluster.master_key_file", e.to_string()))?;
+    let addr = advertised_addr(cfg, quic_addr);
     let mut fp = [0u8; 32];
     hex::decode_to_slice(fingerprint, &mut fp).map_err(|e| bad("server.cert", format!("fingerprint: {e}")))?;
     Ok(cluster::storage::Link {
         master,
-        master_server_name: c.master_server_name.clone(),
-        trust,
         api_key,
         name: c.node_name.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| addr.clone()),
         addr,

@@ -58,6 +58,10 @@ struct Args {
     /// Storage: file holding an admin API key of the master (cluster.master_key_file).
     #[arg(long)]
     master_key_file: Option<PathBuf>,
+    /// etcd endpoints for leader election of masters, and where storage nodes find the leader
+    /// (cluster.etcd).
+    #[arg(long)]
+    etcd: Option<String>,
     /// Storage: this node's name in the pool (cluster.node_name).
     #[arg(long)]
     node_name: Option<String>,
@@ -113,6 +117,9 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(f) = args.master_key_file {
         c.cluster.master_key_file = Some(f);
+    }
+    if let Some(e) = args.etcd {
+        c.cluster.etcd = Some(e);
     }
     if let Some(n) = args.node_name {
         c.cluster.node_name = Some(n);

@@ -289,3 +289,76 @@ pub fn components(malicious: bool) -> std::collections::HashMap<String, PathBuf>
     }
     map
 }
+
+/// A real etcd server (`etcd` on PATH: Debian's etcd-server) on free loopback ports, with its
+/// data in a temp dir; killed when dropped.
+pub struct EtcdServer {
+    child: Child,
+    _dir: tempfile::TempDir,
+    /// `http://127.0.0.1:<port>`.
+    pub url: String,
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0").expect("bind").local_addr().expect("addr").port()
+}
+
+impl EtcdServer {
+    /// A running etcd, or `None` when `etcd` is not installed and `KVPOOL_REQUIRE_PEERS` is
+    /// unset (a machine without `bench/peers/setup.sh etcd`); CI sets it, so there a missing
+    /// etcd fails the test.
+    pub fn start_or_skip() -> Option<EtcdServer> {
+        let installed = Command::new("etcd").arg("--version").output().is_ok_and(|o| o.status.success());
+        let required = std::env::var_os("KVPOOL_REQUIRE_PEERS").is_some_and(|v| !v.is_empty() && v != "0");
+        if !installed && !required {
+            eprintln!("etcd not installed and KVPOOL_REQUIRE_PEERS unset: skipping (bench/peers/setup.sh etcd)");
+            return None;
+        }
+        Some(EtcdServer::start())
+    }
+
+    pub fn start() -> EtcdServer {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let (client, peer) = (free_port(), free_port());
+        let url = format!("http://127.0.0.1:{client}");
+        let log = std::fs::File::create(dir.path().join("etcd.log")).expect("log");
+        let child = Command::new("etcd")
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .args(["--listen-client-urls", &url, "--advertise-client-urls", &url])
+            .args(["--listen-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args(["--initial-advertise-peer-urls", &format!("http://127.0.0.1:{peer}")])
+            .args(["--initial-cluster", &format!("default=http://127.0.0.1:{peer}")])
+            .stdout(Stdio::null())
+            .stderr(log)
+            .spawn()
+            .expect("spawn etcd: install etcd-server (the CI script does)");
+        let s = EtcdServer { child, _dir: dir, url };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            use std::io::{Read, Write};
+            let healthy = std::net::TcpStream::connect(("127.0.0.1", client)).ok().and_then(|mut t| {
+                t.write_all(b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").ok()?;
+                let mut out = String::new();
+                t.read_to_string(&mut out).ok()?;
+                out.contains("\"health\":\"true\"").then_some(())
+            });
+            if healthy.is_some() {
+                return s;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "etcd did not become healthy: {}",
+                std::fs::read_to_string(s._dir.path().join("etcd.log")).unwrap_or_default()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+}
+
+impl Drop for EtcdServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}

@@ -85,7 +85,7 @@ async fn nodes_until(c: &ClusterClient, what: &str, ok: impl Fn(&[NodeInfo]) -> 
 async fn visible(c: &ClusterClient, keys: &[String]) {
     let deadline = Instant::now() + Duration::from_secs(20);
     loop {
-        let r = c.master().route(keys).await.expect("route");
+        let r = c.route(keys).await.expect("route");
         if r.items.iter().all(|n| !n.is_empty()) {
             return;
         }
@@ -150,7 +150,7 @@ async fn capacity_is_the_sum_of_the_nodes_and_a_put_is_a_hit_for_every_client() 
     }
     assert_eq!(read_back(&b, &all, SIZE).await, vec![ErrorCode::Ok; all.len()]);
     // A chain stays on one node; the chains spread over all three.
-    let r = b.master().route(&all).await.unwrap();
+    let r = b.route(&all).await.unwrap();
     for (ch, routes) in chains.iter().zip(r.items.chunks(4)) {
         assert!(routes.iter().all(|n| n == &routes[0]), "{ch:?} split over {routes:?}");
     }
@@ -193,7 +193,7 @@ async fn a_killed_node_turns_into_misses_and_its_ssd_blocks_come_back() {
     }
     let all: Vec<String> = chains.concat();
     visible(&c, &all).await;
-    let r = c.master().route(&all).await.unwrap();
+    let r = c.route(&all).await.unwrap();
     let nodes = c.nodes().await.unwrap();
     let victim = nodes.iter().max_by_key(|n| n.copies).unwrap().clone();
     let idx = cl.nodes.iter().position(|s| s.addr() == victim.addr).expect("the victim is one of ours");
@@ -263,7 +263,7 @@ async fn replicas_land_on_distinct_nodes_and_survive_a_sibling() {
     assert_eq!(put_chain(&c, &keys, SIZE, 2).await, vec![ErrorCode::Ok; 10]);
     let deadline = Instant::now() + Duration::from_secs(20);
     let routes = loop {
-        let r = c.master().route(&keys).await.unwrap();
+        let r = c.route(&keys).await.unwrap();
         if r.items.iter().all(|n| n.len() == 2) {
             break r;
         }
@@ -280,4 +280,88 @@ async fn replicas_land_on_distinct_nodes_and_survive_a_sibling() {
     assert_eq!(c.lookup(&keys).await.unwrap(), 10);
     assert_eq!(read_back(&c, &keys, SIZE).await, vec![ErrorCode::Ok; 10]);
     let _ = cl.key_file();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn etcd_elects_a_master_and_a_failover_keeps_every_block_of_the_live_nodes() {
+    let Some(etcd) = kvpool_tests::EtcdServer::start_or_skip() else { return };
+    let keys = tempfile::tempdir().unwrap();
+    let key_file = keys.path().join("master-key");
+    std::fs::write(&key_file, format!("{ADMIN_KEY}\n")).unwrap();
+    let ha = |role: &str, name: &str| {
+        let mut extra = format!(
+            "[cluster]\nrole = \"{role}\"\netcd = \"{}\"\nnode_name = \"{name}\"\nreport_ms = {REPORT_MS}\nnode_timeout_ms = {TIMEOUT_MS}\n",
+            etcd.url
+        );
+        if role == "storage" {
+            extra.push_str(&format!("master_key_file = \"{}\"\n", key_file.display()));
+        }
+        extra
+    };
+    let mut masters: Vec<TestServer> = ["m0", "m1"]
+        .iter()
+        .map(|n| TestServer::start(Opts { dram: "1MiB", extra: ha("master", n), ..Opts::default() }))
+        .collect();
+    let nodes: Vec<TestServer> = (0..3)
+        .map(|i| TestServer::start(Opts { dram: "16MiB", extra: ha("storage", &format!("s{i}")), ..Opts::default() }))
+        .collect();
+    let mut template = ClientConfig::new("unused:0", ALICE_KEY, Trust::Fingerprint([0; 32]));
+    template.transport = kvpool_tests::test_transport();
+    template.request_timeout = Duration::from_secs(3);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let c = loop {
+        match ClusterClient::connect_etcd(&etcd.url, "/kvpool/", template.clone()).await {
+            Ok(c) => break c,
+            Err(e) => assert!(Instant::now() < deadline, "no leader: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    nodes_until(&c, "three nodes join the leader", |n| n.len() == 3 && n.iter().all(|n| n.live)).await;
+    const SIZE: usize = 256 << 10;
+    let chains: Vec<Vec<String>> = (0..6).map(|i| chain(&format!("ha{i}"), 4)).collect();
+    for ch in &chains {
+        assert_eq!(put_chain(&c, ch, SIZE, 1).await, vec![ErrorCode::Ok; 4]);
+    }
+    let all: Vec<String> = chains.concat();
+    visible(&c, &all).await;
+
+    // The follower refuses, naming the leader.
+    let leader_addr = c.master().config().server.clone();
+    let li = masters.iter().position(|m| m.addr() == leader_addr).expect("the leader is one of ours");
+    let follower = &masters[1 - li];
+    let mut fcfg = ClientConfig::new(
+        follower.addr(),
+        ALICE_KEY,
+        Trust::CaFile(follower.endpoint["cert_path"].as_str().unwrap().into()),
+    );
+    fcfg.transport = kvpool_client::TransportChoice::Quic;
+    let fc = kvpool_client::Client::connect(fcfg).await.unwrap();
+    let e = fc.route(&all[..1]).await.unwrap_err();
+    assert_eq!(e.code(), ErrorCode::NotLeader, "{e}");
+    assert!(e.to_string().contains(&leader_addr), "{e}");
+
+    // Kill the leader under load: requests fail over to the new leader within a bound.
+    masters[li].kill();
+    let killed = Instant::now();
+    let recovered = loop {
+        if let Ok(n) = c.lookup(&all).await {
+            if n == all.len() {
+                break killed.elapsed();
+            }
+        }
+        assert!(killed.elapsed() < Duration::from_secs(30), "no failover within 30 s");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    eprintln!("failover: the first full lookup {recovered:?} after the leader was killed");
+    if recovered > Duration::from_secs(15) {
+        eprintln!("NEW LEADER LOG:\n{}\nSTORAGE LOG:\n{}", masters[1 - li].log(), nodes[0].log());
+    }
+    assert!(recovered < Duration::from_secs(15), "{recovered:?}");
+    assert_ne!(c.master().config().server, leader_addr, "the client follows the new leader");
+    // No block of a live storage node was lost: the new leader learnt them all again.
+    assert_eq!(read_back(&c, &all, SIZE).await, vec![ErrorCode::Ok; all.len()]);
+    let nodes = c.nodes().await.unwrap();
+    assert_eq!(nodes.iter().filter(|n| n.live).count(), 3, "{nodes:#?}");
+    assert_eq!(nodes.iter().map(|n| n.copies).sum::<u64>(), all.len() as u64);
+    drop(keys);
 }

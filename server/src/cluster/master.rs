@@ -177,6 +177,11 @@ impl State {
 /// The master role's state.
 pub struct Master {
     state: Mutex<State>,
+    /// Whether this master leads: always with no etcd; with etcd, while it holds the leader
+    /// key's lease. A master that does not lead answers cluster requests `not-leader`.
+    leading: std::sync::atomic::AtomicBool,
+    /// The leader etcd names, for the `not-leader` answers of a follower.
+    leader: Mutex<Option<String>>,
     /// How often nodes report.
     pub report_ms: u32,
     /// Silence after which a node is dead.
@@ -185,7 +190,35 @@ pub struct Master {
 
 impl Master {
     pub fn new(report_ms: u32, timeout: Duration) -> Master {
-        Master { state: Mutex::new(State::default()), report_ms, timeout }
+        Master {
+            state: Mutex::new(State::default()),
+            leading: true.into(),
+            leader: Mutex::new(None),
+            report_ms,
+            timeout,
+        }
+    }
+
+    pub fn is_leading(&self) -> bool {
+        self.leading.load(std::sync::atomic::Ordering::Acquire)
+    }
+
+    /// Start or stop leading. Either way the view starts empty: a new leader learns the pool
+    /// from the storage nodes' joins and announcements, and one that stopped must not answer
+    /// from a view that no longer follows the nodes.
+    pub fn set_leading(&self, on: bool) {
+        let mut st = self.state.lock();
+        *st = State::default();
+        self.leading.store(on, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Who leads, as last read from etcd (for followers' answers).
+    pub fn set_leader(&self, addr: Option<String>) {
+        *self.leader.lock() = addr;
+    }
+
+    pub fn leader(&self) -> Option<String> {
+        self.leader.lock().clone()
     }
 
     /// A node joins (or joins again under its name, keeping its id): its earlier copies are

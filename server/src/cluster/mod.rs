@@ -5,6 +5,7 @@
 //! The storage nodes' own indexes are the truth; the master's view is rebuilt from their
 //! reports, so nothing is lost when the master restarts (see `master`).
 
+pub mod leader;
 pub mod master;
 pub mod storage;
 

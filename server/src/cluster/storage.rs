@@ -12,12 +12,26 @@ use std::sync::Arc;
 use std::time::Duration;
 use tracing::{info, warn};
 
+/// Where the master is: fixed, or whoever leads according to etcd.
+#[derive(Debug, Clone)]
+pub enum MasterAt {
+    Fixed { addr: String, server_name: String, trust: Trust },
+    Etcd { etcd: kvpool_etcd::Etcd, prefix: String },
+}
+
+impl std::fmt::Display for MasterAt {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            MasterAt::Fixed { addr, .. } => f.write_str(addr),
+            MasterAt::Etcd { prefix, .. } => write!(f, "the leader under {prefix} in etcd"),
+        }
+    }
+}
+
 /// Where the master is and how this node presents itself to it and to clients.
 #[derive(Debug, Clone)]
 pub struct Link {
-    pub master: String,
-    pub master_server_name: String,
-    pub trust: Trust,
+    pub master: MasterAt,
     pub api_key: String,
     /// This node's name, client address, TLS name and certificate fingerprint.
     pub name: String,
@@ -32,6 +46,12 @@ enum LinkError {
     Client(#[from] ClientError),
     #[error("the event log is off; a storage node needs it")]
     NoEvents,
+    #[error(transparent)]
+    Etcd(#[from] kvpool_etcd::EtcdError),
+    #[error("no master leads the cluster yet")]
+    NoLeader,
+    #[error("the leader's fingerprint in etcd is not 64 hex digits")]
+    BadLeader,
 }
 
 /// Most blocks, and about the most bytes, per report (well under the default frame limit).
@@ -110,12 +130,21 @@ async fn send(
 
 async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
     let log = shared.events.clone().ok_or(LinkError::NoEvents)?;
-    let mut cfg = ClientConfig::new(link.master.clone(), link.api_key.clone(), link.trust.clone());
-    cfg.server_name = link.master_server_name.clone();
+    let (addr, server_name, trust) = match &link.master {
+        MasterAt::Fixed { addr, server_name, trust } => (addr.clone(), server_name.clone(), trust.clone()),
+        MasterAt::Etcd { etcd, prefix } => {
+            let l = etcd.leader(prefix).await?.ok_or(LinkError::NoLeader)?;
+            let fp = kvpool_client::parse_fingerprint(&l.fingerprint).map_err(|_| LinkError::BadLeader)?;
+            (l.addr, l.server_name, Trust::Fingerprint(fp))
+        }
+    };
+    let mut cfg = ClientConfig::new(addr, link.api_key.clone(), trust);
+    cfg.server_name = server_name;
     cfg.client_name = format!("kvpool-storage/{}", link.name);
     // The master is reached for control only: no shared memory with it.
     cfg.transport = kvpool_client::TransportChoice::Quic;
-    cfg.request_timeout = Duration::from_secs(10);
+    // A master that died must not hold the node for long: it rejoins whoever leads next.
+    cfg.request_timeout = Duration::from_secs(2);
     let master = Client::connect(cfg).await?;
     let mut incarnation = [0u8; 8];
     getrandom::getrandom(&mut incarnation).map_err(|e| ClientError::Io(e.to_string()))?;
@@ -153,8 +182,8 @@ async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
         let changes: Vec<Change> = batch.changes.into_iter().map(|(_, c)| c).collect();
         match send(&master, shared, node, incarnation, false, changes).await {
             Ok(()) => {}
-            Err(e) if e.code() == ErrorCode::Expired => {
-                info!(node, "the master no longer knows this node: joining again");
+            Err(e) if matches!(e.code(), ErrorCode::Expired | ErrorCode::NotLeader) => {
+                info!(node, reason = %e, "the master no longer takes this node's reports: joining again");
                 return Ok(());
             }
             Err(e) => return Err(e.into()),

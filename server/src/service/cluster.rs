@@ -23,6 +23,10 @@ pub(super) async fn dispatch<R: RequestRecv>(
     }
     let p = &session.principal;
     let m = s.master.as_ref().ok_or_else(not_master)?;
+    if !m.is_leading() {
+        let who = m.leader().map_or_else(|| "no master leads yet".to_string(), |a| format!("the leader is {a}"));
+        return Err(Fail::Reply(error(ErrorCode::NotLeader, format!("this master does not lead the cluster: {who}"))));
+    }
     match req {
         Request::NodeJoin(_) | Request::NodeReport(_) if !p.admin => {
             Err(Fail::Reply(error(ErrorCode::Forbidden, "storage nodes join with an admin api key")))
