@@ -6,6 +6,7 @@ mod plot;
 mod target;
 
 // Trace replay, synthetic traces, pooled vs isolated caches, TTFT model.
+mod cluster;
 mod gen;
 mod hitplot;
 mod live;
@@ -55,6 +56,15 @@ enum Cmd {
     /// Replay a trace prefix through a live server and through the core, and check that they
     /// agree request by request for every policy pair
     LiveReplay(live::LiveArgs),
+    /// The pooled replay through a real cluster (a master and N storage processes), beside the
+    /// simulated pool and node-local caches
+    ClusterReplay(cluster::ClusterArgs),
+    /// Put and get through a cluster (master + 2 storage processes) beside one storage node
+    /// reached directly and beside memcpy
+    ClusterTransfer(cluster::TransferArgs),
+    /// Failover of an etcd-elected master: time from a leader's SIGKILL to the first answered
+    /// request
+    ClusterFailover(cluster::FailoverArgs),
 }
 
 #[derive(Debug, Args)]
@@ -852,6 +862,9 @@ fn main() -> Result<()> {
         Cmd::Scale(a) => scale::scale(a),
         Cmd::Gen(a) => gen::gen(a),
         Cmd::LiveReplay(a) => live::live_replay(a),
+        Cmd::ClusterReplay(a) => cluster::cluster_replay(a),
+        Cmd::ClusterTransfer(a) => cluster::cluster_transfer(a),
+        Cmd::ClusterFailover(a) => cluster::cluster_failover(a),
     }
 }
 

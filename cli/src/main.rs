@@ -674,7 +674,7 @@ fn render_nodes(nodes: &[kvpool_client::proto::NodeInfo]) -> String {
                     2 => "ssd",
                     _ => "?",
                 };
-                format!("{name} {} / {}", ByteSize(t.used), ByteSize(t.capacity))
+                format!("{name} {} / {}", ByteSize(t.used).to_string_as(true), ByteSize(t.capacity).to_string_as(true))
             })
             .collect();
         let _ = writeln!(

@@ -887,6 +887,29 @@ mod tests {
     }
 
     /// The fenced blocks of a section of PROTOCOL.md.
+    #[test]
+    fn documented_cluster_messages() {
+        let blocks = doc_blocks("### 11.8 Cluster");
+        assert_eq!(blocks.len(), 3, "notation, request, answer");
+        let route = Request::Route(KeysRequest { keys: vec![b"k1".to_vec()] });
+        assert_eq!(dump(blocks[1]), crate::frame::encode_frame(&route).unwrap());
+        let routes = Response::Routes(Routes {
+            nodes: vec![NodeAddr {
+                node: 2,
+                addr: "10.0.0.2:7100".into(),
+                server_name: "s".into(),
+                fingerprint: vec![0xab; 32],
+            }],
+            items: vec![vec![2]],
+        });
+        assert_eq!(dump(blocks[2]), crate::frame::encode_frame(&routes).unwrap());
+        assert_eq!(codec::encode(&ErrorCode::NotLeader).unwrap(), vec![24, 0, 0, 0]);
+        assert_eq!(
+            crate::message_tag(&codec::encode(&Request::Place(PlaceRequest { items: vec![], replicas: 1 })).unwrap()),
+            Some(27)
+        );
+    }
+
     fn doc_blocks(heading: &str) -> Vec<&'static str> {
         let doc = include_str!("../../docs/PROTOCOL.md");
         let start = doc.find(heading).expect("section in PROTOCOL.md");

@@ -5,7 +5,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-pub const OPS: [&str; 21] = [
+pub const OPS: [&str; 26] = [
     "hello",
     "put",
     "get",
@@ -27,6 +27,11 @@ pub const OPS: [&str; 21] = [
     "get_into",
     "write",
     "read",
+    "node_join",
+    "node_report",
+    "nodes",
+    "route",
+    "place",
 ];
 
 pub struct Metrics {
@@ -74,6 +79,14 @@ pub struct Metrics {
     pub events_lagged: IntCounter,
     pub auth_failures: IntCounter,
     pub lookup_blocks: IntCounterVec,
+    /// Master: storage nodes by state (live, dead).
+    pub cluster_nodes: IntGaugeVec,
+    /// Master: per storage node, copies it reported and bytes used per tier.
+    pub cluster_node_copies: IntGaugeVec,
+    pub cluster_node_bytes: IntGaugeVec,
+    /// Storage: joins to the master, and reports sent.
+    pub cluster_joins: IntCounter,
+    pub cluster_reports: IntCounter,
     pub policy_faults: IntGaugeVec,
     pub policy_quarantined: IntGaugeVec,
 }
@@ -216,6 +229,25 @@ impl Metrics {
                 "Blocks asked about by lookup, by result",
                 &["result"],
             ),
+            cluster_nodes: gauge_vec(&reg, "cluster_nodes", "Master: storage nodes, by state (live, dead)", &["state"]),
+            cluster_node_copies: gauge_vec(
+                &reg,
+                "cluster_node_copies",
+                "Master: block copies a storage node reported holding",
+                &["node"],
+            ),
+            cluster_node_bytes: gauge_vec(
+                &reg,
+                "cluster_node_bytes",
+                "Master: a storage node's tier use as reported (stat = used, capacity)",
+                &["node", "tier", "stat"],
+            ),
+            cluster_joins: counter(
+                &reg,
+                "cluster_joins_total",
+                "Storage: joins to the master (each re-announces the inventory)",
+            ),
+            cluster_reports: counter(&reg, "cluster_reports_total", "Storage: reports sent to the master"),
             policy_faults: gauge_vec(
                 &reg,
                 "policy_faults",

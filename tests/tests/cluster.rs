@@ -166,6 +166,15 @@ async fn capacity_is_the_sum_of_the_nodes_and_a_put_is_a_hit_for_every_client() 
     let plain = kvpool_client::Client::connect(cfg).await.unwrap();
     let e = plain.put("k", b"v").await.unwrap_err();
     assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");
+    // Metrics: the master's per-node figures, each node's reports.
+    let m = cl.master.scrape();
+    assert_eq!(kvpool_tests::metric(&m, "kvpool_cluster_nodes{state=\"live\"}"), 3.0, "{m}");
+    let copies: f64 = ["s0", "s1", "s2"]
+        .iter()
+        .map(|n| kvpool_tests::metric(&m, &format!("kvpool_cluster_node_copies{{node=\"{n}\"}}")))
+        .sum();
+    assert_eq!(copies, 48.0);
+    assert!(kvpool_tests::metric(&cl.nodes[0].scrape(), "kvpool_cluster_reports_total") > 0.0);
     // `kvpool nodes` shows the operator the same.
     let out = std::process::Command::new(bin("kvpool"))
         .args(["--server", &cl.master.addr(), "--api-key", ADMIN_KEY, "--ca"])

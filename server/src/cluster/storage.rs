@@ -115,6 +115,7 @@ async fn send(
                     blocks: std::mem::take(&mut blocks),
                 };
                 master.node_report(req).await?;
+                shared.metrics.cluster_reports.inc();
                 reset = false;
                 bytes = 0;
             }
@@ -160,6 +161,7 @@ async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
         })
         .await?;
     let node = joined.node;
+    shared.metrics.cluster_joins.inc();
     let every = Duration::from_millis(u64::from(joined.report_ms.max(10)));
     let mut watch = log.watch();
     let (mut cursor, inventory) = shared.store.inventory();

@@ -142,6 +142,25 @@ impl Shared {
     /// The Prometheus text of `/metrics`, with gauges brought up to date.
     pub fn render_metrics(&self) -> String {
         self.store.update_gauges();
+        if let Some(m) = &self.master {
+            let nodes = m.nodes().nodes;
+            let live = nodes.iter().filter(|n| n.live).count() as i64;
+            self.metrics.cluster_nodes.with_label_values(&["live"]).set(live);
+            self.metrics.cluster_nodes.with_label_values(&["dead"]).set(nodes.len() as i64 - live);
+            for n in &nodes {
+                self.metrics.cluster_node_copies.with_label_values(&[&n.name]).set(n.copies as i64);
+                for t in &n.tiers {
+                    let tier = match t.tier {
+                        0 => "device",
+                        1 => "dram",
+                        _ => "ssd",
+                    };
+                    let g = &self.metrics.cluster_node_bytes;
+                    g.with_label_values(&[&n.name, tier, "used"]).set(t.used as i64);
+                    g.with_label_values(&[&n.name, tier, "capacity"]).set(t.capacity as i64);
+                }
+            }
+        }
         self.policies.export_metrics(&self.metrics);
         let (t, mtu) = self.paths.lock().totals();
         self.metrics.set_path_stats(&t, mtu);

@@ -1,0 +1,712 @@
+//! `kvpool-bench cluster-replay`: the pooled replay of `pooled`, through a real cluster: a
+//! master and N storage processes on this host, driven by `ClusterClient` (lookups and
+//! placement at the master, bytes to and from the storage nodes). Printed beside the simulated
+//! pool of the same total size and the node-local caches, with the ratio the goal is about:
+//! the real cluster's block hit rate over the simulated pool's.
+
+use crate::pool::{trace_key, Pool, PoolStats, PutItem};
+use crate::pooled::{self, parse_capacity, Routing};
+use crate::replay::{parse_params, resolve_trace};
+use crate::sim::CacheSim;
+use crate::target::LocalServer;
+use crate::trace::{Hits, Trace};
+use anyhow::{bail, Context, Result};
+use clap::Args;
+use kvpool_client::{ClientConfig, ClusterClient, ErrorCode, PutEntry, PutMode, PutOptions};
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+use std::cell::{Cell, RefCell};
+use std::path::PathBuf;
+use std::rc::Rc;
+use std::time::Instant;
+
+/// Value size of every block: the DRAM tier's allocation unit (a block's size and footprint
+/// agree, so a node of C units holds C blocks).
+const BLOCK: usize = kvpool_server::store::dram::UNIT as usize;
+const KEY: &str = "kvpool-bench-cluster-key";
+
+#[derive(Debug, Args)]
+pub struct ClusterArgs {
+    /// Mooncake-format trace (default as for `replay`)
+    #[arg(long)]
+    pub trace: Option<PathBuf>,
+    /// Storage processes
+    #[arg(long, default_value_t = 8)]
+    pub nodes: usize,
+    /// Cache per node, as for `pooled` (rounded up to a multiple of 64 blocks, at least 4096)
+    #[arg(long, default_value = "3Mtok")]
+    pub capacity_per_node: String,
+    /// Replay only the first N requests
+    #[arg(long)]
+    pub limit: Option<usize>,
+    /// Write the results as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// The cluster as a replay pool (one request at a time, like a single connector).
+struct ClusterPool {
+    rt: Rc<tokio::runtime::Runtime>,
+    client: ClusterClient,
+    value: Vec<u8>,
+    max_batch: usize,
+    error: Rc<RefCell<Option<anyhow::Error>>>,
+    stats: PoolStats,
+    /// Blocks a lookup reported that the get then did not find (evicted, or not yet reported
+    /// gone, in between).
+    stale: Rc<Cell<u64>>,
+}
+
+impl ClusterPool {
+    fn fail(&self, e: impl Into<anyhow::Error>) {
+        self.error.borrow_mut().get_or_insert(e.into());
+    }
+}
+
+impl Pool for ClusterPool {
+    fn lookup(&mut self, chain: &[u64], _now_us: u64) -> usize {
+        if self.error.borrow().is_some() || chain.is_empty() {
+            return 0;
+        }
+        let keys: Vec<Vec<u8>> = chain.iter().map(|&k| trace_key(k)).collect();
+        let mut n = 0;
+        for part in keys.chunks(self.max_batch) {
+            match self.rt.block_on(self.client.lookup(part)) {
+                Ok(k) => {
+                    n += k;
+                    if k < part.len() {
+                        break;
+                    }
+                }
+                Err(e) => {
+                    self.fail(e);
+                    return 0;
+                }
+            }
+        }
+        n
+    }
+
+    fn get(&mut self, keys: &[u64], _now_us: u64) {
+        if self.error.borrow().is_some() {
+            return;
+        }
+        let names: Vec<Vec<u8>> = keys.iter().map(|&k| trace_key(k)).collect();
+        for part in names.chunks(self.max_batch) {
+            match self.rt.block_on(self.client.get_batch(part)) {
+                Ok(got) => {
+                    for g in got {
+                        match g.status {
+                            ErrorCode::Ok if g.value.as_deref() == Some(self.value.as_slice()) => {}
+                            ErrorCode::Ok => return self.fail(anyhow::anyhow!("a get returned wrong bytes")),
+                            _ => self.stale.set(self.stale.get() + 1),
+                        }
+                    }
+                }
+                Err(e) => return self.fail(e),
+            }
+        }
+    }
+
+    fn put(&mut self, items: &[PutItem], _now_us: u64) {
+        if self.error.borrow().is_some() {
+            return;
+        }
+        for part in items.chunks(self.max_batch) {
+            let keys: Vec<(Vec<u8>, Option<Vec<u8>>)> =
+                part.iter().map(|it| (trace_key(it.key), it.parent.map(trace_key))).collect();
+            let entries: Vec<PutEntry<'_>> = part
+                .iter()
+                .zip(&keys)
+                .map(|(it, (k, p))| PutEntry {
+                    key: k,
+                    value: &self.value,
+                    opts: PutOptions {
+                        parent: p.clone(),
+                        tokens: it.tokens,
+                        seq_tokens: it.seq_tokens,
+                        ..PutOptions::default()
+                    },
+                })
+                .collect();
+            match self.rt.block_on(self.client.put_batch(&entries, PutMode::Insert, 1)) {
+                Ok(st) => {
+                    for s in st {
+                        match s {
+                            ErrorCode::Ok => self.stats.stored += 1,
+                            ErrorCode::Rejected => self.stats.rejected += 1,
+                            ErrorCode::NoSpace => self.stats.dropped += 1,
+                            _ => {}
+                        }
+                    }
+                }
+                Err(e) => return self.fail(e),
+            }
+        }
+    }
+
+    fn release(&mut self) {}
+
+    fn stats(&self) -> PoolStats {
+        self.stats
+    }
+}
+
+/// Storage nodes evict only when a reservation needs room (as `live-replay` runs the server),
+/// and hold no lease past a request.
+const STORAGE_CONFIG: &str = r#"
+[dram]
+high_watermark = 1.0
+low_watermark = 1.0
+
+[cache]
+lease_ttl_ms = 0
+put_wait_ms = 20
+"#;
+
+#[derive(Debug, Serialize)]
+struct ClusterReport {
+    command: String,
+    trace: String,
+    requests: usize,
+    nodes: usize,
+    capacity_per_node_blocks: usize,
+    node_local_round_robin: Hits,
+    simulated_pool: Hits,
+    cluster: Hits,
+    /// cluster block hit rate / simulated pool block hit rate.
+    cluster_over_pool: f64,
+    cluster_stats: PoolStats,
+    stale_lookups: u64,
+    cluster_seconds: f64,
+    /// Copies per node at the end (the master's view).
+    copies_per_node: Vec<u64>,
+}
+
+pub fn cluster_replay(a: ClusterArgs) -> Result<()> {
+    let path = resolve_trace(&a.trace)?;
+    let trace = Trace::load(&path, a.limit)?;
+    let per_node = parse_capacity(&a.capacity_per_node, trace.distinct_blocks())?.div_ceil(64).max(64) * 64;
+    let per_node = per_node.max(4096);
+    if a.nodes == 0 {
+        bail!("--nodes must be at least 1");
+    }
+    let params = parse_params(&[])?;
+    eprintln!("simulating {} node-local caches and one pool of {} blocks...", a.nodes, a.nodes * per_node);
+    let sim = pooled::run(&trace, a.nodes, per_node, Routing::RoundRobin, "leaf-lru", &params, || {})?;
+
+    // One auth config for the whole cluster: the same admin key everywhere.
+    let dir = tempfile::tempdir()?;
+    let key_file = dir.path().join("admin-key");
+    std::fs::write(&key_file, format!("{KEY}\n"))?;
+    let auth = format!(
+        "[[auth.keys]]\ntenant = \"default\"\nsha256 = \"{}\"\nadmin = true\n",
+        hex::encode(Sha256::digest(KEY.as_bytes()))
+    );
+    let master_cfg = dir.path().join("master.toml");
+    std::fs::write(&master_cfg, format!("{auth}\n[cluster]\nrole = \"master\"\nreport_ms = 200\n"))?;
+    let master = LocalServer::start("1MiB", &["--config".into(), master_cfg.display().to_string()])?;
+    let ep = kvpool_client::EndpointInfo::read(master.path())?;
+    let storage_cfg = dir.path().join("storage.toml");
+    std::fs::write(&storage_cfg, format!("{auth}\n{STORAGE_CONFIG}"))?;
+    let mut nodes = Vec::new();
+    for i in 0..a.nodes {
+        let args: Vec<String> = vec![
+            "--config".into(),
+            storage_cfg.display().to_string(),
+            "--role".into(),
+            "storage".into(),
+            "--master".into(),
+            ep.quic_addr.clone(),
+            "--master-fingerprint".into(),
+            ep.fingerprint.clone().context("the master wrote no certificate fingerprint")?,
+            "--master-key-file".into(),
+            key_file.display().to_string(),
+            "--node-name".into(),
+            format!("s{i}"),
+        ];
+        nodes.push(LocalServer::start(&(per_node * BLOCK).to_string(), &args)?);
+    }
+    let rt = Rc::new(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?);
+    let mut cfg = ClientConfig::new(ep.quic_addr.clone(), KEY, ep.trust()?);
+    cfg.server_name = ep.server_name.clone();
+    let client = rt.block_on(ClusterClient::connect(cfg))?;
+    let started = Instant::now();
+    loop {
+        let n = rt.block_on(client.nodes())?;
+        if n.iter().filter(|n| n.live).count() == a.nodes {
+            break;
+        }
+        if started.elapsed().as_secs() > 30 {
+            bail!("only {} of {} storage nodes joined: {n:?}", n.len(), a.nodes);
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let max_batch = client.master().limits().max_batch as usize;
+    let error = Rc::new(RefCell::new(None));
+    let stale = Rc::new(Cell::new(0));
+    let pool = ClusterPool {
+        rt: rt.clone(),
+        client: client.clone(),
+        value: vec![0x5a; BLOCK],
+        max_batch,
+        error: error.clone(),
+        stats: PoolStats::default(),
+        stale: stale.clone(),
+    };
+    let mut live = CacheSim::over(Box::new(pool), Rc::new(Cell::new(0)));
+    eprintln!("replaying {} requests through a master and {} storage processes...", trace.requests.len(), a.nodes);
+    let started = Instant::now();
+    for (i, r) in trace.requests.iter().enumerate() {
+        live.request(r);
+        if let Some(e) = error.borrow_mut().take() {
+            return Err(e.context(format!("at request {i}; master log:\n{}", master.log_tail())));
+        }
+    }
+    let seconds = started.elapsed().as_secs_f64();
+    let copies: Vec<u64> = rt.block_on(client.nodes())?.iter().map(|n| n.copies).collect();
+    let ratio = live.hits.block_rate() / sim.pool_total.block_rate().max(f64::MIN_POSITIVE);
+    let report = ClusterReport {
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        trace: path.display().to_string(),
+        requests: trace.requests.len(),
+        nodes: a.nodes,
+        capacity_per_node_blocks: per_node,
+        node_local_round_robin: sim.local_total,
+        simulated_pool: sim.pool_total,
+        cluster: live.hits,
+        cluster_over_pool: ratio,
+        cluster_stats: live.stats(),
+        stale_lookups: stale.get(),
+        cluster_seconds: seconds,
+        copies_per_node: copies,
+    };
+    println!(
+        "{} nodes x {} blocks ({} requests, {:.1} s through the cluster)",
+        a.nodes, per_node, report.requests, seconds
+    );
+    println!("{:<28} {:>10} {:>10}", "setup", "block hit", "token hit");
+    for (name, h) in [
+        ("node-local (round-robin)", &report.node_local_round_robin),
+        ("simulated pool", &report.simulated_pool),
+        ("real cluster", &report.cluster),
+    ] {
+        println!("{name:<28} {:>10.4} {:>10.4}", h.block_rate(), h.token_rate());
+    }
+    println!(
+        "cluster / simulated pool: {:.4} (goal >= 0.98: {}); stale lookups {}; copies per node {:?}",
+        ratio,
+        if ratio >= 0.98 { "met" } else { "MISSED" },
+        report.stale_lookups,
+        report.copies_per_node
+    );
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    drop(nodes);
+    Ok(())
+}
+
+// ---- cluster-transfer -------------------------------------------------------------------------
+
+#[derive(Debug, Args)]
+pub struct TransferArgs {
+    /// Block sizes
+    #[arg(long, value_delimiter = ',', default_value = "64KiB,1MiB,4MiB")]
+    pub sizes: Vec<String>,
+    /// Blocks per request
+    #[arg(long, default_value_t = 16)]
+    pub batch: usize,
+    /// Bytes moved per size and direction
+    #[arg(long, default_value = "256MiB")]
+    pub bytes: String,
+    /// Write the results as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+#[derive(Debug, Serialize)]
+struct TransferRow {
+    path: String,
+    size: u64,
+    batch: usize,
+    op: &'static str,
+    mb_s: f64,
+    p50_us: u64,
+    p99_us: u64,
+    /// MB/s over memcpy's MB/s of the same bytes.
+    of_memcpy: f64,
+    /// MB/s over the single storage node's (direct) MB/s.
+    of_single_node: f64,
+}
+
+fn parse_size(s: &str) -> Result<u64> {
+    Ok(s.parse::<bytesize::ByteSize>().map_err(|e| anyhow::anyhow!("bad size {s:?}: {e}"))?.as_u64())
+}
+
+struct Timed {
+    mb_s: f64,
+    hist: hdrhistogram::Histogram<u64>,
+}
+
+impl Timed {
+    fn new() -> Timed {
+        Timed { mb_s: 0.0, hist: hdrhistogram::Histogram::new(3).expect("3 digits") }
+    }
+}
+
+/// A master and `n` storage nodes on this host with `dram` each; the returned config reaches
+/// the master with the admin key.
+fn start_cluster(n: usize, dram: &str, dir: &std::path::Path) -> Result<(LocalServer, Vec<LocalServer>, ClientConfig)> {
+    let key_file = dir.join("admin-key");
+    std::fs::write(&key_file, format!("{KEY}\n"))?;
+    let auth = format!(
+        "[[auth.keys]]\ntenant = \"default\"\nsha256 = \"{}\"\nadmin = true\n",
+        hex::encode(Sha256::digest(KEY.as_bytes()))
+    );
+    let master_cfg = dir.join("master.toml");
+    std::fs::write(&master_cfg, format!("{auth}\n[cluster]\nrole = \"master\"\nreport_ms = 200\n"))?;
+    let master = LocalServer::start("1MiB", &["--config".into(), master_cfg.display().to_string()])?;
+    let ep = kvpool_client::EndpointInfo::read(master.path())?;
+    let storage_cfg = dir.join("storage.toml");
+    std::fs::write(&storage_cfg, &auth)?;
+    let fp = ep.fingerprint.clone().context("the master wrote no certificate fingerprint")?;
+    let mut nodes = Vec::new();
+    for i in 0..n {
+        let args: Vec<String> = [
+            "--config",
+            &storage_cfg.display().to_string(),
+            "--role",
+            "storage",
+            "--master",
+            &ep.quic_addr,
+            "--master-fingerprint",
+            &fp,
+            "--master-key-file",
+            &key_file.display().to_string(),
+            "--node-name",
+            &format!("s{i}"),
+        ]
+        .map(String::from)
+        .to_vec();
+        nodes.push(LocalServer::start(dram, &args)?);
+    }
+    let mut cfg = ClientConfig::new(ep.quic_addr.clone(), KEY, ep.trust()?);
+    cfg.server_name = ep.server_name.clone();
+    Ok((master, nodes, cfg))
+}
+
+pub fn cluster_transfer(a: TransferArgs) -> Result<()> {
+    let sizes: Vec<u64> = a.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?;
+    let total = parse_size(&a.bytes)?;
+    let dir = tempfile::tempdir()?;
+    // Room for every block of every size in each node (node 0 takes the direct puts and half
+    // of the cluster's): nothing is evicted while measuring.
+    let dram = format!("{}", 2 * total * sizes.len() as u64 + (256 << 20));
+    let (_master, nodes, mut cfg) = start_cluster(2, &dram, dir.path())?;
+    cfg.transport = kvpool_client::TransportChoice::Quic;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let cluster = rt.block_on(ClusterClient::connect(cfg.clone()))?;
+    let started = Instant::now();
+    while rt.block_on(cluster.nodes())?.iter().filter(|n| n.live).count() < 2 {
+        if started.elapsed().as_secs() > 30 {
+            bail!("the storage nodes did not join");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let ep0 = kvpool_client::EndpointInfo::read(nodes[0].path())?;
+    let mut direct_cfg = ClientConfig::new(ep0.quic_addr.clone(), KEY, ep0.trust()?);
+    direct_cfg.server_name = ep0.server_name.clone();
+    direct_cfg.transport = kvpool_client::TransportChoice::Quic;
+    let direct = rt.block_on(kvpool_client::Client::connect(direct_cfg))?;
+
+    let mut rows = Vec::new();
+    for (si, &size) in sizes.iter().enumerate() {
+        let rounds = (total / (size * a.batch as u64)).max(4) as usize;
+        let value: Vec<u8> = (0..size).map(|i| (i * 131 % 251) as u8).collect();
+        // memcpy of the same batches, from a pool larger than the caches.
+        let src = vec![7u8; (size as usize * a.batch).max(64 << 20)];
+        let mut dst = vec![0u8; size as usize * a.batch];
+        let mut mc = Timed::new();
+        let t0 = Instant::now();
+        for r in 0..rounds {
+            let s = Instant::now();
+            for b in 0..a.batch {
+                let off = ((r * a.batch + b) * size as usize) % (src.len() - size as usize + 1);
+                dst[b * size as usize..(b + 1) * size as usize].copy_from_slice(&src[off..off + size as usize]);
+            }
+            std::hint::black_box(&dst);
+            mc.hist.record(s.elapsed().as_micros() as u64)?;
+        }
+        mc.mb_s = (rounds as u64 * a.batch as u64 * size) as f64 / t0.elapsed().as_secs_f64() / 1e6;
+        let mut results: Vec<(&str, &'static str, Timed)> = Vec::new();
+        for (path, cl) in [("single node (direct QUIC)", false), ("cluster (master + 2 nodes, QUIC)", true)] {
+            for op in ["put", "get"] {
+                let mut t = Timed::new();
+                let t0 = Instant::now();
+                for r in 0..rounds {
+                    let keys: Vec<Vec<u8>> =
+                        (0..a.batch).map(|b| format!("x{si}-{}-{r}-{b}", u8::from(cl)).into_bytes()).collect();
+                    let s = Instant::now();
+                    if op == "put" {
+                        let entries: Vec<PutEntry<'_>> = keys.iter().map(|k| PutEntry::new(k, &value)).collect();
+                        let st = if cl {
+                            rt.block_on(cluster.put_batch(&entries, PutMode::Insert, 1))?
+                        } else {
+                            rt.block_on(direct.put_batch(&entries, PutMode::Insert))?
+                        };
+                        if st.iter().any(|s| *s != ErrorCode::Ok) {
+                            bail!("{path}: put answered {st:?}");
+                        }
+                    } else {
+                        let got = if cl {
+                            rt.block_on(cluster.get_batch(&keys))?
+                        } else {
+                            rt.block_on(direct.get_batch(&keys))?
+                        };
+                        if got.iter().any(|g| g.status != ErrorCode::Ok) {
+                            bail!("{path}: a get missed");
+                        }
+                    }
+                    t.hist.record(s.elapsed().as_micros() as u64)?;
+                }
+                t.mb_s = (rounds as u64 * a.batch as u64 * size) as f64 / t0.elapsed().as_secs_f64() / 1e6;
+                if cl && op == "put" {
+                    // The cluster's gets need the master to know the blocks: wait for the reports.
+                    let last: Vec<Vec<u8>> =
+                        (0..a.batch).map(|b| format!("x{si}-1-{}-{b}", rounds - 1).into_bytes()).collect();
+                    while rt.block_on(cluster.lookup(&last))? < last.len() {
+                        std::thread::sleep(std::time::Duration::from_millis(5));
+                    }
+                }
+                results.push((path, op, t));
+            }
+        }
+        rows.push(TransferRow {
+            path: "memcpy".into(),
+            size,
+            batch: a.batch,
+            op: "copy",
+            mb_s: mc.mb_s,
+            p50_us: mc.hist.value_at_quantile(0.5),
+            p99_us: mc.hist.value_at_quantile(0.99),
+            of_memcpy: 1.0,
+            of_single_node: f64::NAN,
+        });
+        for (path, op, t) in &results {
+            let single =
+                results.iter().find(|(p, o, _)| p.starts_with("single") && o == op).map_or(f64::NAN, |r| r.2.mb_s);
+            rows.push(TransferRow {
+                path: path.to_string(),
+                size,
+                batch: a.batch,
+                op,
+                mb_s: t.mb_s,
+                p50_us: t.hist.value_at_quantile(0.5),
+                p99_us: t.hist.value_at_quantile(0.99),
+                of_memcpy: t.mb_s / mc.mb_s,
+                of_single_node: t.mb_s / single,
+            });
+        }
+    }
+    println!(
+        "{:<34} {:>8} {:>5} {:>4} {:>9} {:>9} {:>9} {:>9} {:>9}",
+        "path", "size", "batch", "op", "MB/s", "p50 us", "p99 us", "/memcpy", "/single"
+    );
+    for r in &rows {
+        println!(
+            "{:<34} {:>8} {:>5} {:>4} {:>9.0} {:>9} {:>9} {:>9.3} {:>9.2}",
+            r.path,
+            bytesize::ByteSize(r.size).to_string_as(true),
+            r.batch,
+            r.op,
+            r.mb_s,
+            r.p50_us,
+            r.p99_us,
+            r.of_memcpy,
+            r.of_single_node
+        );
+    }
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&rows)?).with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}
+
+// ---- cluster-failover -------------------------------------------------------------------------
+
+#[derive(Debug, Args)]
+pub struct FailoverArgs {
+    /// Leader kills to measure
+    #[arg(long, default_value_t = 5)]
+    pub kills: usize,
+    /// Client request timeout in ms (how long a request waits on a master that died)
+    #[arg(long, default_value_t = 1000)]
+    pub request_timeout_ms: u64,
+    /// Write the results as JSON
+    #[arg(long)]
+    pub json: Option<PathBuf>,
+}
+
+/// A real etcd on free loopback ports, killed on drop.
+struct Etcd {
+    child: std::process::Child,
+    _dir: tempfile::TempDir,
+    url: String,
+}
+
+impl Etcd {
+    fn start() -> Result<Etcd> {
+        let dir = tempfile::tempdir()?;
+        let port = || -> Result<u16> { Ok(std::net::TcpListener::bind("127.0.0.1:0")?.local_addr()?.port()) };
+        let (client, peer) = (port()?, port()?);
+        let url = format!("http://127.0.0.1:{client}");
+        let peer_url = format!("http://127.0.0.1:{peer}");
+        let child = std::process::Command::new("etcd")
+            .arg("--data-dir")
+            .arg(dir.path().join("data"))
+            .args(["--listen-client-urls", &url, "--advertise-client-urls", &url])
+            .args(["--listen-peer-urls", &peer_url, "--initial-advertise-peer-urls", &peer_url])
+            .args(["--initial-cluster", &format!("default={peer_url}")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .context("starting etcd (install etcd-server: bench/peers/setup.sh etcd)")?;
+        let e = Etcd { child, _dir: dir, url };
+        let etcd = kvpool_etcd::Etcd::new(&e.url)?;
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+        let start = Instant::now();
+        while rt.block_on(etcd.get(b"probe")).is_err() {
+            if start.elapsed().as_secs() > 20 {
+                bail!("etcd did not answer within 20 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+        Ok(e)
+    }
+}
+
+impl Drop for Etcd {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+#[derive(Debug, Serialize)]
+struct FailoverReport {
+    kills: usize,
+    leader_ttl_s: u32,
+    request_timeout_ms: u64,
+    /// Per kill: ms from SIGKILL of the leader to the first full lookup answered.
+    recovery_ms: Vec<u64>,
+}
+
+pub fn cluster_failover(a: FailoverArgs) -> Result<()> {
+    let etcd = Etcd::start()?;
+    let dir = tempfile::tempdir()?;
+    let key_file = dir.path().join("admin-key");
+    std::fs::write(&key_file, format!("{KEY}\n"))?;
+    let auth = format!(
+        "[[auth.keys]]\ntenant = \"default\"\nsha256 = \"{}\"\nadmin = true\n",
+        hex::encode(Sha256::digest(KEY.as_bytes()))
+    );
+    let cluster = format!("[cluster]\netcd = \"{}\"\nreport_ms = 100\nnode_timeout_ms = 1000\n", etcd.url);
+    let master_cfg = dir.path().join("master.toml");
+    std::fs::write(&master_cfg, format!("{auth}\n{cluster}role = \"master\"\n"))?;
+    let storage_cfg = dir.path().join("storage.toml");
+    std::fs::write(
+        &storage_cfg,
+        format!("{auth}\n{cluster}role = \"storage\"\nmaster_key_file = \"{}\"\n", key_file.display()),
+    )?;
+    let mut masters: Vec<LocalServer> = (0..2)
+        .map(|_| LocalServer::start("1MiB", &["--config".into(), master_cfg.display().to_string()]))
+        .collect::<Result<_>>()?;
+    let _nodes: Vec<LocalServer> = (0..2)
+        .map(|i| {
+            LocalServer::start(
+                "64MiB",
+                &["--config".into(), storage_cfg.display().to_string(), "--node-name".into(), format!("s{i}")],
+            )
+        })
+        .collect::<Result<_>>()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+    let mut template = ClientConfig::new("unused:0", KEY, kvpool_client::Trust::Fingerprint([0; 32]));
+    template.transport = kvpool_client::TransportChoice::Quic;
+    template.request_timeout = std::time::Duration::from_millis(a.request_timeout_ms);
+    let start = Instant::now();
+    let client = loop {
+        match rt.block_on(ClusterClient::connect_etcd(&etcd.url, "/kvpool/", template.clone())) {
+            Ok(c) => break c,
+            Err(e) if start.elapsed().as_secs() > 30 => bail!("no leader: {e}"),
+            Err(_) => std::thread::sleep(std::time::Duration::from_millis(100)),
+        }
+    };
+    while rt.block_on(client.nodes()).map(|n| n.iter().filter(|n| n.live).count()).unwrap_or(0) < 2 {
+        if start.elapsed().as_secs() > 30 {
+            bail!("the storage nodes did not join");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let keys: Vec<Vec<u8>> = (0..16).map(|i| format!("failover-{i}").into_bytes()).collect();
+    let value = vec![1u8; 64 << 10];
+    let entries: Vec<PutEntry<'_>> = keys
+        .iter()
+        .enumerate()
+        .map(|(i, k)| PutEntry {
+            key: k,
+            value: &value,
+            opts: PutOptions { parent: (i > 0).then(|| keys[i - 1].clone()), ..PutOptions::default() },
+        })
+        .collect();
+    let st = rt.block_on(client.put_batch(&entries, PutMode::Insert, 1))?;
+    if st.iter().any(|s| *s != ErrorCode::Ok) {
+        bail!("put answered {st:?}");
+    }
+    let mut recovery = Vec::new();
+    for k in 0..a.kills {
+        while rt.block_on(client.lookup(&keys)).unwrap_or(0) < keys.len() {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
+        let leader = client.master().config().server.clone();
+        let idx = masters
+            .iter()
+            .position(|m| kvpool_client::EndpointInfo::read(m.path()).is_ok_and(|e| e.quic_addr == leader))
+            .context("the leader is none of the masters started")?;
+        let killed = Instant::now();
+        masters[idx].kill_and_restart(std::time::Duration::from_secs(30))?;
+        loop {
+            if rt.block_on(client.lookup(&keys)).unwrap_or(0) == keys.len() {
+                break;
+            }
+            if killed.elapsed().as_secs() > 60 {
+                bail!("kill {k}: no recovery within 60 s");
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        let ms = killed.elapsed().as_millis() as u64;
+        println!("kill {k}: the first full lookup {ms} ms after the leader was killed");
+        recovery.push(ms);
+    }
+    let mut sorted = recovery.clone();
+    sorted.sort_unstable();
+    println!(
+        "failover over {} kills: median {} ms, max {} ms (leader lease TTL 2 s, client request timeout {} ms)",
+        sorted.len(),
+        sorted[sorted.len() / 2],
+        sorted[sorted.len() - 1],
+        a.request_timeout_ms
+    );
+    let report = FailoverReport {
+        kills: a.kills,
+        leader_ttl_s: 2,
+        request_timeout_ms: a.request_timeout_ms,
+        recovery_ms: recovery,
+    };
+    if let Some(p) = &a.json {
+        std::fs::write(p, serde_json::to_string_pretty(&report)?)
+            .with_context(|| format!("writing {}", p.display()))?;
+    }
+    Ok(())
+}
