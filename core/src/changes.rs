@@ -25,7 +25,7 @@ pub enum ChangeKind {
 
 // The log holds tens of thousands of these: keep them from growing unnoticed (64-bit targets).
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Change>() <= 56);
+const _: () = assert!(std::mem::size_of::<Change>() <= 64);
 
 /// One copy that came or went.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -39,6 +39,9 @@ pub struct Change {
     pub size: u64,
     /// Wall clock (ms) stamped by whoever logs the change; the index has no clock and leaves 0.
     pub time_ms: u64,
+    /// The node whose copy this is: 0 for this server's own; a cluster master logs its storage
+    /// nodes' changes under their node ids.
+    pub node: u32,
 }
 
 /// What a subscriber reads: the changes from its cursor that pass its filter.
@@ -190,6 +193,7 @@ mod tests {
             parent: None,
             size: 1,
             time_ms: 0,
+            node: 0,
         }
     }
 

@@ -171,7 +171,7 @@ impl<D> Block<D> {
 
     /// A KV event about this block's copy in `tier`.
     fn change(&self, key: &[u8], kind: ChangeKind, tier: Tier, parent: Option<Arc<[u8]>>) -> Change {
-        Change { kind, tier, tenant: self.tenant, key: key.into(), parent, size: self.size(), time_ms: 0 }
+        Change { kind, tier, tenant: self.tenant, key: key.into(), parent, size: self.size(), time_ms: 0, node: 0 }
     }
 
     /// An event about this block, whose key is `key`; `time` is stamped by [`Index::emit`] (or

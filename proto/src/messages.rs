@@ -108,6 +108,9 @@ pub struct NodeBlock {
     pub tenant: String,
     #[serde(with = "serde_bytes")]
     pub key: Vec<u8>,
+    /// The previous key of the block's prefix chain, as its put named it.
+    #[serde(with = "serde_bytes")]
+    pub parent: Option<Vec<u8>>,
     pub size: u64,
 }
 

@@ -341,6 +341,15 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         let _ = store.attach_events(log.clone());
         log
     });
+    let master = (cfg.cluster.role == config::Role::Master).then(|| {
+        let meta_store = store.clone();
+        Arc::new(cluster::Master::new(
+            cfg.cluster.report_ms,
+            Duration::from_millis(cfg.cluster.node_timeout_ms),
+            Box::new(move |name: &str| tenant_id(meta_store.meta(), name)),
+            events.clone(),
+        ))
+    });
     let shared = Arc::new(service::Shared {
         store,
         auth,
@@ -359,9 +368,7 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         data_path,
         events,
         node: node_name(cfg),
-        master: (cfg.cluster.role == config::Role::Master).then(|| {
-            Arc::new(cluster::Master::new(cfg.cluster.report_ms, Duration::from_millis(cfg.cluster.node_timeout_ms)))
-        }),
+        master,
     });
     Ok(Node { shared, data_dir, api_key_file, hixl })
 }

@@ -1,7 +1,7 @@
 //! A cluster pool of real processes on 127.0.0.1: a master and storage nodes, driven through
 //! `ClusterClient` and the `kvpool nodes` command.
 
-use kvpool_client::proto::NodeInfo;
+use kvpool_client::proto::{EventScope, KvEventKind, NodeInfo};
 use kvpool_client::{ClientConfig, ClusterClient, ErrorCode, PutEntry, PutMode, PutOptions, Trust};
 use kvpool_tests::{bin, value_for, Opts, TestServer, ADMIN_KEY, ALICE_KEY, BOB_KEY};
 use std::time::{Duration, Instant};
@@ -267,6 +267,13 @@ async fn replicas_land_on_distinct_nodes_and_survive_a_sibling() {
     let mut cl = cluster(3, "16MiB", "0");
     let c = cl.client(ALICE_KEY).await;
     nodes_until(&c, "three nodes join", |n| n.len() == 3 && n.iter().all(|n| n.live)).await;
+    // A router follows the whole pool at the master: one event stream, each event naming the
+    // storage node of the copy.
+    let mut events = c
+        .master()
+        .subscribe(kvpool_client::SubscribeOptions { scope: EventScope::Tenant, ..Default::default() })
+        .await
+        .unwrap();
     const SIZE: usize = 64 << 10;
     let keys = chain("rep", 10);
     assert_eq!(put_chain(&c, &keys, SIZE, 2).await, vec![ErrorCode::Ok; 10]);
@@ -280,12 +287,41 @@ async fn replicas_land_on_distinct_nodes_and_survive_a_sibling() {
         tokio::time::sleep(Duration::from_millis(20)).await;
     };
     assert!(routes.items.iter().all(|n| n[0] != n[1]), "{:?}", routes.items);
+    let mut stored: Vec<(String, String)> = Vec::new();
+    while stored.len() < 20 {
+        let b = events.next_within(Duration::from_secs(10)).await.unwrap().expect("stored events");
+        for e in b.events {
+            assert_eq!(e.kind, KvEventKind::Stored, "{e:?}");
+            assert_eq!(e.tenant, "alice");
+            stored.push((String::from_utf8(e.key).unwrap(), e.node));
+        }
+    }
+    stored.sort();
+    let mut expect: Vec<(String, String)> = Vec::new();
+    let nodes = c.nodes().await.unwrap();
+    let name_of = |id: u32| nodes.iter().find(|n| n.node == id).unwrap().name.clone();
+    for (k, on) in keys.iter().zip(&routes.items) {
+        for &n in on {
+            expect.push((k.clone(), name_of(n)));
+        }
+    }
+    expect.sort();
+    assert_eq!(stored, expect, "every copy stored is seen once, naming its node");
     // Kill the node holding the most copies: every block still has its sibling.
     let nodes = c.nodes().await.unwrap();
     let victim = nodes.iter().max_by_key(|n| n.copies).unwrap().clone();
     let idx = cl.nodes.iter().position(|s| s.addr() == victim.addr).unwrap();
     cl.nodes[idx].kill();
     nodes_until(&c, "the killed node is declared dead", |n| n.iter().any(|n| n.node == victim.node && !n.live)).await;
+    // Its copies leave the pool's stream as removed.
+    let mut removed = 0;
+    while (removed as u64) < victim.copies {
+        let b = events.next_within(Duration::from_secs(10)).await.unwrap().expect("removed events");
+        for e in b.events {
+            assert_eq!((e.kind, e.node.as_str()), (KvEventKind::Removed, victim.name.as_str()), "{e:?}");
+            removed += 1;
+        }
+    }
     assert_eq!(c.lookup(&keys).await.unwrap(), 10);
     assert_eq!(read_back(&c, &keys, SIZE).await, vec![ErrorCode::Ok; 10]);
     let _ = cl.key_file();

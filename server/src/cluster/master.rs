@@ -7,6 +7,8 @@
 //! with nothing lost. A node silent past the timeout is dead: its copies are forgotten at
 //! once, so clients see misses, never a route to a node that cannot answer.
 
+use crate::events::EventLog;
+use kvpool_core::{Change, ChangeKind};
 use kvpool_policy_sdk::{NodeSet, PlaceBatch, PlacementPolicy, Placements, Tier, NO_NODE, NO_PARENT};
 use kvpool_proto::{
     KvEventKind, NodeAddr, NodeBlock, NodeInfo, NodeJoinRequest, NodeJoined, NodeList, NodeReportRequest, PutItem,
@@ -14,6 +16,7 @@ use kvpool_proto::{
 };
 use parking_lot::Mutex;
 use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
 
@@ -69,16 +72,22 @@ impl NodeEntry {
     }
 }
 
-/// Copies of one block: (node, bit per tier).
-type Copies = Vec<(u32, u8)>;
+/// A block in the pool: its size, and its copies as (node, bit per tier).
+#[derive(Default)]
+struct Copies {
+    size: u64,
+    on: Vec<(u32, u8)>,
+}
 
 #[derive(Default)]
 struct State {
     /// Node `i + 1` is `nodes[i]`; ids stay with a name for the master's life.
     nodes: Vec<NodeEntry>,
     by_name: HashMap<String, u32>,
-    /// Tenant name -> the master's own id for it.
+    /// Tenant name -> id (the server's own tenant ids, so that KV event subscriptions filter
+    /// by tenant as on any server), and back.
     tenants: HashMap<String, u32>,
+    names: HashMap<u32, String>,
     /// Per tenant id: key -> copies.
     blocks: HashMap<u32, HashMap<Box<[u8]>, Copies>>,
 }
@@ -92,63 +101,83 @@ impl State {
         self.nodes.get_mut((id as usize).checked_sub(1)?)
     }
 
-    fn tenant(&mut self, name: &str) -> u32 {
+    fn tenant(&mut self, name: &str, resolve: &dyn Fn(&str) -> u32) -> u32 {
         if let Some(&t) = self.tenants.get(name) {
             return t;
         }
-        let t = self.tenants.len() as u32;
+        let t = resolve(name);
         self.tenants.insert(name.to_string(), t);
+        self.names.insert(t, name.to_string());
         t
     }
 
-    /// Forget every copy on `node`.
-    fn forget(&mut self, node: u32) {
-        for map in self.blocks.values_mut() {
-            map.retain(|_, copies| {
-                copies.retain(|&(n, _)| n != node);
-                !copies.is_empty()
+    /// Forget every copy on `node`; one `Removed` change per copy forgotten.
+    fn forget(&mut self, node: u32) -> Vec<Change> {
+        let mut gone = Vec::new();
+        for (&tenant, map) in self.blocks.iter_mut() {
+            map.retain(|key, c| {
+                if let Some(i) = c.on.iter().position(|&(n, _)| n == node) {
+                    let (_, bits) = c.on.swap_remove(i);
+                    for tier in Tier::ALL.into_iter().filter(|&t| bits & (1 << t as u8) != 0) {
+                        gone.push(change(ChangeKind::Removed, tier, tenant, key, None, c.size, node));
+                    }
+                }
+                !c.on.is_empty()
             });
         }
         if let Some(n) = self.node_mut(node) {
             n.copies = 0;
         }
+        gone
     }
 
-    fn apply(&mut self, node: u32, b: NodeBlock) {
-        let Some(tier) = Tier::from_u8(b.tier) else { return };
+    /// Apply one reported copy; the change to log when it changed the view.
+    fn apply(&mut self, node: u32, b: NodeBlock, resolve: &dyn Fn(&str) -> u32) -> Option<Change> {
+        let tier = Tier::from_u8(b.tier)?;
         let bit = 1u8 << (tier as u8);
-        let tenant = self.tenant(&b.tenant);
+        let tenant = self.tenant(&b.tenant, resolve);
         let map = self.blocks.entry(tenant).or_default();
         let mut delta: i64 = 0;
-        match b.kind {
+        let changed = match b.kind {
             KvEventKind::Stored => {
-                let copies = map.entry(b.key.into_boxed_slice()).or_default();
-                match copies.iter_mut().find(|(n, _)| *n == node) {
-                    Some((_, bits)) => *bits |= bit,
+                let c = map.entry(b.key.as_slice().into()).or_default();
+                c.size = b.size;
+                match c.on.iter_mut().find(|(n, _)| *n == node) {
+                    Some((_, bits)) => std::mem::replace(bits, *bits | bit) & bit == 0,
                     None => {
-                        copies.push((node, bit));
+                        c.on.push((node, bit));
                         delta = 1;
+                        true
                     }
                 }
             }
             KvEventKind::Removed | KvEventKind::Evicted => {
-                if let Some(copies) = map.get_mut(b.key.as_slice()) {
-                    if let Some(i) = copies.iter().position(|&(n, _)| n == node) {
-                        copies[i].1 &= !bit;
-                        if copies[i].1 == 0 {
-                            copies.swap_remove(i);
+                let mut had = false;
+                if let Some(c) = map.get_mut(b.key.as_slice()) {
+                    if let Some(i) = c.on.iter().position(|&(n, _)| n == node) {
+                        had = c.on[i].1 & bit != 0;
+                        c.on[i].1 &= !bit;
+                        if c.on[i].1 == 0 {
+                            c.on.swap_remove(i);
                             delta = -1;
                         }
                     }
-                    if copies.is_empty() {
+                    if c.on.is_empty() {
                         map.remove(b.key.as_slice());
                     }
                 }
+                had
             }
-        }
+        };
         if let Some(n) = self.node_mut(node) {
             n.copies = n.copies.saturating_add_signed(delta);
         }
+        let kind = match b.kind {
+            KvEventKind::Stored => ChangeKind::Stored,
+            KvEventKind::Removed => ChangeKind::Removed,
+            KvEventKind::Evicted => ChangeKind::Evicted,
+        };
+        changed.then(|| change(kind, tier, tenant, &b.key, b.parent.as_deref(), b.size, node))
     }
 
     /// Live nodes holding `key` of `tenant`, DRAM copies first.
@@ -157,6 +186,7 @@ impl State {
             return Vec::new();
         };
         let mut out: Vec<(bool, u32)> = copies
+            .on
             .iter()
             .filter(|&&(n, _)| self.node(n).is_some_and(|e| e.live))
             .map(|&(n, bits)| (bits & (1 << Tier::Dram as u8) == 0, n))
@@ -174,9 +204,25 @@ impl State {
     }
 }
 
+fn change(
+    kind: ChangeKind,
+    tier: Tier,
+    tenant: u32,
+    key: &[u8],
+    parent: Option<&[u8]>,
+    size: u64,
+    node: u32,
+) -> Change {
+    Change { kind, tier, tenant, key: key.into(), parent: parent.map(Into::into), size, time_ms: 0, node }
+}
+
 /// The master role's state.
 pub struct Master {
     state: Mutex<State>,
+    /// KV events of the whole pool (its nodes' copies), for subscriptions to the master.
+    events: Option<Arc<EventLog>>,
+    /// A tenant name's id on this server.
+    resolve: Box<dyn Fn(&str) -> u32 + Send + Sync>,
     /// Whether this master leads: always with no etcd; with etcd, while it holds the leader
     /// key's lease. A master that does not lead answers cluster requests `not-leader`.
     leading: std::sync::atomic::AtomicBool,
@@ -189,9 +235,18 @@ pub struct Master {
 }
 
 impl Master {
-    pub fn new(report_ms: u32, timeout: Duration) -> Master {
+    /// `resolve` gives a tenant name's id (as the server's auth does), `events` is the log of
+    /// the pool's KV events.
+    pub fn new(
+        report_ms: u32,
+        timeout: Duration,
+        resolve: Box<dyn Fn(&str) -> u32 + Send + Sync>,
+        events: Option<Arc<EventLog>>,
+    ) -> Master {
         Master {
             state: Mutex::new(State::default()),
+            events,
+            resolve,
             leading: true.into(),
             leader: Mutex::new(None),
             report_ms,
@@ -208,8 +263,27 @@ impl Master {
     /// from a view that no longer follows the nodes.
     pub fn set_leading(&self, on: bool) {
         let mut st = self.state.lock();
+        let gone: Vec<Change> = (1..=st.nodes.len() as u32).flat_map(|id| st.forget(id)).collect();
+        self.publish(gone);
         *st = State::default();
         self.leading.store(on, std::sync::atomic::Ordering::Release);
+    }
+
+    /// Log changes (the caller holds the state lock, so the log's order is the view's).
+    fn publish(&self, changes: Vec<Change>) {
+        if let Some(log) = &self.events {
+            log.publish(changes);
+        }
+    }
+
+    /// Name of a storage node, for its KV events.
+    pub fn node_name(&self, id: u32) -> String {
+        self.state.lock().node(id).map_or_else(|| format!("node-{id}"), |n| n.name.clone())
+    }
+
+    /// Name of a tenant id the nodes reported.
+    pub fn tenant_name(&self, id: u32) -> Option<String> {
+        self.state.lock().names.get(&id).cloned()
     }
 
     /// Who leads, as last read from etcd (for followers' answers).
@@ -239,7 +313,8 @@ impl Master {
         };
         let id = match st.by_name.get(&req.name).copied() {
             Some(id) => {
-                st.forget(id);
+                let gone = st.forget(id);
+                self.publish(gone);
                 *st.node_mut(id).expect("named nodes exist") = entry;
                 id
             }
@@ -264,12 +339,11 @@ impl Master {
         n.last = Instant::now();
         n.tiers = req.tiers;
         n.placed = 0;
-        if req.reset {
-            st.forget(req.node);
-        }
+        let mut changes = if req.reset { st.forget(req.node) } else { Vec::new() };
         for b in req.blocks {
-            st.apply(req.node, b);
+            changes.extend(st.apply(req.node, b, &*self.resolve));
         }
+        self.publish(changes);
         Ok(())
     }
 
@@ -283,7 +357,8 @@ impl Master {
             let n = st.node_mut(id).expect("listed");
             n.live = false;
             warn!(node = id, name = %n.name, "storage node is silent past the timeout: dead, its blocks are misses");
-            st.forget(id);
+            let gone = st.forget(id);
+            self.publish(gone);
         }
         dead.len()
     }
@@ -402,6 +477,16 @@ mod tests {
     use super::*;
     use kvpool_proto::PinSpec;
 
+    fn master(timeout: Duration) -> Master {
+        let ids = std::sync::Mutex::new(HashMap::<String, u32>::new());
+        let resolve = move |name: &str| {
+            let mut ids = ids.lock().unwrap();
+            let n = ids.len() as u32;
+            *ids.entry(name.to_string()).or_insert(n)
+        };
+        Master::new(100, timeout, Box::new(resolve), None)
+    }
+
     fn join(m: &Master, name: &str, dram: u64) -> u32 {
         m.join(NodeJoinRequest {
             name: name.into(),
@@ -415,7 +500,14 @@ mod tests {
     }
 
     fn stored(key: &str, tier: u8) -> NodeBlock {
-        NodeBlock { kind: KvEventKind::Stored, tier, tenant: "t".into(), key: key.as_bytes().to_vec(), size: 10 }
+        NodeBlock {
+            kind: KvEventKind::Stored,
+            tier,
+            tenant: "t".into(),
+            key: key.as_bytes().to_vec(),
+            parent: None,
+            size: 10,
+        }
     }
 
     fn report(m: &Master, node: u32, reset: bool, blocks: Vec<NodeBlock>) -> Result<(), ReportError> {
@@ -436,7 +528,7 @@ mod tests {
 
     #[test]
     fn reports_route_and_death_forgets() {
-        let m = Master::new(100, Duration::from_millis(300));
+        let m = master(Duration::from_millis(300));
         let (a, b) = (join(&m, "a", 1000), join(&m, "b", 1000));
         report(&m, a, true, vec![stored("k1", 1), stored("k2", 2)]).unwrap();
         report(&m, b, true, vec![stored("k1", 2)]).unwrap();
@@ -467,7 +559,7 @@ mod tests {
 
     #[test]
     fn placement_keeps_chains_spreads_replicas_and_checks_the_policy() {
-        let m = Master::new(100, Duration::from_secs(3));
+        let m = master(Duration::from_secs(3));
         let (a, b, c) = (join(&m, "a", 10_000), join(&m, "b", 10_000), join(&m, "c", 10_000));
         report(&m, b, true, vec![stored("root", 1)]).unwrap();
         // A chain continues where its parent is, and stays together within the batch.

@@ -87,6 +87,7 @@ fn block(shared: &Shared, c: Change) -> NodeBlock {
         tier: c.tier as u8,
         tenant: shared.auth.tenant_name(c.tenant),
         key: c.key.to_vec(),
+        parent: c.parent.map(|p| p.to_vec()),
         size: c.size,
     }
 }

@@ -723,7 +723,8 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
     reply(send, &resp, Deadline::now() + s.timeouts.request).await
 }
 
-/// Requests about blocks a node holds: a master answers them `unsupported`.
+/// Requests about blocks a node holds: a master answers them `unsupported`. (`Subscribe` is
+/// not one: a master streams the KV events of every storage node.)
 fn holds_blocks(r: &Request) -> bool {
     matches!(
         r,
@@ -743,7 +744,6 @@ fn holds_blocks(r: &Request) -> bool {
             | Request::GetInto(_)
             | Request::Write(_)
             | Request::Read(_)
-            | Request::Subscribe(_)
     )
 }
 

@@ -25,8 +25,12 @@ fn event(seq: u64, c: Change, node: &str, s: &Shared) -> KvEvent {
             ChangeKind::Evicted => KvEventKind::Evicted,
         },
         tier: c.tier as u8,
-        node: node.to_string(),
-        tenant: s.auth.tenant_name(c.tenant),
+        // A master logs its storage nodes' copies under their ids.
+        node: match (&s.master, c.node) {
+            (Some(m), n) if n != 0 => m.node_name(n),
+            _ => node.to_string(),
+        },
+        tenant: s.master.as_ref().and_then(|m| m.tenant_name(c.tenant)).unwrap_or_else(|| s.auth.tenant_name(c.tenant)),
         key: c.key.to_vec(),
         parent: c.parent.map(|p| p.to_vec()),
         size: c.size,
