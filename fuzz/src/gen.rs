@@ -3,9 +3,10 @@
 
 use kvpool_proto::frame::encode_frame;
 use kvpool_proto::{
-    BufSlice, EventScope, GetIntoRequest, KeysRequest, LookupRequest, PinSpec, Ping, PolicyKind, PolicyLoadRequest,
-    PolicyRollbackRequest, PutDoneRequest, PutFromRequest, PutIntentRequest, PutItem, PutMode, PutRequest, ReadRequest,
-    ReleaseRequest, RemoveAllRequest, RemoveRequest, Request, SubscribeRequest, WriteRequest,
+    BufSlice, EventScope, GetIntoRequest, KeysRequest, KvEventKind, LookupRequest, NodeBlock, NodeReportRequest,
+    PinSpec, Ping, PlaceRequest, PolicyKind, PolicyLoadRequest, PolicyRollbackRequest, PutDoneRequest, PutFromRequest,
+    PutIntentRequest, PutItem, PutMode, PutRequest, ReadRequest, ReleaseRequest, RemoveAllRequest, RemoveRequest,
+    Request, SubscribeRequest, TierUse, WriteRequest,
 };
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -107,7 +108,31 @@ fn small_id(rng: &mut StdRng) -> u64 {
 
 /// A well-formed version 2 request.
 fn request_v2(rng: &mut StdRng) -> Request {
-    match rng.gen_range(0..10) {
+    match rng.gen_range(0..12) {
+        // Cluster requests: this server is no master, so they are refused with a typed error
+        // (the master's side has its own hostile-input test in the server crate).
+        10 => match rng.gen_range(0..3) {
+            0 => Request::Nodes,
+            1 => Request::Route(KeysRequest { keys: keys(rng) }),
+            _ => Request::Place(PlaceRequest { items: put_items(rng), replicas: rng.gen_range(0..4) }),
+        },
+        11 => Request::NodeReport(NodeReportRequest {
+            node: rng.gen_range(0..4),
+            incarnation: rng.gen(),
+            reset: rng.gen(),
+            tiers: vec![TierUse { tier: rng.gen_range(0..4), capacity: rng.gen(), used: rng.gen() }],
+            blocks: keys(rng)
+                .into_iter()
+                .map(|key| NodeBlock {
+                    kind: KvEventKind::Stored,
+                    tier: rng.gen_range(0..4),
+                    tenant: "t".into(),
+                    key,
+                    parent: None,
+                    size: rng.gen(),
+                })
+                .collect(),
+        }),
         0 if rng.gen_bool(0.2) => Request::LocalAttach,
         0 => Request::ShmAttach,
         1 => Request::PutIntent(PutIntentRequest { mode: mode(rng), items: put_items(rng) }),

@@ -385,7 +385,30 @@ async fn etcd_elects_a_master_and_a_failover_keeps_every_block_of_the_live_nodes
     assert_eq!(e.code(), ErrorCode::NotLeader, "{e}");
     assert!(e.to_string().contains(&leader_addr), "{e}");
 
-    // Kill the leader under load: requests fail over to the new leader within a bound.
+    // Kill the leader under load: readers keep going (they may fail or miss during the
+    // failover, never read wrong bytes), and requests fail over to the new leader within a bound.
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let readers: Vec<_> = (0..2)
+        .map(|_| {
+            let (c, all, stop) = (c.clone(), all.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut ok = 0;
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    if let Ok(got) = c.get_batch(&all).await {
+                        for (k, g) in all.iter().zip(got) {
+                            if g.status == ErrorCode::Ok {
+                                assert!(g.value.as_deref() == Some(value_for(k, SIZE).as_slice()), "{k}");
+                                ok += 1;
+                            }
+                        }
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                ok
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
     masters[li].kill();
     let killed = Instant::now();
     let recovered = loop {
@@ -403,6 +426,10 @@ async fn etcd_elects_a_master_and_a_failover_keeps_every_block_of_the_live_nodes
     }
     assert!(recovered < Duration::from_secs(15), "{recovered:?}");
     assert_ne!(c.master().config().server, leader_addr, "the client follows the new leader");
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    for r in readers {
+        assert!(r.await.unwrap() > 0, "the readers read");
+    }
     // No block of a live storage node was lost: the new leader learnt them all again.
     assert_eq!(read_back(&c, &all, SIZE).await, vec![ErrorCode::Ok; all.len()]);
     let nodes = c.nodes().await.unwrap();
