@@ -4,8 +4,8 @@ use bytesize::ByteSize;
 use clap::{Parser, Subcommand, ValueEnum};
 use kvpool_client::proto::{EventScope, PolicyInfo, PolicyKind};
 use kvpool_client::{
-    read_key_file, Client, ClientConfig, ClientError, EndpointInfo, ErrorCode, PinSpec, PutOptions, StatsReport,
-    SubscribeOptions, Trust,
+    read_key_file, Client, ClientConfig, ClientError, ClusterClient, EndpointInfo, ErrorCode, PinSpec, PutEntry,
+    PutMode, PutOptions, StatsReport, SubscribeOptions, Trust,
 };
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -48,6 +48,20 @@ struct Cli {
     /// Request timeout in seconds
     #[arg(long, env = "KVPOOL_TIMEOUT", default_value_t = 30, global = true)]
     timeout: u64,
+    /// The server is a cluster master: put, get, lookup, exists and rm go to the storage nodes it
+    /// names
+    #[arg(long, global = true)]
+    cluster: bool,
+    /// Find the cluster's leading master in etcd (http://host:port, comma-separated); implies
+    /// --cluster, and trusts the certificate fingerprint the leader published there
+    #[arg(long, env = "KVPOOL_ETCD", global = true)]
+    etcd: Option<String>,
+    /// Key prefix of the cluster in etcd
+    #[arg(long, default_value = "/kvpool/", global = true)]
+    etcd_prefix: String,
+    /// Cluster puts: copies of each block, on distinct storage nodes
+    #[arg(long, default_value_t = 1, global = true)]
+    replicas: u32,
     #[command(subcommand)]
     cmd: Cmd,
 }
@@ -302,6 +316,9 @@ fn client_config(cli: &Cli) -> Result<ClientConfig, Failure> {
         Trust::Fingerprint(kvpool_client::parse_fingerprint(fp).map_err(|e| Failure::usage(e.to_string()))?)
     } else if let Some(ep) = &endpoint {
         ep.trust()?
+    } else if cli.etcd.is_some() {
+        // Replaced by the fingerprint the leader publishes in etcd.
+        Trust::Fingerprint([0; 32])
     } else {
         return Err(Failure::usage(
             "no way to verify the server: pass --ca FILE or --fingerprint HEX (or --data-dir of a local server)",
@@ -405,10 +422,129 @@ async fn run(cli: Cli) -> Outcome {
         Cmd::Stats { .. } | Cmd::Ping { .. } | Cmd::Policy { .. } | Cmd::Events { .. } | Cmd::Nodes { .. } => {}
     }
     let cfg = client_config(&cli)?;
+    if cli.cluster || cli.etcd.is_some() {
+        let cc = match &cli.etcd {
+            Some(e) => ClusterClient::connect_etcd(e, &cli.etcd_prefix, cfg).await?,
+            None => ClusterClient::connect(cfg).await?,
+        };
+        let result = match &cli.cmd {
+            Cmd::Put { .. }
+            | Cmd::Get { .. }
+            | Cmd::Lookup { .. }
+            | Cmd::Exists { .. }
+            | Cmd::Rm { all: false, .. } => cluster_command(&cli, &cc).await,
+            Cmd::Rm { all: true, .. } => Err(Failure::usage("rm --all is not offered on a cluster; name the keys")),
+            _ => command(&cli, &cc.master()).await,
+        };
+        cc.master().close().await;
+        return result;
+    }
     let client = Client::connect(cfg).await?;
     let result = command(&cli, &client).await;
     client.close().await;
     result
+}
+
+/// The block commands on a cluster: through the master to the storage nodes.
+async fn cluster_command(cli: &Cli, cc: &ClusterClient) -> Outcome {
+    let hex = cli.hex;
+    match &cli.cmd {
+        Cmd::Put { key, file, parent, tokens, seq_tokens, pin, pin_ttl_ms, upsert } => {
+            let key = parse_key(key, hex)?;
+            let value = read_value(file.as_deref(), cc.master().limits().max_value_size)?;
+            let opts = PutOptions {
+                parent: parent.as_deref().map(|p| parse_key(p, hex)).transpose()?,
+                tokens: *tokens,
+                seq_tokens: *seq_tokens,
+                pin: pin_spec(*pin, *pin_ttl_ms),
+            };
+            let mode = if *upsert { PutMode::Upsert } else { PutMode::Insert };
+            let entry = PutEntry { key: &key, value: &value, opts };
+            match cc.put_batch(std::slice::from_ref(&entry), mode, cli.replicas).await?[0] {
+                ErrorCode::Ok => {}
+                code => {
+                    return Err(Failure { exit: 1, line: format!("{code}: put of key {}", display_key(&key, hex)) })
+                }
+            }
+        }
+        Cmd::Get { key, output } => {
+            let Some(value) = cc.get(parse_key(key, hex)?).await? else {
+                return Err(Failure { exit: 3, line: format!("{}: key {key}", ErrorCode::NotFound) });
+            };
+            write_value(output.as_deref(), &value)?;
+        }
+        Cmd::Lookup { keys } => out(format_args!("{}\n", cc.lookup(&parse_keys(keys, hex)?).await?))?,
+        Cmd::Exists { keys } => {
+            let ks = parse_keys(keys, hex)?;
+            report_exists(&ks, &cc.exists(&ks).await?, hex)?;
+        }
+        Cmd::Rm { keys, force, .. } => {
+            let ks = parse_keys(keys, hex)?;
+            report_removed(&ks, &cc.remove_batch(&ks, *force).await?, hex)?;
+        }
+        _ => unreachable!("only block commands come here"),
+    }
+    Ok(())
+}
+
+fn pin_spec(pin: PinArg, ttl_ms: u64) -> PinSpec {
+    match pin {
+        PinArg::None => PinSpec::None,
+        PinArg::Soft => PinSpec::Soft { ttl_ms },
+        PinArg::Hard => PinSpec::Hard,
+    }
+}
+
+/// A value to a file, or to stdout when `output` is none or `-`.
+fn write_value(output: Option<&Path>, value: &[u8]) -> Outcome {
+    match output {
+        Some(path) if path.as_os_str() != "-" => {
+            std::fs::write(path, value).map_err(|e| Failure::io(format!("{}: {e}", path.display())))?
+        }
+        _ => {
+            let mut o = std::io::stdout().lock();
+            match o.write_all(value).and_then(|_| o.flush()) {
+                Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+                    return Err(Failure::io(format!("stdout: {e}")))
+                }
+                _ => {}
+            }
+        }
+    }
+    Ok(())
+}
+
+/// One line per key; exit 3 when any is absent.
+fn report_exists(ks: &[Vec<u8>], present: &[bool], hex: bool) -> Outcome {
+    for (k, p) in ks.iter().zip(present) {
+        out(format_args!("{}\t{}\n", display_key(k, hex), if *p { "yes" } else { "no" }))?;
+    }
+    if present.iter().any(|p| !p) {
+        return Err(Failure {
+            exit: 3,
+            line: format!(
+                "{}: {} of {} keys absent",
+                ErrorCode::NotFound,
+                present.iter().filter(|p| !**p).count(),
+                present.len()
+            ),
+        });
+    }
+    Ok(())
+}
+
+/// Exit 3 when only missing keys were not removed, 1 for any other refusal.
+fn report_removed(ks: &[Vec<u8>], st: &[ErrorCode], hex: bool) -> Outcome {
+    let failed: Vec<(String, ErrorCode)> =
+        ks.iter().zip(st).filter(|(_, c)| **c != ErrorCode::Ok).map(|(k, c)| (display_key(k, hex), *c)).collect();
+    if let Some((_, code)) = failed.first() {
+        let names: Vec<String> = failed.iter().map(|(k, c)| format!("{k} ({c})")).collect();
+        return Err(Failure {
+            exit: if failed.iter().all(|(_, c)| *c == ErrorCode::NotFound) { 3 } else { 1 },
+            line: format!("{code}: {} of {} keys not removed: {}", failed.len(), ks.len(), names.join(", ")),
+        });
+    }
+    Ok(())
 }
 
 async fn command(cli: &Cli, client: &Client) -> Outcome {
@@ -421,11 +557,7 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
                 parent: parent.as_deref().map(|p| parse_key(p, hex)).transpose()?,
                 tokens: *tokens,
                 seq_tokens: *seq_tokens,
-                pin: match pin {
-                    PinArg::None => PinSpec::None,
-                    PinArg::Soft => PinSpec::Soft { ttl_ms: *pin_ttl_ms },
-                    PinArg::Hard => PinSpec::Hard,
-                },
+                pin: pin_spec(*pin, *pin_ttl_ms),
             };
             if *upsert {
                 client.upsert_with(&key, &value, opts).await?;
@@ -438,20 +570,7 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
             let Some(value) = client.get(&k).await? else {
                 return Err(Failure { exit: 3, line: format!("{}: key {key}", ErrorCode::NotFound) });
             };
-            match output {
-                Some(path) if path.as_os_str() != "-" => {
-                    std::fs::write(path, &value).map_err(|e| Failure::io(format!("{}: {e}", path.display())))?
-                }
-                _ => {
-                    let mut o = std::io::stdout().lock();
-                    match o.write_all(&value).and_then(|_| o.flush()) {
-                        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
-                            return Err(Failure::io(format!("stdout: {e}")))
-                        }
-                        _ => {}
-                    }
-                }
-            }
+            write_value(output.as_deref(), &value)?;
         }
         Cmd::Lookup { keys } => {
             let chain = parse_keys(keys, hex)?;
@@ -459,21 +578,7 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
         }
         Cmd::Exists { keys } => {
             let ks = parse_keys(keys, hex)?;
-            let present = client.exists(&ks).await?;
-            for (k, p) in ks.iter().zip(&present) {
-                out(format_args!("{}\t{}\n", display_key(k, hex), if *p { "yes" } else { "no" }))?;
-            }
-            if present.iter().any(|p| !p) {
-                return Err(Failure {
-                    exit: 3,
-                    line: format!(
-                        "{}: {} of {} keys absent",
-                        ErrorCode::NotFound,
-                        present.iter().filter(|p| !**p).count(),
-                        present.len()
-                    ),
-                });
-            }
+            report_exists(&ks, &client.exists(&ks).await?, hex)?;
         }
         Cmd::Rm { keys, all: true, force } => {
             debug_assert!(keys.is_empty());
@@ -482,20 +587,7 @@ async fn command(cli: &Cli, client: &Client) -> Outcome {
         }
         Cmd::Rm { keys, all: false, force } => {
             let ks = parse_keys(keys, hex)?;
-            let st = client.remove_batch(&ks, *force).await?;
-            let failed: Vec<(String, ErrorCode)> = ks
-                .iter()
-                .zip(&st)
-                .filter(|(_, c)| **c != ErrorCode::Ok)
-                .map(|(k, c)| (display_key(k, hex), *c))
-                .collect();
-            if let Some((_, code)) = failed.first() {
-                let names: Vec<String> = failed.iter().map(|(k, c)| format!("{k} ({c})")).collect();
-                return Err(Failure {
-                    exit: if failed.iter().all(|(_, c)| *c == ErrorCode::NotFound) { 3 } else { 1 },
-                    line: format!("{code}: {} of {} keys not removed: {}", failed.len(), ks.len(), names.join(", ")),
-                });
-            }
+            report_removed(&ks, &client.remove_batch(&ks, *force).await?, hex)?;
         }
         Cmd::Events { from, log_id, all, count, idle_ms } => {
             let scope = if *all { EventScope::All } else { EventScope::Tenant };

@@ -341,6 +341,40 @@ impl ClusterClient {
     pub async fn nodes(&self) -> Result<Vec<NodeInfo>> {
         self.on_master(|m| async move { m.nodes().await }).await
     }
+
+    /// Whether some live node holds each key (as the master knows it).
+    pub async fn exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>> {
+        Ok(self.route(keys).await?.items.iter().map(|n| !n.is_empty()).collect())
+    }
+
+    /// Remove blocks from every node that holds them. Per key: the first refusal (`Leased`, ...)
+    /// when a copy stays, else `Ok` when a copy was removed, else `NotFound`.
+    pub async fn remove_batch<K: AsRef<[u8]>>(&self, keys: &[K], force: bool) -> Result<Vec<ErrorCode>> {
+        let routes = self.route(keys).await?;
+        let addrs: HashMap<u32, &NodeAddr> = routes.nodes.iter().map(|a| (a.node, a)).collect();
+        let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+        for (i, nodes) in routes.items.iter().enumerate() {
+            for &n in nodes {
+                by_node.entry(n).or_default().push(i);
+            }
+        }
+        let mut status = vec![ErrorCode::NotFound; keys.len()];
+        for (n, idx) in by_node {
+            let Some(addr) = addrs.get(&n) else { continue };
+            let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
+            let codes = self.node(addr).await?.remove_batch(&ks, force).await?;
+            for (&i, c) in idx.iter().zip(codes) {
+                // A copy left behind (leased, ...) is the answer; else removed anywhere is `Ok`.
+                status[i] = match (status[i], c) {
+                    (ErrorCode::NotFound, other) => other,
+                    (ErrorCode::Ok, ErrorCode::Ok | ErrorCode::NotFound) => ErrorCode::Ok,
+                    (ErrorCode::Ok, refused) => refused,
+                    (refused, _) => refused,
+                };
+            }
+        }
+        Ok(status)
+    }
 }
 
 /// Connect to the master `at` names.

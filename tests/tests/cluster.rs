@@ -187,6 +187,38 @@ async fn capacity_is_the_sum_of_the_nodes_and_a_put_is_a_hit_for_every_client() 
     for name in ["s0", "s1", "s2"] {
         assert!(text.lines().any(|l| l.contains(name) && l.contains("live") && l.contains("dram")), "{text}");
     }
+    // The CLI's block commands on a cluster (`--cluster`): through the master to the nodes.
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(bin("kvpool"))
+            .args(["--server", &cl.master.addr(), "--api-key", ALICE_KEY, "--cluster", "--ca"])
+            .arg(cl.master.endpoint["cert_path"].as_str().unwrap())
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    let file = tempfile::NamedTempFile::new().unwrap();
+    std::fs::write(file.path(), b"from the cli").unwrap();
+    let path = file.path().to_str().unwrap();
+    assert_eq!(cli(&["put", "cli-key", path, "--replicas", "2"]).0, Some(0));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while cli(&["exists", "cli-key"]).0 != Some(0) {
+        assert!(Instant::now() < deadline, "the put never became visible");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(cli(&["get", "cli-key"]).1, "from the cli");
+    let (code, text, _) = cli(&["lookup", &chains[0][0], &chains[0][1], "nope"]);
+    assert_eq!((code, text.trim()), (Some(0), "2"));
+    // The get leased the copy it read: a plain rm leaves it and says so; --force removes both.
+    let (code, _, err) = cli(&["rm", "cli-key"]);
+    assert!(code == Some(1) && err.contains("leased"), "{code:?} {err}");
+    assert_eq!(cli(&["rm", "--force", "cli-key"]).0, Some(0));
+    let (code, _, err) = cli(&["rm", "cli-key"]);
+    assert_eq!(code, Some(3), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

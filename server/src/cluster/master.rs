@@ -313,6 +313,12 @@ impl Master {
         };
         let id = match st.by_name.get(&req.name).copied() {
             Some(id) => {
+                if let Some(old) = st.node(id).filter(|n| n.live && n.addr != entry.addr) {
+                    // Two live nodes under one name would take turns replacing each other.
+                    warn!(node = id, name = %req.name, old = %old.addr, new = %entry.addr,
+                        "a node joined under the name of a live node at another address: it replaces it \
+                         (give every storage node its own cluster.node_name)");
+                }
                 let gone = st.forget(id);
                 self.publish(gone);
                 *st.node_mut(id).expect("named nodes exist") = entry;

@@ -145,8 +145,9 @@ async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
     cfg.client_name = format!("kvpool-storage/{}", link.name);
     // The master is reached for control only: no shared memory with it.
     cfg.transport = kvpool_client::TransportChoice::Quic;
-    // A master that died must not hold the node for long: it rejoins whoever leads next.
-    cfg.request_timeout = Duration::from_secs(2);
+    // A master that died must not hold the node for long: it rejoins whoever leads next. A
+    // report is at most half a MiB, which a second carries even between distant hosts.
+    cfg.request_timeout = Duration::from_secs(1);
     let master = Client::connect(cfg).await?;
     let mut incarnation = [0u8; 8];
     getrandom::getrandom(&mut incarnation).map_err(|e| ClientError::Io(e.to_string()))?;
