@@ -271,8 +271,9 @@ impl ClusterClient {
     }
 
     /// Get blocks from the nodes that hold them: each key from its best holder, then from the
-    /// next one for keys that holder did not answer (node down, or the copy went since the
-    /// master heard of it). A key no holder could serve is `NotFound`. Bytes are checked
+    /// next one for keys that holder did not serve (node down, the copy went since the master
+    /// heard of it, or it failed its checksum). A key no holder could serve is `NotFound` (or
+    /// `Corrupt` when the last copy tried was). Bytes are checked
     /// against their checksums as with [`Client::get_batch`].
     pub async fn get_batch<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<GetResult>> {
         let mut out: Vec<GetResult> = (0..keys.len())
@@ -289,7 +290,8 @@ impl ClusterClient {
         loop {
             let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
             for (i, q) in left.iter_mut().enumerate() {
-                if out[i].status == ErrorCode::NotFound {
+                // A copy that failed its checksum was dropped by its node: try another.
+                if matches!(out[i].status, ErrorCode::NotFound | ErrorCode::Corrupt) {
                     if let Some(n) = q.pop_front() {
                         by_node.entry(n).or_default().push(i);
                     }
