@@ -195,41 +195,9 @@ pub fn cluster_replay(a: ClusterArgs) -> Result<()> {
     eprintln!("simulating {} node-local caches and one pool of {} blocks...", a.nodes, a.nodes * per_node);
     let sim = pooled::run(&trace, a.nodes, per_node, Routing::RoundRobin, "leaf-lru", &params, || {})?;
 
-    // One auth config for the whole cluster: the same admin key everywhere.
     let dir = tempfile::tempdir()?;
-    let key_file = dir.path().join("admin-key");
-    std::fs::write(&key_file, format!("{KEY}\n"))?;
-    let auth = format!(
-        "[[auth.keys]]\ntenant = \"default\"\nsha256 = \"{}\"\nadmin = true\n",
-        hex::encode(Sha256::digest(KEY.as_bytes()))
-    );
-    let master_cfg = dir.path().join("master.toml");
-    std::fs::write(&master_cfg, format!("{auth}\n[cluster]\nrole = \"master\"\nreport_ms = 200\n"))?;
-    let master = LocalServer::start("1MiB", &["--config".into(), master_cfg.display().to_string()])?;
-    let ep = kvpool_client::EndpointInfo::read(master.path())?;
-    let storage_cfg = dir.path().join("storage.toml");
-    std::fs::write(&storage_cfg, format!("{auth}\n{STORAGE_CONFIG}"))?;
-    let mut nodes = Vec::new();
-    for i in 0..a.nodes {
-        let args: Vec<String> = vec![
-            "--config".into(),
-            storage_cfg.display().to_string(),
-            "--role".into(),
-            "storage".into(),
-            "--master".into(),
-            ep.quic_addr.clone(),
-            "--master-fingerprint".into(),
-            ep.fingerprint.clone().context("the master wrote no certificate fingerprint")?,
-            "--master-key-file".into(),
-            key_file.display().to_string(),
-            "--node-name".into(),
-            format!("s{i}"),
-        ];
-        nodes.push(LocalServer::start(&(per_node * BLOCK).to_string(), &args)?);
-    }
+    let (master, _nodes, cfg) = start_cluster(a.nodes, &(per_node * BLOCK).to_string(), STORAGE_CONFIG, dir.path())?;
     let rt = Rc::new(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?);
-    let mut cfg = ClientConfig::new(ep.quic_addr.clone(), KEY, ep.trust()?);
-    cfg.server_name = ep.server_name.clone();
     let client = rt.block_on(ClusterClient::connect(cfg))?;
     let started = Instant::now();
     loop {
@@ -304,7 +272,6 @@ pub fn cluster_replay(a: ClusterArgs) -> Result<()> {
         std::fs::write(p, serde_json::to_string_pretty(&report)?)
             .with_context(|| format!("writing {}", p.display()))?;
     }
-    drop(nodes);
     Ok(())
 }
 
@@ -356,21 +323,33 @@ impl Timed {
     }
 }
 
-/// A master and `n` storage nodes on this host with `dram` each; the returned config reaches
-/// the master with the admin key.
-fn start_cluster(n: usize, dram: &str, dir: &std::path::Path) -> Result<(LocalServer, Vec<LocalServer>, ClientConfig)> {
+/// The cluster's one admin key, in `dir`: its file, and the `[[auth.keys]]` entry every node
+/// gets (all nodes must accept the clients' key).
+fn cluster_auth(dir: &std::path::Path) -> Result<(PathBuf, String)> {
     let key_file = dir.join("admin-key");
     std::fs::write(&key_file, format!("{KEY}\n"))?;
     let auth = format!(
         "[[auth.keys]]\ntenant = \"default\"\nsha256 = \"{}\"\nadmin = true\n",
         hex::encode(Sha256::digest(KEY.as_bytes()))
     );
+    Ok((key_file, auth))
+}
+
+/// A master and `n` storage nodes on this host with `dram` each and `storage_extra` in their
+/// config; the returned config reaches the master with the admin key.
+fn start_cluster(
+    n: usize,
+    dram: &str,
+    storage_extra: &str,
+    dir: &std::path::Path,
+) -> Result<(LocalServer, Vec<LocalServer>, ClientConfig)> {
+    let (key_file, auth) = cluster_auth(dir)?;
     let master_cfg = dir.join("master.toml");
     std::fs::write(&master_cfg, format!("{auth}\n[cluster]\nrole = \"master\"\nreport_ms = 200\n"))?;
     let master = LocalServer::start("1MiB", &["--config".into(), master_cfg.display().to_string()])?;
     let ep = kvpool_client::EndpointInfo::read(master.path())?;
     let storage_cfg = dir.join("storage.toml");
-    std::fs::write(&storage_cfg, &auth)?;
+    std::fs::write(&storage_cfg, format!("{auth}\n{storage_extra}"))?;
     let fp = ep.fingerprint.clone().context("the master wrote no certificate fingerprint")?;
     let mut nodes = Vec::new();
     for i in 0..n {
@@ -404,7 +383,7 @@ pub fn cluster_transfer(a: TransferArgs) -> Result<()> {
     // Room for every block of every size in each node (node 0 takes the direct puts and half
     // of the cluster's): nothing is evicted while measuring.
     let dram = format!("{}", 2 * total * sizes.len() as u64 + (256 << 20));
-    let (_master, nodes, mut cfg) = start_cluster(2, &dram, dir.path())?;
+    let (_master, nodes, mut cfg) = start_cluster(2, &dram, "", dir.path())?;
     cfg.transport = kvpool_client::TransportChoice::Quic;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let cluster = rt.block_on(ClusterClient::connect(cfg.clone()))?;
@@ -606,12 +585,7 @@ struct FailoverReport {
 pub fn cluster_failover(a: FailoverArgs) -> Result<()> {
     let etcd = Etcd::start()?;
     let dir = tempfile::tempdir()?;
-    let key_file = dir.path().join("admin-key");
-    std::fs::write(&key_file, format!("{KEY}\n"))?;
-    let auth = format!(
-        "[[auth.keys]]\ntenant = \"default\"\nsha256 = \"{}\"\nadmin = true\n",
-        hex::encode(Sha256::digest(KEY.as_bytes()))
-    );
+    let (key_file, auth) = cluster_auth(dir.path())?;
     let cluster = format!("[cluster]\netcd = \"{}\"\nreport_ms = 100\nnode_timeout_ms = 1000\n", etcd.url);
     let master_cfg = dir.path().join("master.toml");
     std::fs::write(&master_cfg, format!("{auth}\n{cluster}role = \"master\"\n"))?;
