@@ -434,6 +434,7 @@ async fn run(cli: Cli) -> Outcome {
             | Cmd::Exists { .. }
             | Cmd::Rm { all: false, .. } => cluster_command(&cli, &cc).await,
             Cmd::Rm { all: true, .. } => Err(Failure::usage("rm --all is not offered on a cluster; name the keys")),
+            Cmd::Policy { cmd } => cluster_policy(cmd, &cc).await,
             _ => command(&cli, &cc.master()).await,
         };
         cc.master().close().await;
@@ -483,6 +484,48 @@ async fn cluster_command(cli: &Cli, cc: &ClusterClient) -> Outcome {
             report_removed(&ks, &cc.remove_batch(&ks, *force).await?, hex)?;
         }
         _ => unreachable!("only block commands come here"),
+    }
+    Ok(())
+}
+
+/// Policy administration of a cluster: placement on the master, eviction and admission on
+/// every live storage node; one block of output per place, and exit 1 if any place failed.
+async fn cluster_policy(cmd: &PolicyCmd, cc: &ClusterClient) -> Outcome {
+    let per_place: Vec<(String, Result<Vec<PolicyInfo>, ClientError>)> = match cmd {
+        PolicyCmd::Load { kind, file, name, params } => {
+            let wasm = std::fs::read(file).map_err(|e| Failure::io(format!("{}: {e}", file.display())))?;
+            let name = name.clone().unwrap_or_else(|| {
+                file.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_else(|| "module".into())
+            });
+            cc.policy_load((*kind).into(), &name, params, &wasm)
+                .await?
+                .into_iter()
+                .map(|(n, r)| (n, r.map(|i| vec![i])))
+                .collect()
+        }
+        PolicyCmd::Rollback { kind } => {
+            cc.policy_rollback((*kind).into()).await?.into_iter().map(|(n, r)| (n, r.map(|i| vec![i]))).collect()
+        }
+        PolicyCmd::List { .. } => cc.policy_list().await?,
+    };
+    let mut failed = Vec::new();
+    for (place, r) in &per_place {
+        match r {
+            Ok(list) => out(format_args!("== {place}\n{}", render_policies(list)))?,
+            Err(e) => {
+                out(format_args!("== {place}\n{e}\n"))?;
+                failed.push(format!("{place}: {e}"));
+            }
+        }
+    }
+    if per_place.is_empty() {
+        return Err(Failure { exit: 1, line: "no live storage node to load the module on".into() });
+    }
+    if !failed.is_empty() {
+        return Err(Failure {
+            exit: 1,
+            line: format!("{} of {} places failed: {}", failed.len(), per_place.len(), failed.join("; ")),
+        });
     }
     Ok(())
 }

@@ -5,8 +5,8 @@
 use crate::{unexpected, Client, ClientConfig, GetResult, PutEntry, Result, Trust};
 use futures_util::future::join_all;
 use kvpool_proto::{
-    ErrorCode, KeysRequest, NodeAddr, NodeInfo, NodeJoinRequest, NodeJoined, NodeReportRequest, PlaceRequest, PutItem,
-    PutMode, Request, Response, Routes,
+    ErrorCode, KeysRequest, NodeAddr, NodeInfo, NodeJoinRequest, NodeJoined, NodeReportRequest, PlaceRequest,
+    PolicyInfo, PolicyKind, PutItem, PutMode, Request, Response, Routes,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -342,6 +342,58 @@ impl ClusterClient {
     /// The pool's storage nodes, as the master sees them.
     pub async fn nodes(&self) -> Result<Vec<NodeInfo>> {
         self.on_master(|m| async move { m.nodes().await }).await
+    }
+
+    /// Run `f` on every live storage node; per node, its name and the outcome.
+    async fn on_every_node<T, F, Fut>(&self, f: F) -> Result<Vec<(String, Result<T>)>>
+    where
+        F: Fn(Client) -> Fut,
+        Fut: std::future::Future<Output = Result<T>>,
+    {
+        let mut out = Vec::new();
+        for n in self.nodes().await?.into_iter().filter(|n| n.live) {
+            let addr = NodeAddr { node: n.node, addr: n.addr, server_name: n.server_name, fingerprint: n.fingerprint };
+            let r = match self.node(&addr).await {
+                Ok(c) => f(c).await,
+                Err(e) => Err(e),
+            };
+            out.push((n.name, r));
+        }
+        Ok(out)
+    }
+
+    /// Load a policy module on the pool (admin key): a placement module on the master (it
+    /// places), an eviction or admission module on every live storage node (each evicts and
+    /// admits for itself). Per place, its name (`master` or the node's) and the outcome. A node
+    /// that joins later keeps its own configured policy until it is loaded there too.
+    pub async fn policy_load(
+        &self,
+        kind: PolicyKind,
+        name: &str,
+        params: &[(String, String)],
+        wasm: &[u8],
+    ) -> Result<Vec<(String, Result<PolicyInfo>)>> {
+        if kind == PolicyKind::Placement {
+            let r = self.on_master(|m| async move { m.policy_load(kind, name, params, wasm).await }).await;
+            return Ok(vec![("master".to_string(), r)]);
+        }
+        self.on_every_node(|c| async move { c.policy_load(kind, name, params, wasm).await }).await
+    }
+
+    /// Roll back a kind's module where [`ClusterClient::policy_load`] loads it.
+    pub async fn policy_rollback(&self, kind: PolicyKind) -> Result<Vec<(String, Result<PolicyInfo>)>> {
+        if kind == PolicyKind::Placement {
+            let r = self.on_master(|m| async move { m.policy_rollback(kind).await }).await;
+            return Ok(vec![("master".to_string(), r)]);
+        }
+        self.on_every_node(|c| async move { c.policy_rollback(kind).await }).await
+    }
+
+    /// The policy modules of the master and of every live storage node.
+    pub async fn policy_list(&self) -> Result<Vec<(String, Result<Vec<PolicyInfo>>)>> {
+        let mut out = vec![("master".to_string(), self.on_master(|m| async move { m.policy_list().await }).await)];
+        out.extend(self.on_every_node(|c| async move { c.policy_list().await }).await?);
+        Ok(out)
     }
 
     /// Whether some live node holds each key (as the master knows it).

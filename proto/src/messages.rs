@@ -473,6 +473,10 @@ pub struct NodeInfo {
     pub node: u32,
     pub name: String,
     pub addr: String,
+    /// TLS server name and certificate SHA-256 of the node (as in `NodeAddr`).
+    pub server_name: String,
+    #[serde(with = "serde_bytes")]
+    pub fingerprint: Vec<u8>,
     pub live: bool,
     /// Milliseconds since its last report.
     pub silent_ms: u64,

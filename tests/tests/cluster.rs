@@ -469,3 +469,53 @@ async fn etcd_elects_a_master_and_a_failover_keeps_every_block_of_the_live_nodes
     assert_eq!(nodes.iter().map(|n| n.copies).sum::<u64>(), all.len() as u64);
     drop(keys);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn policies_are_loaded_on_a_running_cluster_where_they_decide() {
+    let cl = cluster(2, "16MiB", "0");
+    let c = cl.client(ADMIN_KEY).await;
+    nodes_until(&c, "two nodes join", |n| n.len() == 2 && n.iter().all(|n| n.live)).await;
+    let comps = tokio::task::spawn_blocking(|| kvpool_tests::components(false)).await.unwrap();
+    let cli = |args: &[&str]| {
+        let out = std::process::Command::new(bin("kvpool"))
+            .args(["--server", &cl.master.addr(), "--api-key", ADMIN_KEY, "--cluster", "--ca"])
+            .arg(cl.master.endpoint["cert_path"].as_str().unwrap())
+            .args(args)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stdout).into_owned(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    // Eviction runs on every storage node: the module goes to each one.
+    let (code, text, err) = cli(&["policy", "load", "eviction", comps["sieve"].to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{text} {err}");
+    assert!(text.contains("== s0") && text.contains("== s1"), "{text}");
+    for node in &cl.nodes {
+        let direct = node.client(ADMIN_KEY).await;
+        let list = direct.policy_list().await.unwrap();
+        assert!(list.iter().any(|p| p.name == "sieve" && p.active), "{list:?}");
+    }
+    // Placement runs on the master.
+    let (code, text, err) = cli(&["policy", "load", "placement", comps["least-loaded"].to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{text} {err}");
+    assert!(text.contains("== master"), "{text}");
+    let list = c.master().policy_list().await.unwrap();
+    assert!(list.iter().any(|p| p.name == "least-loaded" && p.active), "{list:?}");
+    // Puts are placed by it and still land and read back.
+    let keys = chain("pl", 6);
+    assert_eq!(put_chain(&c, &keys, 4096, 1).await, vec![ErrorCode::Ok; 6]);
+    visible(&c, &keys).await;
+    assert_eq!(read_back(&c, &keys, 4096).await, vec![ErrorCode::Ok; 6]);
+    // A non-admin key is refused on every node, with the reason.
+    let out = std::process::Command::new(bin("kvpool"))
+        .args(["--server", &cl.master.addr(), "--api-key", ALICE_KEY, "--cluster", "--ca"])
+        .arg(cl.master.endpoint["cert_path"].as_str().unwrap())
+        .args(["policy", "load", "eviction", comps["lru"].to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("forbidden"), "{}", String::from_utf8_lossy(&out.stderr));
+}

@@ -380,6 +380,8 @@ impl Master {
                 node: i as u32 + 1,
                 name: n.name.clone(),
                 addr: n.addr.clone(),
+                server_name: n.server_name.clone(),
+                fingerprint: n.fingerprint.clone(),
                 live: n.live,
                 silent_ms: now.saturating_duration_since(n.last).as_millis() as u64,
                 copies: n.copies,
