@@ -834,6 +834,38 @@ mod tests {
     }
 
     #[test]
+    fn cluster_settings_are_checked() {
+        let invalid =
+            |text: &str| match load(Some(file(text, ".toml").path()), None, None).and_then(|l| l.config.validate()) {
+                Err(ConfigError::Invalid { field, .. }) => field,
+                other => panic!("{text}: {other:?}"),
+            };
+        let ok = |text: &str| load(Some(file(text, ".toml").path()), None, None).unwrap().config.validate().unwrap();
+        // A storage node must know its master, how to trust it, and a key for it.
+        assert_eq!(invalid("[cluster]\nrole = \"storage\"\n"), "cluster.master");
+        assert_eq!(invalid("[cluster]\nrole = \"storage\"\nmaster = \"m:1\"\n"), "cluster.master_fingerprint");
+        assert_eq!(
+            invalid("[cluster]\nrole = \"storage\"\nmaster = \"m:1\"\nmaster_ca = \"ca.pem\"\n"),
+            "cluster.master_key_file"
+        );
+        ok("[cluster]\nrole = \"storage\"\nmaster = \"m:1\"\nmaster_ca = \"ca.pem\"\nmaster_key_file = \"k\"\n");
+        // With etcd, the leader's address and fingerprint come from there.
+        ok("[cluster]\nrole = \"storage\"\netcd = \"http://127.0.0.1:2379\"\nmaster_key_file = \"k\"\n");
+        assert_eq!(invalid("[cluster]\nrole = \"master\"\netcd = \"https://x:1\"\n"), "cluster.etcd");
+        // It reports through the event log, so the log must be on.
+        assert_eq!(
+            invalid("[events]\nbuffer = 0\n[cluster]\nrole = \"storage\"\netcd = \"h:1\"\nmaster_key_file = \"k\"\n"),
+            "events.buffer"
+        );
+        assert_eq!(invalid("[cluster]\nleader_ttl_s = 0\n"), "cluster.leader_ttl_s");
+        assert_eq!(
+            invalid("[cluster]\nreport_ms = 500\nnode_timeout_ms = 900\n"),
+            "cluster.report_ms / cluster.node_timeout_ms"
+        );
+        assert!(load(Some(file("[cluster]\nrole = \"sideways\"\n", ".toml").path()), None, None).is_err());
+    }
+
+    #[test]
     fn sizes_parse() {
         assert_eq!(Size::parse("4GiB").unwrap().0, 4 << 30);
         assert_eq!(Size::parse("4GB").unwrap().0, 4_000_000_000);
