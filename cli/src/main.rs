@@ -435,6 +435,7 @@ async fn run(cli: Cli) -> Outcome {
             | Cmd::Rm { all: false, .. } => cluster_command(&cli, &cc).await,
             Cmd::Rm { all: true, .. } => Err(Failure::usage("rm --all is not offered on a cluster; name the keys")),
             Cmd::Policy { cmd } => cluster_policy(cmd, &cc).await,
+            Cmd::Stats { json } => cluster_stats(*json, &cc).await,
             _ => command(&cli, &cc.master()).await,
         };
         cc.master().close().await;
@@ -484,6 +485,36 @@ async fn cluster_command(cli: &Cli, cc: &ClusterClient) -> Outcome {
             report_removed(&ks, &cc.remove_batch(&ks, *force).await?, hex)?;
         }
         _ => unreachable!("only block commands come here"),
+    }
+    Ok(())
+}
+
+/// Statistics of every live storage node, one block each (as JSON: a map by node name).
+async fn cluster_stats(json: bool, cc: &ClusterClient) -> Outcome {
+    let per_node = cc.stats().await?;
+    if json {
+        let map: serde_json::Map<String, serde_json::Value> = per_node
+            .iter()
+            .map(|(n, r)| {
+                let v = match r {
+                    Ok(s) => serde_json::to_value(s).unwrap_or_default(),
+                    Err(e) => serde_json::json!({ "error": e.to_string() }),
+                };
+                (n.clone(), v)
+            })
+            .collect();
+        let text = serde_json::to_string_pretty(&map).map_err(|e| Failure::io(e.to_string()))?;
+        return out(format_args!("{text}\n"));
+    }
+    let tenant = cc.master().tenant();
+    for (n, r) in &per_node {
+        match r {
+            Ok(s) => out(format_args!("== {n}\n{}", render_stats(s, &tenant)))?,
+            Err(e) => out(format_args!("== {n}\n{e}\n"))?,
+        }
+    }
+    if per_node.is_empty() {
+        out(format_args!("(no live storage node)\n"))?;
     }
     Ok(())
 }

@@ -396,6 +396,11 @@ impl ClusterClient {
         Ok(out)
     }
 
+    /// Statistics of every live storage node (the master holds no blocks).
+    pub async fn stats(&self) -> Result<Vec<(String, Result<crate::StatsReport>)>> {
+        self.on_every_node(|c| async move { c.stats().await }).await
+    }
+
     /// Whether some live node holds each key (as the master knows it).
     pub async fn exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>> {
         Ok(self.route(keys).await?.items.iter().map(|n| !n.is_empty()).collect())

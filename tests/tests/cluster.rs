@@ -213,6 +213,10 @@ async fn capacity_is_the_sum_of_the_nodes_and_a_put_is_a_hit_for_every_client() 
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(cli(&["get", "cli-key"]).1, "from the cli");
+    // Statistics come from every storage node.
+    let (code, text, err) = cli(&["stats"]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(["== s0", "== s1", "== s2"].iter().all(|n| text.contains(n)), "{text}");
     let (code, text, _) = cli(&["lookup", &chains[0][0], &chains[0][1], "nope"]);
     assert_eq!((code, text.trim()), (Some(0), "2"));
     // The get leased the copy it read: a plain rm leaves it and says so; --force removes both.
