@@ -283,10 +283,14 @@ impl ClusterClient {
             return Ok(out);
         }
         let routes = self.route(keys).await?;
-        let addrs: HashMap<u32, NodeAddr> = routes.nodes.iter().map(|a| (a.node, a.clone())).collect();
+        let mut addrs: HashMap<u32, NodeAddr> = routes.nodes.iter().map(|a| (a.node, a.clone())).collect();
         // Per key, the holders still to try.
         let mut left: Vec<std::collections::VecDeque<u32>> =
             routes.items.into_iter().map(|v| v.into_iter().collect()).collect();
+        let routed: Vec<bool> = left.iter().map(|q| !q.is_empty()).collect();
+        // A block may move between nodes while it is read (a full node hands its DRAM victims
+        // to another): keys that had holders but were served by none are routed again.
+        let mut reroutes = 2;
         loop {
             let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
             for (i, q) in left.iter_mut().enumerate() {
@@ -298,7 +302,19 @@ impl ClusterClient {
                 }
             }
             if by_node.is_empty() {
-                return Ok(out);
+                let missed: Vec<usize> =
+                    (0..keys.len()).filter(|&i| routed[i] && out[i].status == ErrorCode::NotFound).collect();
+                if missed.is_empty() || reroutes == 0 {
+                    return Ok(out);
+                }
+                reroutes -= 1;
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+                let again = self.route(&missed.iter().map(|&i| keys[i].as_ref()).collect::<Vec<_>>()).await?;
+                addrs.extend(again.nodes.into_iter().map(|a| (a.node, a)));
+                for (&i, holders) in missed.iter().zip(again.items) {
+                    left[i] = holders.into_iter().collect();
+                }
+                continue;
             }
             let gets = by_node.into_iter().map(|(n, idx)| {
                 let addr = addrs.get(&n).cloned();

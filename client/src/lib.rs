@@ -607,10 +607,26 @@ impl Client {
         self.put_batch_inband(entries, mode).await
     }
 
+    /// Storage nodes (admin key): put blocks of `tenant` into this node, as `put_batch` does
+    /// for the caller's own tenant. The values go over QUIC.
+    pub async fn node_put(&self, tenant: &str, entries: &[PutEntry<'_>], mode: PutMode) -> Result<Vec<ErrorCode>> {
+        if entries.is_empty() {
+            return Ok(Vec::new());
+        }
+        let items = self.put_items(entries.iter().map(|e| (e.key, e.value.len() as u64, &e.opts)))?;
+        let req = Request::NodePut(kvpool_proto::NodePutRequest { tenant: tenant.to_string(), mode, items });
+        self.put_request_inband(req, entries).await
+    }
+
     /// `put_batch` over QUIC: the values follow the request frame on its stream.
     async fn put_batch_inband(&self, entries: &[PutEntry<'_>], mode: PutMode) -> Result<Vec<ErrorCode>> {
         let items = self.put_items(entries.iter().map(|e| (e.key, e.value.len() as u64, &e.opts)))?;
-        let frame = self.encode_checked(&Request::Put(PutRequest { mode, items }))?;
+        self.put_request_inband(Request::Put(PutRequest { mode, items }), entries).await
+    }
+
+    /// A put request, then the entries' values, on one QUIC stream.
+    async fn put_request_inband(&self, req: Request, entries: &[PutEntry<'_>]) -> Result<Vec<ErrorCode>> {
+        let frame = self.encode_checked(&req)?;
         let resp = self
             .timed(async {
                 let (conn, mut tx, mut rx) = self.open().await?;

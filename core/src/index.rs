@@ -1378,6 +1378,12 @@ impl<D: CopyHandle> Index<D> {
 
     // ---- policy snapshot ----------------------------------------------------------------
 
+    /// Block `id` described as a change of its DRAM copy (tenant, key, parent key, size), for a
+    /// host that moves the block elsewhere.
+    pub fn describe(&self, id: u64) -> Option<Change> {
+        self.blocks.get(id).map(|_| self.change_of(id, ChangeKind::Stored, Tier::Dram))
+    }
+
     /// Every copy the index holds, as `Stored` changes (tenant, key, parent key, tier, size):
     /// what a storage node announces to a master that does not know it yet.
     pub fn inventory(&self) -> Vec<Change> {

@@ -3,10 +3,10 @@
 
 use kvpool_proto::frame::encode_frame;
 use kvpool_proto::{
-    BufSlice, EventScope, GetIntoRequest, KeysRequest, KvEventKind, LookupRequest, NodeBlock, NodeReportRequest,
-    PinSpec, Ping, PlaceRequest, PolicyKind, PolicyLoadRequest, PolicyRollbackRequest, PutDoneRequest, PutFromRequest,
-    PutIntentRequest, PutItem, PutMode, PutRequest, ReadRequest, ReleaseRequest, RemoveAllRequest, RemoveRequest,
-    Request, SubscribeRequest, TierUse, WriteRequest,
+    BufSlice, EventScope, GetIntoRequest, KeysRequest, KvEventKind, LookupRequest, NodeBlock, NodePutRequest,
+    NodeReportRequest, PinSpec, Ping, PlaceRequest, PolicyKind, PolicyLoadRequest, PolicyRollbackRequest,
+    PutDoneRequest, PutFromRequest, PutIntentRequest, PutItem, PutMode, PutRequest, ReadRequest, ReleaseRequest,
+    RemoveAllRequest, RemoveRequest, Request, SubscribeRequest, TierUse, WriteRequest,
 };
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -111,7 +111,13 @@ fn request_v2(rng: &mut StdRng) -> Request {
     match rng.gen_range(0..12) {
         // Cluster requests: this server is no master, so they are refused with a typed error
         // (the master's side has its own hostile-input test in the server crate).
-        10 => match rng.gen_range(0..3) {
+        10 => match rng.gen_range(0..4) {
+            // Only the fuzzed tenants: the leak check clears them, and canaries stay untouched.
+            3 => Request::NodePut(NodePutRequest {
+                tenant: ["alice", "bob", "ops"][rng.gen_range(0..3)].into(),
+                mode: mode(rng),
+                items: put_items(rng),
+            }),
             0 => Request::Nodes,
             1 => Request::Route(KeysRequest { keys: keys(rng) }),
             _ => Request::Place(PlaceRequest { items: put_items(rng), replicas: rng.gen_range(0..4) }),
@@ -199,6 +205,7 @@ pub fn request(rng: &mut StdRng) -> (Request, Vec<u8>) {
     };
     let declared: u64 = match &req {
         Request::Put(p) => p.items.iter().map(|i| i.size.min(4 << 20)).sum(),
+        Request::NodePut(p) => p.items.iter().map(|i| i.size.min(4 << 20)).sum(),
         Request::PolicyLoad(l) => l.module_size,
         Request::Write(w) => w.size,
         _ => 0,

@@ -62,10 +62,21 @@ pub enum Request {
     Route(KeysRequest),
     /// Which storage nodes should store these new blocks: answered with `Routes`.
     Place(PlaceRequest),
+    /// A storage node moves blocks of `tenant` into this node (admin keys only): a `Put` on
+    /// behalf of that tenant; raw value bytes follow the frame as for `Put`.
+    NodePut(NodePutRequest),
 }
 
 /// Number of request variants this version knows (tags `0..REQUEST_TAGS`).
-pub const REQUEST_TAGS: u32 = 28;
+pub const REQUEST_TAGS: u32 = 29;
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct NodePutRequest {
+    /// The tenant the blocks belong to (by name).
+    pub tenant: String,
+    pub mode: PutMode,
+    pub items: Vec<PutItem>,
+}
 
 /// Use of one tier of a storage node.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -959,7 +970,7 @@ mod tests {
             ),
             Some(20)
         );
-        assert_eq!(REQUEST_TAGS, 28);
+        assert_eq!(REQUEST_TAGS, 29);
         assert_eq!(codec::encode(&Response::Done).unwrap(), vec![15, 0, 0, 0]);
         assert_eq!(codec::encode(&ErrorCode::Expired).unwrap(), vec![23, 0, 0, 0]);
     }

@@ -117,6 +117,9 @@ pub struct ClusterSection {
     pub etcd_prefix: String,
     /// Master: TTL of the leader's etcd lease (seconds; etcd grants at least its minimum).
     pub leader_ttl_s: u32,
+    /// Storage: DRAM victims go to another node's free DRAM before this node's SSD, while that
+    /// node's DRAM stays below this fill with them; 0 turns it off.
+    pub offload_max_fill: f64,
 }
 
 impl Default for ClusterSection {
@@ -134,6 +137,7 @@ impl Default for ClusterSection {
             etcd: None,
             etcd_prefix: "/kvpool/".into(),
             leader_ttl_s: 2,
+            offload_max_fill: 0.8,
         }
     }
 }
@@ -524,6 +528,9 @@ impl Config {
         if let Some(e) = &c.etcd {
             kvpool_etcd::Etcd::new(e)
                 .map_err(|e| ConfigError::Invalid { field: "cluster.etcd", message: e.to_string() })?;
+        }
+        if !(0.0..=1.0).contains(&c.offload_max_fill) {
+            return Err(ConfigError::Invalid { field: "cluster.offload_max_fill", message: "between 0 and 1".into() });
         }
         if c.leader_ttl_s == 0 {
             return Err(ConfigError::Invalid { field: "cluster.leader_ttl_s", message: "must be positive".into() });

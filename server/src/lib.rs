@@ -80,7 +80,7 @@ impl ServerHandle {
     }
 }
 
-fn tenant_id(meta: &store::meta::Meta, name: &str) -> u32 {
+pub(crate) fn tenant_id(meta: &store::meta::Meta, name: &str) -> u32 {
     // Stable ids: sled keys are scoped by them, so they must survive restarts.
     let key = format!("tenant:{name}");
     if let Ok(Some(v)) = meta.kv.get(&key) {
@@ -466,6 +466,11 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     if cfg.cluster.role == config::Role::Storage {
         let link = storage_link(&cfg, quic_addr, &tls.fingerprint)?;
         info!(master = %link.master, name = %link.name, addr = %link.addr, "storage node: joining the master");
+        if cfg.cluster.offload_max_fill > 0.0 {
+            let o =
+                cluster::storage::Offloader::new(link.clone(), Arc::downgrade(&shared), cfg.cluster.offload_max_fill);
+            store.set_offload(Arc::new(o));
+        }
         tasks.push(tokio::spawn(cluster::storage::run(shared.clone(), link)));
     }
 
@@ -552,6 +557,7 @@ fn storage_link(cfg: &Config, quic_addr: SocketAddr, fingerprint: &str) -> Resul
     Ok(cluster::storage::Link {
         master,
         api_key,
+        me: Arc::default(),
         name: c.node_name.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| addr.clone()),
         addr,
         server_name: cfg.server.server_name.clone(),

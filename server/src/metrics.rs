@@ -5,7 +5,7 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-pub const OPS: [&str; 26] = [
+pub const OPS: [&str; 27] = [
     "hello",
     "put",
     "get",
@@ -32,6 +32,7 @@ pub const OPS: [&str; 26] = [
     "nodes",
     "route",
     "place",
+    "node_put",
 ];
 
 pub struct Metrics {
@@ -87,6 +88,8 @@ pub struct Metrics {
     /// Storage: joins to the master, and reports sent.
     pub cluster_joins: IntCounter,
     pub cluster_reports: IntCounter,
+    /// Storage: DRAM victims moved into another node's free DRAM instead of SSD, by outcome.
+    pub cluster_offloads: IntCounterVec,
     pub policy_faults: IntGaugeVec,
     pub policy_quarantined: IntGaugeVec,
 }
@@ -248,6 +251,12 @@ impl Metrics {
                 "Storage: joins to the master (each re-announces the inventory)",
             ),
             cluster_reports: counter(&reg, "cluster_reports_total", "Storage: reports sent to the master"),
+            cluster_offloads: counter_vec(
+                &reg,
+                "cluster_offloads_total",
+                "Storage: DRAM victims offered to another node's free DRAM before SSD, by outcome (moved, kept)",
+                &["outcome"],
+            ),
             policy_faults: gauge_vec(
                 &reg,
                 "policy_faults",

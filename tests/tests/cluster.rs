@@ -525,3 +525,43 @@ async fn policies_are_loaded_on_a_running_cluster_where_they_decide() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("forbidden"), "{}", String::from_utf8_lossy(&out.stderr));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_node_moves_its_dram_victims_into_another_nodes_free_dram_before_its_ssd() {
+    let keys = tempfile::tempdir().unwrap();
+    let key_file = keys.path().join("master-key");
+    std::fs::write(&key_file, format!("{ADMIN_KEY}\n")).unwrap();
+    let master = master();
+    let small = storage(&master, &key_file, "small", "4MiB", "64MiB");
+    let _big = storage(&master, &key_file, "big", "64MiB", "0");
+    let cl = Cluster { master, nodes: Vec::new(), _keys: keys };
+    let c = cl.client(ALICE_KEY).await;
+    nodes_until(&c, "two nodes join", |n| n.len() == 2 && n.iter().all(|n| n.live)).await;
+    // 12 MiB put straight into the small node (no placement): three times its DRAM.
+    let direct = small.client(ALICE_KEY).await;
+    const SIZE: usize = 512 << 10;
+    let names: Vec<String> = (0..24).map(|i| format!("spill-{i}")).collect();
+    for k in &names {
+        direct.put(k, &value_for(k, SIZE)).await.unwrap();
+    }
+    // Its victims went to the big node's free DRAM, not to its own SSD...
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = c.route(&names).await.unwrap();
+        let nodes = c.nodes().await.unwrap();
+        let big = nodes.iter().find(|n| n.name == "big").unwrap().node;
+        if r.items.iter().all(|n| !n.is_empty()) && r.items.iter().filter(|n| n.contains(&big)).count() >= 12 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "victims did not move to the big node: {:?}", r.items);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let m = small.scrape();
+    assert!(kvpool_tests::metric(&m, "kvpool_cluster_offloads_total{outcome=\"moved\"}") >= 12.0, "{m}");
+    let demoted = direct.stats().await.unwrap().demotions;
+    assert!(demoted < 12, "the small node demoted {demoted} blocks to its SSD instead");
+    // ... and every block still reads back, as the same tenant's, from wherever it is now.
+    assert_eq!(read_back(&c, &names, SIZE).await, vec![ErrorCode::Ok; names.len()]);
+    let bob = cl.client(BOB_KEY).await;
+    assert_eq!(bob.lookup(&names[..1]).await.unwrap(), 0);
+}

@@ -7,6 +7,7 @@
 use crate::service::Shared;
 use kvpool_client::{Client, ClientConfig, ClientError, Trust};
 use kvpool_core::{Change, ChangeKind};
+use kvpool_policy_sdk::Tier;
 use kvpool_proto::{ErrorCode, KvEventKind, NodeBlock, NodeJoinRequest, NodeReportRequest, TierUse};
 use std::sync::Arc;
 use std::time::Duration;
@@ -33,6 +34,8 @@ impl std::fmt::Display for MasterAt {
 pub struct Link {
     pub master: MasterAt,
     pub api_key: String,
+    /// This node's id once joined (0 before).
+    pub me: Arc<std::sync::atomic::AtomicU32>,
     /// This node's name, client address, TLS name and certificate fingerprint.
     pub name: String,
     pub addr: String,
@@ -130,8 +133,8 @@ async fn send(
     }
 }
 
-async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
-    let log = shared.events.clone().ok_or(LinkError::NoEvents)?;
+/// A connection to the master `link` names (the leader, with etcd).
+async fn connect_master(link: &Link) -> Result<Client, LinkError> {
     let (addr, server_name, trust) = match &link.master {
         MasterAt::Fixed { addr, server_name, trust } => (addr.clone(), server_name.clone(), trust.clone()),
         MasterAt::Etcd { etcd, prefix } => {
@@ -148,7 +151,12 @@ async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
     // A master that died must not hold the node for long: it rejoins whoever leads next. A
     // report is at most half a MiB, which a second carries even between distant hosts.
     cfg.request_timeout = Duration::from_secs(1);
-    let master = Client::connect(cfg).await?;
+    Ok(Client::connect(cfg).await?)
+}
+
+async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
+    let log = shared.events.clone().ok_or(LinkError::NoEvents)?;
+    let master = connect_master(link).await?;
     let mut incarnation = [0u8; 8];
     getrandom::getrandom(&mut incarnation).map_err(|e| ClientError::Io(e.to_string()))?;
     let incarnation = u64::from_le_bytes(incarnation);
@@ -163,6 +171,7 @@ async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
         })
         .await?;
     let node = joined.node;
+    link.me.store(node, std::sync::atomic::Ordering::Release);
     shared.metrics.cluster_joins.inc();
     let every = Duration::from_millis(u64::from(joined.report_ms.max(10)));
     let mut watch = log.watch();
@@ -197,5 +206,137 @@ async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
         }
         // Wait for new changes, or report tier use (the heartbeat) when none come.
         let _ = tokio::time::timeout(every, watch.changed()).await;
+    }
+}
+
+// ---- offload: DRAM victims into another node's free DRAM, before SSD --------------------------
+
+/// Moves this node's DRAM victims into the free DRAM of another storage node (the store asks
+/// before it demotes them to SSD), so that the pool's DRAM is used as one. A peer takes them
+/// only while its DRAM stays below `max_fill` of its capacity with them, so blocks do not bounce
+/// between full nodes.
+pub struct Offloader {
+    link: Link,
+    shared: std::sync::Weak<Shared>,
+    max_fill: f64,
+    conns: tokio::sync::Mutex<Conns>,
+}
+
+#[derive(Default)]
+struct Conns {
+    master: Option<Client>,
+    nodes: std::collections::HashMap<u32, (String, Client)>,
+    /// The master's node list and when it was read.
+    view: Option<(std::time::Instant, Vec<kvpool_proto::NodeInfo>)>,
+}
+
+/// How long one offer may take (it runs on the eviction path), and how old a node list may be.
+const OFFLOAD_BUDGET: Duration = Duration::from_millis(500);
+const VIEW_AGE: Duration = Duration::from_millis(200);
+
+impl Offloader {
+    pub fn new(link: Link, shared: std::sync::Weak<Shared>, max_fill: f64) -> Offloader {
+        Offloader { link, shared, max_fill, conns: tokio::sync::Mutex::default() }
+    }
+
+    async fn try_offload(&self, blocks: &[(Change, Vec<u8>)]) -> Result<Vec<bool>, LinkError> {
+        let me = self.link.me.load(std::sync::atomic::Ordering::Acquire);
+        let Some(shared) = self.shared.upgrade() else { return Ok(vec![false; blocks.len()]) };
+        if me == 0 || blocks.is_empty() {
+            return Ok(vec![false; blocks.len()]);
+        }
+        let mut conns = self.conns.lock().await;
+        if conns.view.as_ref().is_none_or(|(at, _)| at.elapsed() > VIEW_AGE) {
+            if conns.master.is_none() {
+                conns.master = Some(connect_master(&self.link).await?);
+            }
+            let list = match conns.master.as_ref().expect("just set").nodes().await {
+                Ok(l) => l,
+                Err(e) => {
+                    conns.master = None;
+                    return Err(e.into());
+                }
+            };
+            conns.view = Some((std::time::Instant::now(), list));
+        }
+        let total: u64 = blocks.iter().map(|(_, b)| b.len() as u64).sum();
+        let dram = |n: &kvpool_proto::NodeInfo| n.tiers.iter().find(|t| t.tier == Tier::Dram as u8).copied();
+        let (_, view) = conns.view.as_mut().expect("just read");
+        let target = view
+            .iter_mut()
+            .filter(|n| n.live && n.node != me)
+            .filter_map(|n| {
+                let d = dram(n)?;
+                let after = d.used.saturating_add(total);
+                (after as f64 <= self.max_fill * d.capacity as f64).then_some((d.capacity - d.used, n))
+            })
+            .max_by_key(|(free, _)| *free)
+            .map(|(_, n)| n);
+        let Some(target) = target else { return Ok(vec![false; blocks.len()]) };
+        // Count what this offer adds until the next node list, so offers do not pile onto it.
+        if let Some(t) = target.tiers.iter_mut().find(|t| t.tier == Tier::Dram as u8) {
+            t.used = t.used.saturating_add(total);
+        }
+        let (id, addr, server_name, fp) =
+            (target.node, target.addr.clone(), target.server_name.clone(), target.fingerprint.clone());
+        let fresh = !matches!(conns.nodes.get(&id), Some((a, _)) if *a == addr);
+        if fresh {
+            let fp: [u8; 32] = fp.as_slice().try_into().map_err(|_| LinkError::BadLeader)?;
+            let mut cfg = ClientConfig::new(addr.clone(), self.link.api_key.clone(), Trust::Fingerprint(fp));
+            cfg.server_name = server_name;
+            cfg.client_name = format!("kvpool-storage/{}", self.link.name);
+            cfg.transport = kvpool_client::TransportChoice::Quic;
+            cfg.request_timeout = OFFLOAD_BUDGET;
+            conns.nodes.insert(id, (addr, Client::connect(cfg).await?));
+        }
+        let peer = conns.nodes.get(&id).expect("just connected").1.clone();
+        drop(conns);
+        // One put per tenant: the peer stores them as that tenant's blocks.
+        let mut by_tenant: std::collections::BTreeMap<u32, Vec<usize>> = std::collections::BTreeMap::new();
+        for (i, (c, _)) in blocks.iter().enumerate() {
+            by_tenant.entry(c.tenant).or_default().push(i);
+        }
+        let mut out = vec![false; blocks.len()];
+        for (tenant, idx) in by_tenant {
+            let entries: Vec<kvpool_client::PutEntry<'_>> = idx
+                .iter()
+                .map(|&i| kvpool_client::PutEntry {
+                    key: &blocks[i].0.key,
+                    value: &blocks[i].1,
+                    opts: kvpool_client::PutOptions {
+                        parent: blocks[i].0.parent.as_deref().map(<[u8]>::to_vec),
+                        ..Default::default()
+                    },
+                })
+                .collect();
+            let codes =
+                match peer.node_put(&shared.auth.tenant_name(tenant), &entries, kvpool_proto::PutMode::Insert).await {
+                    Ok(c) => c,
+                    Err(e) => {
+                        self.conns.lock().await.nodes.remove(&id);
+                        return Err(e.into());
+                    }
+                };
+            for (&i, c) in idx.iter().zip(codes) {
+                out[i] = matches!(c, ErrorCode::Ok | ErrorCode::AlreadyExists);
+            }
+        }
+        Ok(out)
+    }
+}
+
+impl crate::store::Offload for Offloader {
+    fn offload(&self, blocks: Vec<(Change, Vec<u8>)>) -> crate::service::BoxFuture<'_, Vec<bool>> {
+        Box::pin(async move {
+            let n = blocks.len();
+            match tokio::time::timeout(OFFLOAD_BUDGET, self.try_offload(&blocks)).await {
+                Ok(Ok(v)) => v,
+                Ok(Err(e)) => {
+                    tracing::debug!(error = %e, "offload to a peer failed: the victims go to SSD");
+                    vec![false; n]
+                }
+                Err(_) => vec![false; n],
+            }
+        })
     }
 }

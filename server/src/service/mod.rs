@@ -528,6 +528,7 @@ fn op_name(r: &Request) -> &'static str {
         Request::Nodes => "nodes",
         Request::Route(_) => "route",
         Request::Place(_) => "place",
+        Request::NodePut(_) => "node_put",
     }
 }
 
@@ -630,6 +631,26 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
             let list = put_items(put, recv, p, s).await?;
             Response::Put(list)
         }
+        Request::NodePut(np) => {
+            // Another storage node hands over blocks it evicts (into this node's free DRAM):
+            // a put on behalf of their tenant, allowed to the cluster's admin keys only.
+            if session.version < 2 {
+                return Err(Fail::Reply(error(ErrorCode::Unsupported, "this request needs a version 2 hello")));
+            }
+            if !p.admin {
+                return Err(Fail::Reply(error(ErrorCode::Forbidden, "node puts need an admin api key")));
+            }
+            if np.tenant.is_empty() || np.tenant.len() > 256 {
+                return Err(Fail::Reply(error(
+                    ErrorCode::InvalidArgument,
+                    "a node put names its tenant (1-256 bytes)",
+                )));
+            }
+            let on_behalf =
+                Principal { tenant_id: crate::tenant_id(store.meta(), &np.tenant), tenant: np.tenant, admin: false };
+            let list = put_items(PutRequest { mode: np.mode, items: np.items }, recv, &on_behalf, s).await?;
+            Response::Put(list)
+        }
         Request::Get(g) => {
             check_keys(&g.keys, g.keys.len(), &s.limits)?;
             expect_end(recv, deadline).await?;
@@ -729,6 +750,7 @@ fn holds_blocks(r: &Request) -> bool {
     matches!(
         r,
         Request::Put(_)
+            | Request::NodePut(_)
             | Request::Get(_)
             | Request::Lookup(_)
             | Request::Exists(_)

@@ -82,6 +82,13 @@ fn wall_us() -> u64 {
     SystemTime::now().duration_since(UNIX_EPOCH).map(|d| d.as_micros() as u64).unwrap_or(0)
 }
 
+/// A place DRAM victims can go before SSD: another node's free DRAM.
+pub trait Offload: Send + Sync {
+    /// Store these blocks (each described by its change, with its bytes) elsewhere; per block,
+    /// whether it is now stored there. Must answer promptly (it runs on the eviction path).
+    fn offload(&self, blocks: Vec<(kvpool_core::Change, Vec<u8>)>) -> crate::service::BoxFuture<'_, Vec<bool>>;
+}
+
 pub fn checksum(data: &[u8]) -> u64 {
     xxhash_rust::xxh3::xxh3_64(data)
 }
@@ -258,6 +265,8 @@ pub struct Store {
     pub kick: tokio::sync::Notify,
     /// Where the index's KV events go, once attached.
     events: std::sync::OnceLock<Arc<EventLog>>,
+    /// Where DRAM victims may go before SSD: another node's free DRAM (a cluster storage node).
+    offload: std::sync::OnceLock<Arc<dyn Offload>>,
 }
 
 /// The index, locked. Unlocking hands the KV events of what was done under the lock to the
@@ -340,6 +349,7 @@ impl Store {
             metrics,
             kick: tokio::sync::Notify::new(),
             events: std::sync::OnceLock::new(),
+            offload: std::sync::OnceLock::new(),
         });
         store.update_gauges();
         if !rec.snapshot.is_empty() {
@@ -382,6 +392,11 @@ impl Store {
     }
 
     /// Log the index's KV events from now on (once; a second log is refused and returned).
+    /// Send DRAM victims to `o` before SSD (once; a cluster storage node sets it).
+    pub fn set_offload(&self, o: Arc<dyn Offload>) {
+        let _ = self.offload.set(o);
+    }
+
     pub fn attach_events(&self, log: Arc<EventLog>) -> Result<(), Arc<EventLog>> {
         let mut ix = self.index.lock();
         self.events.set(log)?;
@@ -705,12 +720,61 @@ impl Store {
         self.metrics.evictions_refused.inc_by(out.refused as u64);
         let mut gone = out.gone;
         self.release(out.dropped);
-        for (id, copy) in demotions {
+        let demotions = self.offload_first(demotions).await;
+        gone += demotions.1;
+        for (id, copy) in demotions.0 {
             if self.demote(id, copy).await {
                 gone += 1;
             }
         }
         gone
+    }
+
+    /// Offer the demotions to another node's free DRAM first (when an offload target is set):
+    /// those it took leave this node as evicted; the rest are returned for SSD, with the count
+    /// of those that left.
+    async fn offload_first(&self, demotions: Vec<(u64, PinnedBlock)>) -> (Vec<(u64, PinnedBlock)>, usize) {
+        let Some(o) = self.offload.get().filter(|_| !demotions.is_empty()) else { return (demotions, 0) };
+        let described: Vec<Option<kvpool_core::Change>> = {
+            let ix = self.ix();
+            demotions.iter().map(|(id, _)| ix.describe(*id)).collect()
+        };
+        let offer: Vec<(kvpool_core::Change, Vec<u8>)> = demotions
+            .iter()
+            .zip(&described)
+            .filter_map(|((_, copy), d)| Some((d.clone()?, copy.bytes().to_vec())))
+            .collect();
+        let taken = o.offload(offer).await;
+        let mut taken = taken.into_iter();
+        let (mut rest, mut moved) = (Vec::new(), 0);
+        for ((id, copy), d) in demotions.into_iter().zip(described) {
+            let took = d.is_some() && taken.next().unwrap_or(false);
+            self.metrics.cluster_offloads.with_label_values(&[if took { "moved" } else { "kept" }]).inc();
+            if !took {
+                rest.push((id, copy));
+                continue;
+            }
+            drop(copy);
+            let mut ix = self.ix();
+            match ix.finish_demotion(id, None, wall_ms()) {
+                Demoted::Evicted { dropped, meta } => {
+                    self.meta.enqueue(meta.into_iter().collect());
+                    drop(ix);
+                    self.release([dropped]);
+                }
+                Demoted::Moved { dram, meta } => {
+                    // Not reached with no SSD extent written; handled like the SSD path.
+                    self.meta.enqueue(vec![meta]);
+                    drop(ix);
+                    if let Some(c) = dram {
+                        self.dram.release_ref(c.0);
+                    }
+                }
+                Demoted::Vanished => {}
+            }
+            moved += 1;
+        }
+        (rest, moved)
     }
 
     /// Copy a DRAM victim to SSD, then drop its DRAM copy. When SSD has no room the block is
