@@ -70,6 +70,21 @@ impl Cluster {
     }
 }
 
+/// `kvpool --cluster ARGS` against `master` with `key`: exit code, stdout, stderr.
+fn kvpool_cluster_cli(master: &TestServer, key: &str, args: &[&str]) -> (Option<i32>, String, String) {
+    let out = std::process::Command::new(bin("kvpool"))
+        .args(["--server", &master.addr(), "--api-key", key, "--cluster", "--ca"])
+        .arg(master.endpoint["cert_path"].as_str().unwrap())
+        .args(args)
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 /// Wait until `ok` holds of the master's node list.
 async fn nodes_until(c: &ClusterClient, what: &str, ok: impl Fn(&[NodeInfo]) -> bool) -> Vec<NodeInfo> {
     let deadline = Instant::now() + Duration::from_secs(20);
@@ -190,19 +205,7 @@ async fn capacity_is_the_sum_of_the_nodes_and_a_put_is_a_hit_for_every_client() 
         assert!(text.lines().any(|l| l.contains(name) && l.contains("live") && l.contains("dram")), "{text}");
     }
     // The CLI's block commands on a cluster (`--cluster`): through the master to the nodes.
-    let cli = |args: &[&str]| {
-        let out = std::process::Command::new(bin("kvpool"))
-            .args(["--server", &cl.master.addr(), "--api-key", ALICE_KEY, "--cluster", "--ca"])
-            .arg(cl.master.endpoint["cert_path"].as_str().unwrap())
-            .args(args)
-            .output()
-            .unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
+    let cli = |args: &[&str]| kvpool_cluster_cli(&cl.master, ALICE_KEY, args);
     let file = tempfile::NamedTempFile::new().unwrap();
     std::fs::write(file.path(), b"from the cli").unwrap();
     let path = file.path().to_str().unwrap();
@@ -482,19 +485,7 @@ async fn policies_are_loaded_on_a_running_cluster_where_they_decide() {
     let c = cl.client(ADMIN_KEY).await;
     nodes_until(&c, "two nodes join", |n| n.len() == 2 && n.iter().all(|n| n.live)).await;
     let comps = tokio::task::spawn_blocking(|| kvpool_tests::components(false)).await.unwrap();
-    let cli = |args: &[&str]| {
-        let out = std::process::Command::new(bin("kvpool"))
-            .args(["--server", &cl.master.addr(), "--api-key", ADMIN_KEY, "--cluster", "--ca"])
-            .arg(cl.master.endpoint["cert_path"].as_str().unwrap())
-            .args(args)
-            .output()
-            .unwrap();
-        (
-            out.status.code(),
-            String::from_utf8_lossy(&out.stdout).into_owned(),
-            String::from_utf8_lossy(&out.stderr).into_owned(),
-        )
-    };
+    let cli = |args: &[&str]| kvpool_cluster_cli(&cl.master, ADMIN_KEY, args);
     // Eviction runs on every storage node: the module goes to each one.
     let (code, text, err) = cli(&["policy", "load", "eviction", comps["sieve"].to_str().unwrap()]);
     assert_eq!(code, Some(0), "{text} {err}");
@@ -516,14 +507,10 @@ async fn policies_are_loaded_on_a_running_cluster_where_they_decide() {
     visible(&c, &keys).await;
     assert_eq!(read_back(&c, &keys, 4096).await, vec![ErrorCode::Ok; 6]);
     // A non-admin key is refused on every node, with the reason.
-    let out = std::process::Command::new(bin("kvpool"))
-        .args(["--server", &cl.master.addr(), "--api-key", ALICE_KEY, "--cluster", "--ca"])
-        .arg(cl.master.endpoint["cert_path"].as_str().unwrap())
-        .args(["policy", "load", "eviction", comps["lru"].to_str().unwrap()])
-        .output()
-        .unwrap();
-    assert_eq!(out.status.code(), Some(1));
-    assert!(String::from_utf8_lossy(&out.stderr).contains("forbidden"), "{}", String::from_utf8_lossy(&out.stderr));
+    let (code, _, err) =
+        kvpool_cluster_cli(&cl.master, ALICE_KEY, &["policy", "load", "eviction", comps["lru"].to_str().unwrap()]);
+    assert_eq!(code, Some(1));
+    assert!(err.contains("forbidden"), "{err}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
