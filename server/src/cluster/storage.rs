@@ -239,7 +239,7 @@ impl Offloader {
         Offloader { link, shared, max_fill, conns: tokio::sync::Mutex::default() }
     }
 
-    async fn try_offload(&self, blocks: &[(Change, Vec<u8>)]) -> Result<Vec<bool>, LinkError> {
+    async fn try_offload(&self, blocks: &[(Change, &[u8])]) -> Result<Vec<bool>, LinkError> {
         let me = self.link.me.load(std::sync::atomic::Ordering::Acquire);
         let Some(shared) = self.shared.upgrade() else { return Ok(vec![false; blocks.len()]) };
         if me == 0 || blocks.is_empty() {
@@ -302,7 +302,7 @@ impl Offloader {
                 .iter()
                 .map(|&i| kvpool_client::PutEntry {
                     key: &blocks[i].0.key,
-                    value: &blocks[i].1,
+                    value: blocks[i].1,
                     opts: kvpool_client::PutOptions {
                         parent: blocks[i].0.parent.as_deref().map(<[u8]>::to_vec),
                         ..Default::default()
@@ -326,7 +326,7 @@ impl Offloader {
 }
 
 impl crate::store::Offload for Offloader {
-    fn offload(&self, blocks: Vec<(Change, Vec<u8>)>) -> crate::service::BoxFuture<'_, Vec<bool>> {
+    fn offload<'a>(&'a self, blocks: Vec<(Change, &'a [u8])>) -> crate::service::BoxFuture<'a, Vec<bool>> {
         Box::pin(async move {
             let n = blocks.len();
             match tokio::time::timeout(OFFLOAD_BUDGET, self.try_offload(&blocks)).await {

@@ -42,7 +42,9 @@ pub(super) async fn dispatch<R: RequestRecv>(
             Ok(Response::NodeJoined(m.join(j)))
         }
         Request::NodeReport(r) => {
+            // Keys and parent keys within the limits: they go into the master's event log.
             check_keys(r.blocks.iter().map(|b| &b.key), 0, &s.limits)?;
+            check_keys(r.blocks.iter().filter_map(|b| b.parent.as_ref()), 0, &s.limits)?;
             expect_end(recv, deadline).await?;
             match m.report(r) {
                 Ok(()) => Ok(Response::Done),

@@ -86,7 +86,7 @@ fn wall_us() -> u64 {
 pub trait Offload: Send + Sync {
     /// Store these blocks (each described by its change, with its bytes) elsewhere; per block,
     /// whether it is now stored there. Must answer promptly (it runs on the eviction path).
-    fn offload(&self, blocks: Vec<(kvpool_core::Change, Vec<u8>)>) -> crate::service::BoxFuture<'_, Vec<bool>>;
+    fn offload<'a>(&'a self, blocks: Vec<(kvpool_core::Change, &'a [u8])>) -> crate::service::BoxFuture<'a, Vec<bool>>;
 }
 
 pub fn checksum(data: &[u8]) -> u64 {
@@ -739,11 +739,9 @@ impl Store {
             let ix = self.ix();
             demotions.iter().map(|(id, _)| ix.describe(*id)).collect()
         };
-        let offer: Vec<(kvpool_core::Change, Vec<u8>)> = demotions
-            .iter()
-            .zip(&described)
-            .filter_map(|((_, copy), d)| Some((d.clone()?, copy.bytes().to_vec())))
-            .collect();
+        // The pinned copies are read in place while the offer runs.
+        let offer: Vec<(kvpool_core::Change, &[u8])> =
+            demotions.iter().zip(&described).filter_map(|((_, copy), d)| Some((d.clone()?, copy.bytes()))).collect();
         let taken = o.offload(offer).await;
         let mut taken = taken.into_iter();
         let (mut rest, mut moved) = (Vec::new(), 0);
