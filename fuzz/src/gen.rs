@@ -112,9 +112,10 @@ fn request_v2(rng: &mut StdRng) -> Request {
         // Cluster requests: this server is no master, so they are refused with a typed error
         // (the master's side has its own hostile-input test in the server crate).
         10 => match rng.gen_range(0..4) {
-            // Only the fuzzed tenants: the leak check clears them, and canaries stay untouched.
+            // The fuzzed tenants (the leak check clears them; canaries stay untouched), or one no
+            // key names (refused).
             3 => Request::NodePut(NodePutRequest {
-                tenant: ["alice", "bob", "ops"][rng.gen_range(0..3)].into(),
+                tenant: ["alice", "bob", "ops", "stranger"][rng.gen_range(0..4)].into(),
                 mode: mode(rng),
                 items: put_items(rng),
             }),

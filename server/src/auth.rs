@@ -53,6 +53,11 @@ impl Auth {
         self.names.values().map(String::len).max().unwrap_or(0).max("tenant-4294967295".len())
     }
 
+    /// The id of a tenant a configured key names.
+    pub fn tenant_id_of(&self, name: &str) -> Option<u32> {
+        self.names.iter().find(|(_, n)| n.as_str() == name).map(|(&id, _)| id)
+    }
+
     /// The name of a tenant id (`tenant-<id>` for one no configured key names any more).
     pub fn tenant_name(&self, id: u32) -> String {
         self.names.get(&id).cloned().unwrap_or_else(|| format!("tenant-{id}"))

@@ -80,7 +80,7 @@ impl ServerHandle {
     }
 }
 
-pub(crate) fn tenant_id(meta: &store::meta::Meta, name: &str) -> u32 {
+fn tenant_id(meta: &store::meta::Meta, name: &str) -> u32 {
     // Stable ids: sled keys are scoped by them, so they must survive restarts.
     let key = format!("tenant:{name}");
     if let Ok(Some(v)) = meta.kv.get(&key) {

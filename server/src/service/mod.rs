@@ -640,14 +640,15 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
             if !p.admin {
                 return Err(Fail::Reply(error(ErrorCode::Forbidden, "node puts need an admin api key")));
             }
-            if np.tenant.is_empty() || np.tenant.len() > 256 {
+            // Only a tenant this node has a key for: the cluster's nodes share their keys, and
+            // a node put must not conjure up a tenant nobody can read.
+            let Some(tenant_id) = s.auth.tenant_id_of(&np.tenant) else {
                 return Err(Fail::Reply(error(
                     ErrorCode::InvalidArgument,
-                    "a node put names its tenant (1-256 bytes)",
+                    format!("node put for tenant {:?}, which no api key of this node names", np.tenant),
                 )));
-            }
-            let on_behalf =
-                Principal { tenant_id: crate::tenant_id(store.meta(), &np.tenant), tenant: np.tenant, admin: false };
+            };
+            let on_behalf = Principal { tenant_id, tenant: np.tenant, admin: false };
             let list = put_items(PutRequest { mode: np.mode, items: np.items }, recv, &on_behalf, s).await?;
             Response::Put(list)
         }

@@ -352,3 +352,42 @@ async fn a_master_answers_hostile_cluster_requests_with_typed_errors() {
     let (resp, ..) = run(&n, KEY_ADMIN, MemRecv::new(encode_frame(&join).unwrap()), MemSend::default()).await;
     assert!(matches!(resp, Some(Response::NodeJoined(_))), "{resp:?}");
 }
+
+/// A node put stores blocks as the named tenant's, for admin keys only, and only for a tenant
+/// some key of this node names.
+#[tokio::test(flavor = "current_thread")]
+async fn node_puts_store_for_a_known_tenant_and_only_from_admin_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let n = node(dir.path(), |_| {}).await;
+    let node_put = |tenant: &str| {
+        let req = Request::NodePut(kvpool_proto::NodePutRequest {
+            tenant: tenant.into(),
+            mode: PutMode::Insert,
+            items: vec![PutItem {
+                key: b"moved".to_vec(),
+                size: 3,
+                parent: None,
+                tokens: 0,
+                seq_tokens: 0,
+                pin: PinSpec::None,
+            }],
+        });
+        let mut bytes = encode_frame(&req).unwrap();
+        bytes.extend_from_slice(b"abc");
+        MemRecv::new(bytes)
+    };
+    let (r, ..) = run(&n, KEY_A, node_put("alice"), MemSend::default()).await;
+    assert_eq!(code_of(&r), Some(ErrorCode::Forbidden), "{r:?}");
+    let (r, ..) = run(&n, KEY_ADMIN, node_put("nobody"), MemSend::default()).await;
+    assert_eq!(code_of(&r), Some(ErrorCode::InvalidArgument), "{r:?}");
+    let (r, ..) = run(&n, KEY_ADMIN, node_put("alice"), MemSend::default()).await;
+    assert!(matches!(&r, Some(Response::Put(l)) if l.results == vec![ErrorCode::Ok]), "{r:?}");
+    // It is alice's block: she finds it, bob does not, and the admin's own tenant does not.
+    for (key, present) in [(KEY_A, true), (KEY_B, false), (KEY_ADMIN, false)] {
+        let req = Request::Exists(KeysRequest { keys: vec![b"moved".to_vec()] });
+        match run(&n, key, MemRecv::new(encode_frame(&req).unwrap()), MemSend::default()).await.0 {
+            Some(Response::Exists(e)) => assert_eq!(e.present, vec![present], "{key}"),
+            other => panic!("{other:?}"),
+        }
+    }
+}
