@@ -130,16 +130,7 @@ impl Pool for ClusterPool {
                 })
                 .collect();
             match self.rt.block_on(self.client.put_batch(&entries, PutMode::Insert, 1)) {
-                Ok(st) => {
-                    for s in st {
-                        match s {
-                            ErrorCode::Ok => self.stats.stored += 1,
-                            ErrorCode::Rejected => self.stats.rejected += 1,
-                            ErrorCode::NoSpace => self.stats.dropped += 1,
-                            _ => {}
-                        }
-                    }
-                }
+                Ok(st) => self.stats.count_put(st),
                 Err(e) => return self.fail(e),
             }
         }
@@ -151,18 +142,6 @@ impl Pool for ClusterPool {
         self.stats
     }
 }
-
-/// Storage nodes evict only when a reservation needs room (as `live-replay` runs the server),
-/// and hold no lease past a request.
-const STORAGE_CONFIG: &str = r#"
-[dram]
-high_watermark = 1.0
-low_watermark = 1.0
-
-[cache]
-lease_ttl_ms = 0
-put_wait_ms = 20
-"#;
 
 #[derive(Debug, Serialize)]
 struct ClusterReport {
@@ -196,7 +175,10 @@ pub fn cluster_replay(a: ClusterArgs) -> Result<()> {
     let sim = pooled::run(&trace, a.nodes, per_node, Routing::RoundRobin, "leaf-lru", &params, || {})?;
 
     let dir = tempfile::tempdir()?;
-    let (master, _nodes, cfg) = start_cluster(a.nodes, &(per_node * BLOCK).to_string(), STORAGE_CONFIG, dir.path())?;
+    // Storage nodes run as `live-replay` runs its server: eviction only when a reservation
+    // needs room, no lease past a request.
+    let (master, _nodes, cfg) =
+        start_cluster(a.nodes, &(per_node * BLOCK).to_string(), crate::live::SERVER_CONFIG, dir.path())?;
     let rt = Rc::new(tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?);
     let client = rt.block_on(ClusterClient::connect(cfg))?;
     let started = Instant::now();

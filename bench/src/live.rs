@@ -145,16 +145,7 @@ impl Pool for LivePool {
             entries.push((trace_key(it.key), slice, opts));
         }
         match self.client.put_from_batch(&entries, PutMode::Insert) {
-            Ok(st) => {
-                for s in st {
-                    match s {
-                        ErrorCode::Ok => self.stats.stored += 1,
-                        ErrorCode::Rejected => self.stats.rejected += 1,
-                        ErrorCode::NoSpace => self.stats.dropped += 1,
-                        _ => {}
-                    }
-                }
-            }
+            Ok(st) => self.stats.count_put(st),
             Err(e) => self.fail(e),
         }
     }
@@ -167,7 +158,7 @@ impl Pool for LivePool {
 }
 
 /// The server's settings that make it run the core's [`Semantics::Server`].
-const SERVER_CONFIG: &str = r#"
+pub(crate) const SERVER_CONFIG: &str = r#"
 [dram]
 high_watermark = 1.0
 low_watermark = 1.0

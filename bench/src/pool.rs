@@ -63,6 +63,21 @@ pub struct PoolStats {
     pub misses: u64,
 }
 
+impl PoolStats {
+    /// Count the per-item answers of a live put.
+    pub fn count_put(&mut self, codes: impl IntoIterator<Item = kvpool_client::ErrorCode>) {
+        use kvpool_client::ErrorCode;
+        for c in codes {
+            match c {
+                ErrorCode::Ok => self.stored += 1,
+                ErrorCode::Rejected => self.rejected += 1,
+                ErrorCode::NoSpace => self.dropped += 1,
+                _ => {}
+            }
+        }
+    }
+}
+
 /// The client-facing operations a replay needs, with kvpool's semantics.
 pub trait Pool {
     /// Leading blocks of `chain` (keys, root first) that are resident. Every absent key of the

@@ -222,16 +222,9 @@ impl ClusterClient {
             })
             .await?;
         let addrs: HashMap<u32, &NodeAddr> = routes.nodes.iter().map(|a| (a.node, a)).collect();
-        let mut status = vec![ErrorCode::Ok; entries.len()];
-        let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-        for (i, nodes) in routes.items.iter().enumerate() {
-            if nodes.is_empty() {
-                status[i] = ErrorCode::NoSpace;
-            }
-            for &n in nodes {
-                by_node.entry(n).or_default().push(i);
-            }
-        }
+        let mut status: Vec<ErrorCode> =
+            routes.items.iter().map(|n| if n.is_empty() { ErrorCode::NoSpace } else { ErrorCode::Ok }).collect();
+        let by_node = by_node(&routes.items);
         let puts = by_node.into_iter().map(|(n, idx)| {
             let addr = addrs.get(&n).copied().cloned();
             async move {
@@ -427,14 +420,8 @@ impl ClusterClient {
     pub async fn remove_batch<K: AsRef<[u8]>>(&self, keys: &[K], force: bool) -> Result<Vec<ErrorCode>> {
         let routes = self.route(keys).await?;
         let addrs: HashMap<u32, &NodeAddr> = routes.nodes.iter().map(|a| (a.node, a)).collect();
-        let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
-        for (i, nodes) in routes.items.iter().enumerate() {
-            for &n in nodes {
-                by_node.entry(n).or_default().push(i);
-            }
-        }
         let mut status = vec![ErrorCode::NotFound; keys.len()];
-        for (n, idx) in by_node {
+        for (n, idx) in by_node(&routes.items) {
             let Some(addr) = addrs.get(&n) else { continue };
             let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
             let codes = self.node(addr).await?.remove_batch(&ks, force).await?;
@@ -450,6 +437,17 @@ impl ClusterClient {
         }
         Ok(status)
     }
+}
+
+/// Item positions grouped by each node that `items` names for them.
+fn by_node(items: &[Vec<u32>]) -> BTreeMap<u32, Vec<usize>> {
+    let mut out: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
+    for (i, nodes) in items.iter().enumerate() {
+        for &n in nodes {
+            out.entry(n).or_default().push(i);
+        }
+    }
+    out
 }
 
 /// Connect to the master `at` names.
