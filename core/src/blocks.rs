@@ -10,14 +10,27 @@ use hashbrown::HashTable;
 use slab::Slab;
 use std::hash::{BuildHasher, RandomState};
 
-// Every resident block pays for its record: keep it from growing unnoticed (64-bit targets).
+// Every resident block pays for its record: keep it from growing unnoticed (64-bit targets),
+// with what the server keeps of a DRAM copy (8 bytes with a niche: an allocator offset and node
+// index; the length is the block's size).
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Block<std::sync::Arc<u8>>>() <= 112);
-// The server's DRAM handle: 12 bytes with a niche (an allocator node index).
-#[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Block<(u32, std::num::NonZeroU32, u32)>>() <= 112);
+const _: () = assert!(std::mem::size_of::<Block<ServerLike>>() <= 88);
 
-pub(crate) struct Blocks<D> {
+/// A handle shaped like the server's, for the size check above.
+#[derive(Clone)]
+struct ServerLike;
+
+impl crate::CopyHandle for ServerLike {
+    type Kept = (u32, std::num::NonZeroU32);
+    fn keep(&self) -> Self::Kept {
+        (0, std::num::NonZeroU32::MIN)
+    }
+    fn restore(_: &Self::Kept, _: u64) -> ServerLike {
+        ServerLike
+    }
+}
+
+pub(crate) struct Blocks<D: crate::CopyHandle> {
     slab: Slab<Block<D>>,
     by_id: HashTable<u32>,
     by_key: HashTable<u32>,
@@ -25,17 +38,30 @@ pub(crate) struct Blocks<D> {
     keys: Keys,
 }
 
-/// Where a key's bytes are in the arena: 8 bytes in the record, where an `Arc<[u8]>` took 16
+/// Where a key's bytes are in the arena: 6 bytes in the record, where an `Arc<[u8]>` took 16
 /// and its allocation another 64 (a 16-byte header and a 40-byte key, rounded to a size class).
+/// Two-byte halves keep its alignment at 2, so that it packs beside the record's flags; key
+/// lengths fit 2 bytes ([`MAX_KEY_LEN`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct KeyAt {
-    len: u32,
-    at: u32,
+    len: u16,
+    at: [u16; 2],
 }
+
+/// The longest key the index stores (the protocol's limit is configured below it).
+pub const MAX_KEY_LEN: usize = u16::MAX as usize;
 
 impl KeyAt {
     /// A record's key before [`Blocks::insert`] places it.
-    pub(crate) const UNSET: KeyAt = KeyAt { len: 0, at: 0 };
+    pub(crate) const UNSET: KeyAt = KeyAt { len: 0, at: [0, 0] };
+
+    fn new(len: u16, at: u32) -> KeyAt {
+        KeyAt { len, at: [(at >> 16) as u16, at as u16] }
+    }
+
+    fn at(self) -> u32 {
+        (u32::from(self.at[0]) << 16) | u32::from(self.at[1])
+    }
 }
 
 /// The key arena: keys of one length are packed in one buffer, and a freed place is reused by
@@ -55,8 +81,8 @@ struct KeyClass {
 
 impl Keys {
     pub(crate) fn get(&self, k: KeyAt) -> &[u8] {
-        let len = k.len as usize;
-        let start = k.at as usize * len;
+        let len = usize::from(k.len);
+        let start = k.at() as usize * len;
         &self.classes[len].bytes[start..start + len]
     }
 
@@ -80,12 +106,13 @@ impl Keys {
             }
         };
         // A length that fits the protocol's key limit; places fit u32 (4 billion keys).
-        KeyAt { len: u32::try_from(len).expect("a key below 4 GiB"), at }
+        // The index refuses longer keys before they get here (`Index::plan_put`, recovery).
+        KeyAt::new(u16::try_from(len).expect("a key of at most MAX_KEY_LEN bytes"), at)
     }
 
     fn free(&mut self, k: KeyAt) {
         if k.len > 0 {
-            self.classes[k.len as usize].free.push(k.at);
+            self.classes[usize::from(k.len)].free.push(k.at());
         }
     }
 }
@@ -100,7 +127,7 @@ fn key_hash(keyed: &RandomState, tenant: u32, key: &[u8]) -> u64 {
     keyed.hash_one((tenant, key))
 }
 
-impl<D> Blocks<D> {
+impl<D: crate::CopyHandle> Blocks<D> {
     pub(crate) fn new() -> Blocks<D> {
         Blocks {
             slab: Slab::new(),
@@ -255,15 +282,13 @@ mod tests {
             seq_tokens: 0,
             parent: 0,
             checksum: 0,
-            created_ms: 0,
             pin: Pin::None,
             dram: Some(id),
             ssd: crate::index::Locator::NONE,
             moving: false,
             depth: 0,
             wanted: 0,
-            last_us: 0,
-            last_access: 0,
+            stamp: crate::index::Stamp::default(),
             kids: crate::index::Kids::NONE,
         }
     }

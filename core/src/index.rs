@@ -17,8 +17,18 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// A DRAM copy as the index holds it.
+/// A DRAM copy as the index hands it out.
 pub trait CopyHandle: Clone + Send + 'static {
+    /// What a block's record keeps of the copy: the handle less what the record knows already.
+    /// The copy's length is the block's size, so a handle that carries its length need not
+    /// keep it twice (4 bytes of every resident block).
+    type Kept: Clone + Send + 'static;
+
+    fn keep(&self) -> Self::Kept;
+
+    /// The handle again, from what was kept and the block's size.
+    fn restore(kept: &Self::Kept, len: u64) -> Self;
+
     /// True while someone besides the index holds the copy (an in-flight read): eviction must not
     /// pick it, since its memory would not come free.
     fn in_use(&self) -> bool {
@@ -26,7 +36,15 @@ pub trait CopyHandle: Clone + Send + 'static {
     }
 }
 
-impl CopyHandle for u64 {}
+impl CopyHandle for u64 {
+    type Kept = u64;
+    fn keep(&self) -> u64 {
+        *self
+    }
+    fn restore(kept: &u64, _: u64) -> u64 {
+        *kept
+    }
+}
 
 /// Allocation granularity of each tier, for byte accounting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -118,7 +136,7 @@ impl From<Option<u64>> for Locator {
     }
 }
 
-pub(crate) struct Block<D> {
+pub(crate) struct Block<D: CopyHandle> {
     pub(crate) id: u64,
     pub(crate) tenant: u32,
     /// The key's place in the table's arena ([`Blocks::key`] gives the bytes).
@@ -134,9 +152,9 @@ pub(crate) struct Block<D> {
     /// parent's own key (not stored twice), and a block with neither is a root.
     pub(crate) parent: u64,
     pub(crate) checksum: u64,
-    pub(crate) created_ms: u64,
     pub(crate) pin: Pin,
-    pub(crate) dram: Option<D>,
+    /// The DRAM copy, as [`CopyHandle::keep`] keeps it ([`Block::dram`] gives the handle).
+    pub(crate) dram: Option<D::Kept>,
     pub(crate) ssd: Locator,
     /// A demotion of this block is in flight.
     pub(crate) moving: bool,
@@ -144,24 +162,54 @@ pub(crate) struct Block<D> {
     pub(crate) depth: u32,
     /// Requests that wanted the key: its remembered misses before the put, then one per read.
     pub(crate) wanted: u32,
-    /// Wall clock (µs) of the last insert or read.
-    pub(crate) last_us: u64,
-    /// Recency tick of the last insert or read (orders the snapshot a new policy is fed).
-    pub(crate) last_access: u64,
+    /// When the block was last put or read, as a [`Stamp`]: its wall-clock time, and its
+    /// place in the order of accesses (the order the snapshot a new policy is fed keeps).
+    pub(crate) stamp: Stamp,
     /// Resident blocks whose parent is this block (the chain rule's input).
     pub(crate) kids: Kids,
 }
 
-impl<D> Block<D> {
-    /// The persistent record; `parent` and `pin_until_ms` come from the index's side tables.
-    fn record(&self, parent: Option<&[u8]>, pin_until_ms: u64) -> BlockRecord {
+/// An access stamp: wall-clock µs in the high bits, a sequence among the accesses of the same
+/// µs in the low [`Stamp::SEQ_BITS`]. One 8-byte field gives both a block's last access time and
+/// the order of accesses, which took two before. Stamps only grow; more than 4,096 accesses in
+/// one µs (a frozen test clock) borrow the next µs, so the clock never runs backwards.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) struct Stamp(u64);
+
+impl Stamp {
+    const SEQ_BITS: u32 = 12;
+
+    /// The first stamp of wall-clock µs `us` (times past 2^52 µs, in the year 2112, saturate).
+    fn at_us(us: u64) -> Stamp {
+        Stamp(us.min(u64::MAX >> Self::SEQ_BITS) << Self::SEQ_BITS)
+    }
+
+    /// The next stamp after `self` no earlier than wall-clock µs `us`.
+    pub(crate) fn next(self, us: u64) -> Stamp {
+        Stamp(self.0.saturating_add(1).max(Stamp::at_us(us).0))
+    }
+
+    pub(crate) fn us(self) -> u64 {
+        self.0 >> Self::SEQ_BITS
+    }
+}
+
+impl<D: CopyHandle> Block<D> {
+    /// The DRAM copy's handle.
+    pub(crate) fn dram(&self) -> Option<D> {
+        self.dram.as_ref().map(|k| D::restore(k, self.size()))
+    }
+
+    /// The persistent record; `parent` and `pin_until_ms` come from the index's side tables,
+    /// `created_ms` from its record clock ([`Index::record_time`]).
+    fn record(&self, parent: Option<&[u8]>, pin_until_ms: u64, created_ms: u64) -> BlockRecord {
         BlockRecord {
             size: self.size(),
             tokens: self.tokens,
             seq_tokens: u64::from(self.seq_tokens),
             parent: parent.map(<[u8]>::to_vec),
             checksum: self.checksum,
-            created_ms: self.created_ms,
+            created_ms,
             pin: self.pin as u8,
             pin_until_ms,
             ssd_file: self.ssd.get(),
@@ -305,7 +353,7 @@ pub struct Recovered {
 }
 
 /// The block index.
-pub struct Index<D> {
+pub struct Index<D: CopyHandle> {
     /// Keyed with SipHash (std's randomly keyed hasher): keys are chosen by clients.
     blocks: Blocks<D>,
     next_id: u64,
@@ -316,9 +364,14 @@ pub struct Index<D> {
     moving: BTreeSet<u64>,
     soft_pins: BTreeSet<(u64, u64)>,
     events: Events,
-    tick: u64,
+    /// The latest access stamp handed out.
+    stamp: Stamp,
     /// Wall clock (µs): the latest time passed in, stamped on events.
     clock_us: u64,
+    /// The time of the newest persistent record written or recovered (ms). Records take it,
+    /// so their times never go backwards, even when the wall clock does: recovery gives a
+    /// contested SSD extent to the newest record. One clock for the index, not a time per block.
+    record_ms: u64,
     /// Recent misses, for `count` and the warm snapshot.
     misses: MissLog,
     /// Resident blocks whose parent key is not resident (or was replaced), by that key: they are
@@ -334,6 +387,8 @@ pub struct Index<D> {
     tenants: HashMap<u32, TenantCounters>,
     gran: Granularity,
     has_ssd: bool,
+    /// DRAM victims may be offered to another node first ([`Index::set_offload`]).
+    offload: bool,
     /// KV events waiting to be taken, while the feed is on ([`Index::set_change_feed`]).
     changes: Option<Vec<Change>>,
 }
@@ -410,8 +465,9 @@ impl<D: CopyHandle> Index<D> {
             moving: BTreeSet::new(),
             soft_pins: BTreeSet::new(),
             events: Events::new(),
-            tick: 0,
+            stamp: Stamp(0),
             clock_us: 0,
+            record_ms: 0,
             misses: MissLog { cap: DEFAULT_MISS_MEMORY, ..MissLog::default() },
             orphans: hashbrown::HashMap::with_hasher(std::hash::RandomState::new()),
             orphan_keys: HashMap::new(),
@@ -421,6 +477,7 @@ impl<D: CopyHandle> Index<D> {
             tenants: HashMap::new(),
             gran,
             has_ssd,
+            offload: false,
             changes: None,
         }
     }
@@ -543,11 +600,24 @@ impl<D: CopyHandle> Index<D> {
         }
     }
 
-    /// The persistent record of block `id` (indexed).
-    fn record_of(&self, id: u64) -> BlockRecord {
+    /// The persistent record of block `id` (indexed), written at wall-clock `wall_ms`.
+    fn record_of(&mut self, id: u64, wall_ms: u64) -> BlockRecord {
+        let created_ms = self.record_time(wall_ms);
         let b = self.blocks.get(id).expect("an indexed block");
         let until = if b.pin == Pin::Soft { self.pin_until.get(&id).copied().unwrap_or(0) } else { 0 };
-        b.record(self.parent_key(b).as_deref(), until)
+        b.record(self.parent_key(b).as_deref(), until, created_ms)
+    }
+
+    /// The time of a record written at `wall_ms`: never earlier than an earlier record's.
+    fn record_time(&mut self, wall_ms: u64) -> u64 {
+        self.record_ms = self.record_ms.max(wall_ms);
+        self.record_ms
+    }
+
+    /// A fresh access stamp at the current clock.
+    fn next_stamp(&mut self) -> Stamp {
+        self.stamp = self.stamp.next(self.clock_us);
+        self.stamp
     }
 
     /// How many recent misses to remember (for `count` and the warm snapshot; 0 turns it off).
@@ -624,17 +694,21 @@ impl<D: CopyHandle> Index<D> {
         // One allocation for the whole set instead of a rehash at every doubling.
         self.blocks.reserve(records.len());
         let has_ssd = self.has_ssd;
-        let candidate = move |rec: &Option<BlockRecord>| {
-            rec.as_ref().and_then(|r| r.ssd_file.filter(|_| has_ssd).map(|f| (f, r.size)))
+        // A record whose key the arena cannot hold (longer than any configurable key limit) is
+        // dropped like one without an SSD copy, and its extent is not claimed.
+        let candidate = move |key: &[u8], rec: &Option<BlockRecord>| {
+            rec.as_ref()
+                .filter(|_| key.len() <= crate::MAX_KEY_LEN)
+                .and_then(|r| r.ssd_file.filter(|_| has_ssd).map(|f| (f, r.size)))
         };
-        let extents: Vec<(u64, u64)> = records.iter().filter_map(|(_, _, r)| candidate(r)).collect();
+        let extents: Vec<(u64, u64)> = records.iter().filter_map(|(_, k, r)| candidate(k, r)).collect();
         let claimed = adopt(&extents);
         let mut claimed = claimed.into_iter();
         // (child, tenant, parent key) of every recovered block put under a parent: linked below,
         // and only those whose parent is gone keep their key (in `orphan_keys`).
         let mut parents: Vec<(u64, u32, Vec<u8>)> = Vec::new();
         for (tenant, key, rec) in records {
-            let usable = candidate(&rec).is_some() && claimed.next().unwrap_or(false);
+            let usable = candidate(&key, &rec).is_some() && claimed.next().unwrap_or(false);
             let Some(r) = rec.filter(|_| usable) else {
                 out.meta.push(MetaOp::Remove { tenant, key: key.into() });
                 out.dropped += 1;
@@ -642,6 +716,7 @@ impl<D: CopyHandle> Index<D> {
             };
             let id = self.next_id;
             self.next_id += 1;
+            self.record_ms = self.record_ms.max(r.created_ms);
             let file = r.ssd_file.expect("checked usable");
             let pin = match Pin::from_u8(r.pin).unwrap_or(Pin::None) {
                 Pin::Soft if r.pin_until_ms <= wall_ms => Pin::None,
@@ -664,15 +739,14 @@ impl<D: CopyHandle> Index<D> {
                 seq_tokens: saturate(r.seq_tokens),
                 parent: NO_PARENT,
                 checksum: r.checksum,
-                created_ms: r.created_ms,
                 pin,
                 dram: None,
                 ssd: Locator::some(file),
                 moving: false,
                 depth: NO_DEPTH,
                 wanted: 0,
-                last_us: r.created_ms.saturating_mul(1000),
-                last_access: 0,
+                // Before every access of this run (recovered blocks were idle since then).
+                stamp: Stamp::at_us(r.created_ms.min(wall_ms).saturating_mul(1000)),
                 kids: Kids::NONE,
             };
             self.copy_added(tenant, Tier::Ssd, b.size());
@@ -743,7 +817,12 @@ impl<D: CopyHandle> Index<D> {
                 pending.push(Pending::Skip(PutStatus::AlreadyExists));
                 continue;
             }
-            if self.gran.footprint(Tier::Dram, it.size) > max_copy || it.size > u64::from(u32::MAX) {
+            // Keys beyond the arena's two-byte lengths are refused like values beyond the
+            // record's four-byte sizes (the server's configured key limit is below both).
+            if self.gran.footprint(Tier::Dram, it.size) > max_copy
+                || it.size > u64::from(u32::MAX)
+                || it.key.len() > crate::MAX_KEY_LEN
+            {
                 pending.push(Pending::Skip(PutStatus::NoSpace));
                 continue;
             }
@@ -830,6 +909,9 @@ impl<D: CopyHandle> Index<D> {
         wall_ms: u64,
         soft_pin_ttl_ms: u64,
     ) -> Result<(Option<Dropped<D>>, Vec<MetaOp>), PutStatus> {
+        if spec.key.len() > crate::MAX_KEY_LEN || spec.size > u64::from(u32::MAX) {
+            return Err(PutStatus::NoSpace);
+        }
         let mut meta = Vec::with_capacity(2);
         let mut replaced = None;
         if let Some(old) = self.blocks.id_of(tenant, spec.key) {
@@ -851,9 +933,8 @@ impl<D: CopyHandle> Index<D> {
                 (Pin::Soft, wall_ms.saturating_add(if ttl_ms == 0 { soft_pin_ttl_ms } else { ttl_ms }))
             }
         };
-        self.tick += 1;
         self.clock(wall_ms.saturating_mul(1000));
-        let last_us = self.clock_us;
+        let stamp = self.next_stamp();
         let hash = key_hash(tenant, spec.key);
         // Resident blocks that were waiting for this key as their parent.
         let children: Vec<u64> = self
@@ -894,15 +975,13 @@ impl<D: CopyHandle> Index<D> {
             seq_tokens: saturate(spec.seq_tokens),
             parent,
             checksum,
-            created_ms: wall_ms,
             pin,
-            dram,
+            dram: dram.as_ref().map(D::keep),
             ssd: Locator::from(ssd),
             moving: false,
             depth: self.depth_under(parent, spec.parent),
             wanted: self.misses.count(hash),
-            last_us,
-            last_access: self.tick,
+            stamp,
             kids,
         };
         if pin == Pin::Soft {
@@ -913,7 +992,7 @@ impl<D: CopyHandle> Index<D> {
         // Only blocks with an SSD copy are persisted: a DRAM copy does not survive a restart.
         if self.blocks.get(id).expect("just inserted").ssd.is_some() {
             let key = Box::from(spec.key);
-            meta.push(MetaOp::Put { tenant, key, record: self.record_of(id) });
+            meta.push(MetaOp::Put { tenant, key, record: self.record_of(id, wall_ms) });
         }
         for tier in [Tier::Dram, Tier::Ssd] {
             let b = self.blocks.get(id).expect("just inserted");
@@ -973,7 +1052,7 @@ impl<D: CopyHandle> Index<D> {
         }
         let meta = b.ssd.is_some().then_some(MetaOp::Remove { tenant: b.tenant, key });
         let size = b.size();
-        Some((Dropped { dram: b.dram, ssd: b.ssd.get().map(|f| (f, size)) }, meta))
+        Some((Dropped { dram: b.dram(), ssd: b.ssd.get().map(|f| (f, size)) }, meta))
     }
 
     // ---- reads --------------------------------------------------------------------------
@@ -1005,19 +1084,16 @@ impl<D: CopyHandle> Index<D> {
                 out.push(Located::Missing);
                 continue;
             };
-            self.tick += 1;
-            let (tick, now_us) = (self.tick, self.clock_us);
+            let stamp = self.next_stamp();
             let b = self.blocks.get_mut(id).expect("index and blocks agree");
-            b.last_access = tick;
+            b.stamp = stamp;
             let k: &[u8] = k;
-            b.last_us = now_us;
             b.wanted = b.wanted.saturating_add(1);
             prev = Some((id, b.depth));
-            let (loc, ev) = match &b.dram {
-                Some(d) => (
-                    Located::Dram { id, copy: d.clone(), checksum: b.checksum },
-                    b.event(k, id, EventKind::Accessed, Tier::Dram),
-                ),
+            let (loc, ev) = match b.dram() {
+                Some(copy) => {
+                    (Located::Dram { id, copy, checksum: b.checksum }, b.event(k, id, EventKind::Accessed, Tier::Dram))
+                }
                 None => {
                     let locator = b.ssd.get().expect("a block has at least one copy");
                     (
@@ -1155,7 +1231,7 @@ impl<D: CopyHandle> Index<D> {
             }
             let Some(b) = self.blocks.get(id) else { continue };
             let eligible = match tier {
-                Tier::Dram => b.dram.as_ref().is_some_and(|d| !in_use(d)),
+                Tier::Dram => b.dram().is_some_and(|d| !in_use(&d)),
                 Tier::Ssd => b.ssd.is_some(),
                 Tier::Device => false,
             };
@@ -1214,6 +1290,13 @@ impl<D: CopyHandle> Index<D> {
     /// copy, deepest first, counted in `cascaded`, `Removed` events for each), since a lookup
     /// stops at the first absent block and they could never be hit; when one of them is leased,
     /// in flight or hard-pinned, the victim stays (counted in `refused`).
+    /// Hand DRAM victims out as demotions on a node without an SSD tier too: a cluster
+    /// storage node offers them to another node's free DRAM, and drops those it cannot place
+    /// ([`Index::finish_demotion`] with nothing written).
+    pub fn set_offload(&mut self, on: bool) {
+        self.offload = on;
+    }
+
     pub fn evict(&mut self, victims: &[u64], tier: Tier, decisions: &[Admit], now: Instant) -> Evicted<D> {
         let mut out =
             Evicted { demotions: Vec::new(), dropped: Vec::new(), meta: Vec::new(), gone: 0, cascaded: 0, refused: 0 };
@@ -1225,12 +1308,15 @@ impl<D: CopyHandle> Index<D> {
             }
             let (tenant, size) = (b.tenant, b.size());
             let demote = tier == Tier::Dram
-                && self.has_ssd
                 && b.ssd.is_none()
-                && decisions.get(row).copied() == Some(Admit::Into(Tier::Ssd));
+                && if self.has_ssd {
+                    decisions.get(row).copied() == Some(Admit::Into(Tier::Ssd))
+                } else {
+                    self.offload
+                };
             if demote {
                 b.moving = true;
-                out.demotions.push((id, b.dram.clone().expect("has a DRAM copy")));
+                out.demotions.push((id, b.dram().expect("has a DRAM copy")));
                 self.moving.insert(id);
                 self.tenant_mut(tenant).evictions[slot(tier)] += 1;
                 continue;
@@ -1272,7 +1358,7 @@ impl<D: CopyHandle> Index<D> {
             self.tenant_mut(tenant).evictions[slot(tier)] += 1;
             let (b, key) = self.blocks.get_mut_with_key(id).expect("exists");
             let dropped = match tier {
-                Tier::Dram => Dropped { dram: b.dram.take(), ssd: None },
+                Tier::Dram => Dropped { dram: b.dram().inspect(|_| b.dram = None), ssd: None },
                 _ => {
                     // The SSD copy was the persisted one.
                     out.meta.push(MetaOp::Remove { tenant, key: key.into() });
@@ -1306,16 +1392,16 @@ impl<D: CopyHandle> Index<D> {
             };
         };
         let (tenant, size) = (b.tenant, b.size());
-        let dram = b.dram.take();
+        let dram = b.dram();
+        b.dram = None;
         b.ssd = Locator::some(file);
-        b.created_ms = b.created_ms.max(wall_ms);
         let removed = b.event(key, id, EventKind::Removed, Tier::Dram);
         let inserted = b.event(key, id, EventKind::Inserted, Tier::Ssd);
         let key = Box::from(key);
         // The new copy first: a router never sees the block absent while it moves.
         self.note_change(id, ChangeKind::Stored, Tier::Ssd);
         self.note_change(id, ChangeKind::Evicted, Tier::Dram);
-        let meta = MetaOp::Put { tenant, key, record: self.record_of(id) };
+        let meta = MetaOp::Put { tenant, key, record: self.record_of(id, wall_ms) };
         self.copy_removed(tenant, Tier::Dram, size);
         self.copy_added(tenant, Tier::Ssd, size);
         self.tenant_mut(tenant).demotions += 1;
@@ -1332,7 +1418,7 @@ impl<D: CopyHandle> Index<D> {
         else {
             return Err(copy);
         };
-        b.dram = Some(copy);
+        b.dram = Some(copy.keep());
         let (tenant, size) = (b.tenant, b.size());
         let ev = b.event(key, id, EventKind::Inserted, Tier::Dram);
         self.note_change(id, ChangeKind::Stored, Tier::Dram);
@@ -1414,9 +1500,9 @@ impl<D: CopyHandle> Index<D> {
             ev.push(Event::missed(hash, depth, parent).with_count(count).with_time(time));
         }
         // Walk by slot: a scratch array marks the blocks already sent.
-        // Recovered blocks (tick 0) are ordered by their records' times, then ids.
-        let mut order: Vec<(u64, u64, u64, usize)> =
-            blocks.slots().map(|(s, b)| (b.last_access, b.last_us, b.id, s)).collect();
+        // Recovered blocks are stamped with their records' times: they come first, in that
+        // order, then ids.
+        let mut order: Vec<(Stamp, u64, usize)> = blocks.slots().map(|(s, b)| (b.stamp, b.id, s)).collect();
         order.sort_unstable();
         let mut done = vec![false; blocks.slot_bound()];
         let mut stack = Vec::new();
@@ -1439,10 +1525,10 @@ impl<D: CopyHandle> Index<D> {
                 }
                 let b = blocks.at_slot(x).expect("stacked");
                 if b.ssd.is_some() {
-                    ev.push(b.event(blocks.key(b), b.id, EventKind::Inserted, Tier::Ssd).with_time(b.last_us));
+                    ev.push(b.event(blocks.key(b), b.id, EventKind::Inserted, Tier::Ssd).with_time(b.stamp.us()));
                 }
                 if b.dram.is_some() {
-                    ev.push(b.event(blocks.key(b), b.id, EventKind::Inserted, Tier::Dram).with_time(b.last_us));
+                    ev.push(b.event(blocks.key(b), b.id, EventKind::Inserted, Tier::Dram).with_time(b.stamp.us()));
                 }
             }
         }

@@ -8,6 +8,7 @@
 //! in one thread, the way the benchmark's replay and the unit tests do.
 
 mod blocks;
+pub use blocks::MAX_KEY_LEN;
 mod changes;
 mod index;
 mod policies;
@@ -97,7 +98,7 @@ pub fn placed_tiers(p: &Placements, n: usize) -> Vec<Tier> {
 
 /// An index and its policies driven from one thread: the same decisions the server takes, in
 /// the same order, with no locks and no I/O.
-pub struct Pool<D> {
+pub struct Pool<D: CopyHandle> {
     pub index: Index<D>,
     pub policies: Policies,
 }

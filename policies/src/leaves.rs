@@ -54,8 +54,10 @@ pub(crate) struct Node<X = ()> {
     pub at: [Tick; 3],
     /// The block's size (the same in every tier), saturating at 4 GiB.
     pub size: u32,
-    /// Per tier: resident children with a copy in that tier.
-    pub children: [u32; 3],
+    /// Per tier: resident children with a copy in that tier. Two bytes, since nearly every
+    /// block has at most a few; a count that reaches [`Leaves`]'s spill mark is kept exactly in
+    /// its `many_children` instead (a system prompt shared by 100,000 requests).
+    pub children: [u16; 3],
 }
 
 impl<X> Node<X> {
@@ -131,6 +133,10 @@ pub(crate) struct Leaves<X = ()> {
     tick: Tick,
     /// The clock is renumbered when it reaches this ([`Tick::MAX`]; lower in tests).
     tick_limit: Tick,
+    /// Exact child counts of the tiers whose `children` stand at `spill`.
+    many_children: IdMap<u64, [u32; 3]>,
+    /// The mark at which a child count moves to `many_children` ([`u16::MAX`]; lower in tests).
+    spill: u16,
 }
 
 /// What an event did to a node, for the policy's own bookkeeping.
@@ -159,7 +165,15 @@ impl<X: Extra> Leaves<X> {
             queues: (0..PIN_SLOTS * classes).map(|_| Queue::default()).collect(),
             ..Default::default()
         };
-        Leaves { nodes: NodeMap::default(), tiers: [mk(), mk(), mk()], classes, tick: 0, tick_limit: Tick::MAX }
+        Leaves {
+            nodes: NodeMap::default(),
+            tiers: [mk(), mk(), mk()],
+            classes,
+            tick: 0,
+            tick_limit: Tick::MAX,
+            many_children: IdMap::default(),
+            spill: u16::MAX,
+        }
     }
 
     /// Queue of the copy in tier `t`, when it is an ordered leaf.
@@ -199,6 +213,41 @@ impl<X: Extra> Leaves<X> {
                 tq.queues[q].push(at[t], id);
             }
         }
+    }
+
+    /// Resident children of `n` (node `id`) with a copy in tier `t`.
+    pub fn children(&self, id: u64, n: &Node<X>, t: usize) -> u32 {
+        if n.children[t] < self.spill {
+            u32::from(n.children[t])
+        } else {
+            self.many_children.get(&id).map_or(u32::from(self.spill), |m| m[t])
+        }
+    }
+
+    /// One more (`up`) or one fewer child of `id` in tier `t`.
+    fn count_child(&mut self, id: u64, t: usize, up: bool) {
+        let Some(n) = self.nodes.get(&id) else { return };
+        let before = self.queues_of(n);
+        let n = self.nodes.get_mut(&id).expect("present");
+        let c = &mut n.children[t];
+        if *c < self.spill {
+            *c = if up { *c + 1 } else { c.saturating_sub(1) };
+            if *c == self.spill {
+                self.many_children.entry(id).or_default()[t] = u32::from(self.spill);
+            }
+        } else {
+            let m = self.many_children.entry(id).or_default();
+            m[t] = if up { m[t].saturating_add(1) } else { m[t].saturating_sub(1) };
+            if m[t] < u32::from(self.spill) {
+                // Back below the mark: the node holds it again.
+                *c = u16::try_from(m[t]).unwrap_or(self.spill);
+                m[t] = 0;
+                if m.iter().all(|&x| x == 0) {
+                    self.many_children.remove(&id);
+                }
+            }
+        }
+        self.requeue(id, before, None);
     }
 
     /// Run `f` on node `id` (if known), keeping the orderings in step.
@@ -241,7 +290,7 @@ impl<X: Extra> Leaves<X> {
                 let parent = n.parent;
                 self.requeue(e.id, before, Some(t));
                 if !had && parent != NO_PARENT {
-                    self.update(parent, |p| p.children[t] += 1);
+                    self.count_child(parent, t, true);
                 }
                 self.maybe_compact(t);
                 Change::Inserted { fresh }
@@ -278,10 +327,11 @@ impl<X: Extra> Leaves<X> {
                 let gone = n.at.iter().all(|&a| a == 0);
                 self.requeue(e.id, before, None);
                 if parent != NO_PARENT {
-                    self.update(parent, |p| p.children[t] = p.children[t].saturating_sub(1));
+                    self.count_child(parent, t, false);
                 }
                 if gone {
                     self.nodes.remove(&e.id);
+                    self.many_children.remove(&e.id);
                 }
                 self.maybe_compact(t);
                 Change::Removed { age, gone }
@@ -475,7 +525,8 @@ impl<X: Extra> Leaves<X> {
                 if let Some(p) = nodes.get(&n.parent) {
                     let taken = taken_children.entry(n.parent).or_insert(0);
                     *taken += 1;
-                    if *taken >= p.children[t] && p.has(t) && exclude.binary_search(&n.parent).is_err() {
+                    if *taken >= self.children(n.parent, p, t) && p.has(t) && exclude.binary_search(&n.parent).is_err()
+                    {
                         match pin_slot(p.pin) {
                             Some(s) if s == slot => promoted.push((p.at[t], n.parent)),
                             Some(s) if s > slot => waiting.push((p.at[t], n.parent)),
@@ -517,7 +568,7 @@ impl<X: Extra> Leaves<X> {
 }
 
 // Every node keeps a tick per tier: keep the node from growing unnoticed.
-const _: () = assert!(std::mem::size_of::<Node>() <= 40);
+const _: () = assert!(std::mem::size_of::<Node>() <= 32);
 
 #[cfg(test)]
 mod tests {
@@ -569,5 +620,57 @@ mod tests {
         }
         assert!(renumbered > 10, "the small clock was renumbered {renumbered} times");
         assert!(small.tick <= 1_000);
+    }
+
+    /// Child counts past the spill mark are kept exactly aside: with a mark of 3, wide fan-outs
+    /// (a few parents under hundreds of children, in two tiers) give the same counts and the
+    /// same victims as the two-byte counts that never spill, and the side table empties.
+    #[test]
+    fn spilled_child_counts_keep_every_choice() {
+        let mut plain: Leaves = Leaves::new(1);
+        let mut small: Leaves = Leaves::new(1);
+        small.spill = 3;
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut rnd = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let mut spilled = 0;
+        for step in 0..30_000 {
+            let id = 1 + rnd() % 400;
+            let tier = if rnd() % 3 == 0 { Tier::Ssd } else { Tier::Dram };
+            let e = match rnd() % 10 {
+                // Blocks above 8 hang under one of the first 8: wide fan-outs.
+                0..=4 => Event::inserted(id, 1 + rnd() % 100, tier, if id > 8 { 1 + rnd() % 8 } else { NO_PARENT }),
+                5 | 6 => Event::accessed(id, tier),
+                _ => Event::removed(id, tier),
+            };
+            plain.apply(&e, |_| 0);
+            small.apply(&e, |_| 0);
+            spilled = spilled.max(small.many_children.len());
+            for p in 1..=8 {
+                if let (Some(a), Some(b)) = (plain.nodes.get(&p), small.nodes.get(&p)) {
+                    for t in 0..3 {
+                        assert_eq!(plain.children(p, a, t), small.children(p, b, t), "step {step}, block {p}");
+                    }
+                }
+            }
+            if step % 89 == 0 {
+                let bytes = rnd() % 3_000;
+                let a = plain.victims(tier, bytes, &[], |_, tick| tick, |_| {});
+                let b = small.victims(tier, bytes, &[], |_, tick| tick, |_| {});
+                assert_eq!(a, b, "step {step}");
+            }
+        }
+        assert!(spilled > 0, "no count spilled");
+        for id in 1..=400 {
+            for t in Tier::ALL {
+                plain.apply(&Event::removed(id, t), |_| 0);
+                small.apply(&Event::removed(id, t), |_| 0);
+            }
+        }
+        assert!(small.many_children.is_empty() && small.nodes.iter().next().is_none());
     }
 }

@@ -560,7 +560,14 @@ impl Config {
         if self.limits.max_key_len == 0 || self.limits.max_batch == 0 || self.limits.max_value_size.0 == 0 {
             return Err(ConfigError::Invalid { field: "limits", message: "limits must be positive".into() });
         }
-        // A DRAM block keeps its length in 4 bytes (the handle is paid per resident block).
+        // A block's key length is kept in 2 bytes (paid per resident block).
+        if self.limits.max_key_len as usize > kvpool_core::MAX_KEY_LEN {
+            return Err(ConfigError::Invalid {
+                field: "limits.max_key_len",
+                message: format!("must be at most {} bytes", kvpool_core::MAX_KEY_LEN),
+            });
+        }
+        // A block keeps its size in 4 bytes (paid per resident block).
         if self.limits.max_value_size.0 > u64::from(u32::MAX) {
             return Err(ConfigError::Invalid { field: "limits.max_value_size", message: "must be below 4GiB".into() });
         }
@@ -870,6 +877,21 @@ mod tests {
             "cluster.report_ms / cluster.node_timeout_ms"
         );
         assert!(load(Some(file("[cluster]\nrole = \"sideways\"\n", ".toml").path()), None, None).is_err());
+    }
+
+    /// The record keeps key lengths in 2 bytes and sizes in 4: limits past them are refused.
+    #[test]
+    fn limits_fit_the_record() {
+        let check = |text: &str| load(Some(file(text, ".toml").path()), None, None).and_then(|l| l.config.validate());
+        assert!(check("[limits]\nmax_key_len = 65535\n").is_ok());
+        assert!(matches!(
+            check("[limits]\nmax_key_len = 65536\n"),
+            Err(ConfigError::Invalid { field: "limits.max_key_len", .. })
+        ));
+        assert!(matches!(
+            check("[limits]\nmax_value_size = \"4GiB\"\n"),
+            Err(ConfigError::Invalid { field: "limits.max_value_size", .. })
+        ));
     }
 
     #[test]

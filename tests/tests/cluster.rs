@@ -552,3 +552,45 @@ async fn a_full_node_moves_its_dram_victims_into_another_nodes_free_dram_before_
     let bob = cl.client(BOB_KEY).await;
     assert_eq!(bob.lookup(&names[..1]).await.unwrap(), 0);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_node_without_ssd_moves_its_dram_victims_into_another_nodes_free_dram() {
+    let keys = tempfile::tempdir().unwrap();
+    let key_file = keys.path().join("master-key");
+    std::fs::write(&key_file, format!("{ADMIN_KEY}\n")).unwrap();
+    let master = master();
+    let small = storage(&master, &key_file, "small", "4MiB", "0");
+    let _big = storage(&master, &key_file, "big", "64MiB", "0");
+    let cl = Cluster { master, nodes: Vec::new(), _keys: keys };
+    let c = cl.client(ALICE_KEY).await;
+    nodes_until(&c, "two nodes join", |n| n.len() == 2 && n.iter().all(|n| n.live)).await;
+    // 12 MiB put straight into the small node, which has no SSD tier to demote to.
+    let direct = small.client(ALICE_KEY).await;
+    const SIZE: usize = 512 << 10;
+    let names: Vec<String> = (0..24).map(|i| format!("nossd-{i}")).collect();
+    for k in &names {
+        direct.put(k, &value_for(k, SIZE)).await.unwrap();
+    }
+    // Its victims went to the big node's free DRAM instead of being dropped.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let big = loop {
+        let r = c.route(&names).await.unwrap();
+        let nodes = c.nodes().await.unwrap();
+        let big = nodes.iter().find(|n| n.name == "big").unwrap().node;
+        if r.items.iter().filter(|n| n.contains(&big)).count() >= 12 {
+            break big;
+        }
+        assert!(Instant::now() < deadline, "victims did not move to the big node: {:?}", r.items);
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let m = small.scrape();
+    assert!(kvpool_tests::metric(&m, "kvpool_cluster_offloads_total{outcome=\"moved\"}") >= 12.0, "{m}");
+    assert_eq!(direct.stats().await.unwrap().demotions, 0, "there is no SSD to demote to");
+    // Every block the pool still routes reads back as the same tenant's; the moved ones too.
+    let r = c.route(&names).await.unwrap();
+    let held: Vec<String> = names.iter().zip(&r.items).filter(|(_, n)| !n.is_empty()).map(|(k, _)| k.clone()).collect();
+    assert!(held.len() >= 12 && r.items.iter().filter(|n| n.contains(&big)).count() >= 12, "{:?}", r.items);
+    assert_eq!(read_back(&c, &held, SIZE).await, vec![ErrorCode::Ok; held.len()]);
+    let bob = cl.client(BOB_KEY).await;
+    assert_eq!(bob.lookup(&held[..1]).await.unwrap(), 0);
+}

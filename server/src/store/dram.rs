@@ -194,7 +194,25 @@ pub struct DramRef {
 #[cfg(target_pointer_width = "64")]
 const _: () = assert!(std::mem::size_of::<Option<DramRef>>() <= 12);
 
+/// What a block's record keeps of its [`DramRef`]: the range without its length, which is the
+/// block's size. 8 bytes, as an `Option` too.
+#[derive(Clone, Copy)]
+pub struct DramKept(Allocation);
+
+#[cfg(target_pointer_width = "64")]
+const _: () = assert!(std::mem::size_of::<Option<DramKept>>() <= 8);
+
 impl DramRef {
+    pub fn kept(&self) -> DramKept {
+        DramKept(self.allocation)
+    }
+
+    /// The range again, from what the record kept and the block's size (below 4 GiB: the
+    /// index refuses larger values).
+    pub fn restore(kept: DramKept, len: u64) -> DramRef {
+        DramRef { allocation: kept.0, len: u32::try_from(len).unwrap_or(u32::MAX) }
+    }
+
     pub fn len(&self) -> u64 {
         u64::from(self.len)
     }

@@ -18,7 +18,7 @@ pub mod ssd;
 mod tests;
 pub mod tier;
 
-pub use dram::{DramBlock, DramRef, PinnedBlock};
+pub use dram::{DramBlock, DramKept, DramRef, PinnedBlock};
 
 use crate::events::EventLog;
 use crate::metrics::Metrics;
@@ -101,7 +101,16 @@ pub struct DramCopy(pub DramRef);
 
 /// Whether a read holds a copy is the tier's to say: the store passes
 /// [`DramTier::in_use`] to [`Index::valid_victims`].
-impl CopyHandle for DramCopy {}
+impl CopyHandle for DramCopy {
+    /// The range without its length: the record's size is the length.
+    type Kept = DramKept;
+    fn keep(&self) -> DramKept {
+        self.0.kept()
+    }
+    fn restore(kept: &DramKept, len: u64) -> DramCopy {
+        DramCopy(DramRef::restore(*kept, len))
+    }
+}
 
 /// What a put item will do, decided before its bytes are read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -392,9 +401,12 @@ impl Store {
     }
 
     /// Log the index's KV events from now on (once; a second log is refused and returned).
-    /// Send DRAM victims to `o` before SSD (once; a cluster storage node sets it).
+    /// Send DRAM victims to `o` before SSD (once; a cluster storage node sets it). Without an
+    /// SSD tier, the victims `o` does not take are dropped as before.
     pub fn set_offload(&self, o: Arc<dyn Offload>) {
-        let _ = self.offload.set(o);
+        if self.offload.set(o).is_ok() {
+            self.index.lock().set_offload(true);
+        }
     }
 
     pub fn attach_events(&self, log: Arc<EventLog>) -> Result<(), Arc<EventLog>> {
@@ -608,6 +620,12 @@ impl Store {
         dram: Option<DramCopy>,
         ssd: Option<u64>,
     ) -> ErrorCode {
+        // The record keeps a DRAM copy without its length ([`DramKept`]): its size is it.
+        if let Some(c) = dram.filter(|c| c.0.len() != item.size) {
+            tracing::error!(id, len = c.0.len(), size = item.size, "a DRAM copy's length is not its item's size");
+            self.dram.release_ref(c.0);
+            return ErrorCode::Internal;
+        }
         let s = spec(item);
         let soft_ttl = self.cfg.soft_pin_ttl.as_millis() as u64;
         let mut ix = self.ix();
@@ -775,13 +793,18 @@ impl Store {
         (rest, moved)
     }
 
-    /// Copy a DRAM victim to SSD, then drop its DRAM copy. When SSD has no room the block is
-    /// simply evicted. Returns whether the DRAM copy left.
+    /// Copy a DRAM victim to SSD, then drop its DRAM copy. When SSD has no room (or there is
+    /// no SSD tier: a victim no other node took) the block is simply evicted. Returns whether
+    /// the DRAM copy left.
     async fn demote(&self, id: u64, copy: PinnedBlock) -> bool {
-        let Some(ssd) = self.ssd.clone() else { return false };
         let size = copy.len();
-        let written = match self.reserve_in(&*ssd, size, None).await {
-            Some(extent) => {
+        let ssd = self.ssd.clone();
+        let extent = match &ssd {
+            Some(ssd) => self.reserve_in(&**ssd, size, None).await,
+            None => None,
+        };
+        let written = match (extent, &ssd) {
+            (Some(extent), Some(ssd)) => {
                 let (s2, data) = (ssd.clone(), copy.clone());
                 let write = move || {
                     let mut extent = extent;
@@ -796,7 +819,7 @@ impl Store {
                     }
                 }
             }
-            None => None,
+            _ => None,
         };
         drop(copy);
         let mut ix = self.ix();
@@ -816,7 +839,7 @@ impl Store {
             }
             Demoted::Vanished => {
                 drop(ix);
-                if let Some(offset) = written {
+                if let (Some(offset), Some(ssd)) = (written, &ssd) {
                     ssd.release(SsdExtent { offset, len: size });
                 }
             }
