@@ -793,6 +793,10 @@ impl<D: CopyHandle> Index<D> {
                 self.blocks.get_mut(x).expect("walked").depth = d;
             }
         }
+        // Accesses of this run come after every recovered block, even if the wall clock steps
+        // back later.
+        self.clock(wall_ms.saturating_mul(1000));
+        self.stamp = self.stamp.max(Stamp::at_us(self.clock_us));
         out.snapshot = self.snapshot();
         out
     }
@@ -1282,22 +1286,50 @@ impl<D: CopyHandle> Index<D> {
         Some(sub)
     }
 
+    /// Hand DRAM victims out as demotions on a node without an SSD tier too: a cluster
+    /// storage node offers them to another node's free DRAM, and evicts those no node takes
+    /// with [`Index::evict_untaken`].
+    pub fn set_offload(&mut self, on: bool) {
+        self.offload = on;
+    }
+
+    /// A DRAM victim of a node without SSD that no other node took: its demotion ends, and it
+    /// is evicted under the rules of [`Index::evict`] as they stand now (a lease taken while it
+    /// was offered keeps it; the chain rule takes its descendants along or keeps it).
+    pub fn evict_untaken(&mut self, id: u64, now: Instant) -> Evicted<D> {
+        self.moving.remove(&id);
+        if let Some(b) = self.blocks.get_mut(id).filter(|b| b.moving) {
+            b.moving = false;
+            // Counted when its demotion started; the eviction below counts it again.
+            let t = b.tenant;
+            let c = &mut self.tenant_mut(t).evictions[slot(Tier::Dram)];
+            *c = c.saturating_sub(1);
+        }
+        self.evict_with(&[id], Tier::Dram, &[], now, false)
+    }
+
     /// Evict `victims` from `tier`: DRAM victims admitted to SSD (`decisions`, one per row of
-    /// [`Index::demotion_batch`]) start a demotion; the others lose their copy in `tier`, and
-    /// blocks left with no copy leave the index. Leased blocks are never dropped from the pool.
+    /// [`Index::demotion_batch`]) start a demotion, as do all DRAM victims of a node without
+    /// SSD that offers them to other nodes ([`Index::set_offload`]); the others lose their copy
+    /// in `tier`, and blocks left with no copy leave the index. Leased blocks are never dropped
+    /// from the pool.
     ///
     /// Chain rule: a victim that loses its last copy takes its resident descendants along (every
     /// copy, deepest first, counted in `cascaded`, `Removed` events for each), since a lookup
     /// stops at the first absent block and they could never be hit; when one of them is leased,
     /// in flight or hard-pinned, the victim stays (counted in `refused`).
-    /// Hand DRAM victims out as demotions on a node without an SSD tier too: a cluster
-    /// storage node offers them to another node's free DRAM, and drops those it cannot place
-    /// ([`Index::finish_demotion`] with nothing written).
-    pub fn set_offload(&mut self, on: bool) {
-        self.offload = on;
+    pub fn evict(&mut self, victims: &[u64], tier: Tier, decisions: &[Admit], now: Instant) -> Evicted<D> {
+        self.evict_with(victims, tier, decisions, now, true)
     }
 
-    pub fn evict(&mut self, victims: &[u64], tier: Tier, decisions: &[Admit], now: Instant) -> Evicted<D> {
+    fn evict_with(
+        &mut self,
+        victims: &[u64],
+        tier: Tier,
+        decisions: &[Admit],
+        now: Instant,
+        may_demote: bool,
+    ) -> Evicted<D> {
         let mut out =
             Evicted { demotions: Vec::new(), dropped: Vec::new(), meta: Vec::new(), gone: 0, cascaded: 0, refused: 0 };
         let named: HashSet<u64> = victims.iter().copied().collect();
@@ -1307,7 +1339,8 @@ impl<D: CopyHandle> Index<D> {
                 continue;
             }
             let (tenant, size) = (b.tenant, b.size());
-            let demote = tier == Tier::Dram
+            let demote = may_demote
+                && tier == Tier::Dram
                 && b.ssd.is_none()
                 && if self.has_ssd {
                     decisions.get(row).copied() == Some(Admit::Into(Tier::Ssd))
@@ -1405,8 +1438,11 @@ impl<D: CopyHandle> Index<D> {
         self.copy_removed(tenant, Tier::Dram, size);
         self.copy_added(tenant, Tier::Ssd, size);
         self.tenant_mut(tenant).demotions += 1;
-        self.emit(removed);
+        // The policies too hear of the SSD copy first: told of the DRAM copy's removal first,
+        // a block with no other copy would leave their trees and come back without its
+        // children (a demoted parent would then pass for a leaf of the SSD tier).
         self.emit(inserted);
+        self.emit(removed);
         Demoted::Moved { dram, meta }
     }
 

@@ -591,3 +591,58 @@ fn record_times_never_go_backwards() {
     }
     assert_eq!(created, vec![5_000, 5_000, 9_000]);
 }
+
+/// A node without SSD that offers its DRAM victims to other nodes: a victim nobody took is
+/// evicted under the usual rules as they stand when the offer ends. A lease taken meanwhile
+/// keeps it; otherwise the chain rule takes its descendants along, and each copy is counted
+/// once.
+#[test]
+fn untaken_offers_are_evicted_under_the_usual_rules() {
+    let mut p = pool(false, 0);
+    p.index.set_offload(true);
+    let now = Instant::now();
+    let a = put(&mut p, T1, spec(b"a", 100, None), now).unwrap();
+    put(&mut p, T1, spec(b"b", 100, Some(b"a")), now).unwrap();
+    let out = p.index.evict(&[a], Tier::Dram, &[], now);
+    assert_eq!((out.demotions.len(), out.gone), (1, 0), "offered, not dropped");
+    // Read while it was offered: the lease keeps it, and it is an ordinary block again.
+    p.index.plan_get(T1, &keys(&["a"]), now + Duration::from_secs(5), 0);
+    let out = p.index.evict_untaken(a, now);
+    assert_eq!((out.gone, out.dropped.len()), (0, 0));
+    assert_eq!(p.index.lookup(T1, &keys(&["a", "b"]), 0), 2);
+    assert_eq!(p.index.tenant_counters(T1).evictions[0], 0);
+    // Offered again after the lease: nobody takes it, and its child goes with it.
+    let later = now + Duration::from_secs(6);
+    let out = p.index.evict(&[a], Tier::Dram, &[], later);
+    assert_eq!(out.demotions.len(), 1);
+    let out = p.index.evict_untaken(a, later);
+    assert_eq!((out.gone, out.cascaded, out.dropped.len()), (2, 1, 2));
+    assert_eq!(p.index.lookup(T1, &keys(&["a"]), 0), 0);
+    assert!(p.index.id_of(T1, b"b").is_none());
+    assert_eq!(p.index.tenant_counters(T1).evictions[0], 2);
+    // Without the offer, a node without SSD evicts at once, as before.
+    p.index.set_offload(false);
+    let c = put(&mut p, T1, spec(b"c", 100, None), later).unwrap();
+    let out = p.index.evict(&[c], Tier::Dram, &[], later);
+    assert_eq!((out.demotions.len(), out.gone), (0, 1));
+}
+
+/// A chain demoted to SSD keeps its shape in the eviction policy: the policies hear of each
+/// SSD copy before the DRAM copy goes, so a demoted parent is not taken for a leaf of the SSD
+/// tier (leaf-first LRU then offers the child, not the parent that strands it).
+#[test]
+fn a_demoted_chain_keeps_its_leaves_in_the_ssd_tier() {
+    let mut p = pool(true, 0);
+    let now = Instant::now();
+    let a = put(&mut p, T1, spec(b"a", 100, None), now).unwrap();
+    let b = put(&mut p, T1, spec(b"b", 100, Some(b"a")), now).unwrap();
+    // The child first, then the parent, as leaf-first eviction demotes them.
+    for (i, id) in [b, a].into_iter().enumerate() {
+        let out = p.index.evict(&[id], Tier::Dram, &[Admit::Into(Tier::Ssd)], now);
+        assert_eq!(out.demotions.len(), 1);
+        assert!(matches!(p.index.finish_demotion(id, Some(4096 * i as u64), 2_000), Demoted::Moved { .. }));
+    }
+    // The child is read since: by recency alone the parent would go first.
+    p.index.plan_get(T1, &keys(&["b"]), now, 3_000_000);
+    assert_eq!(p.select_victims(Tier::Ssd, 100, now), vec![b], "the leaf of the SSD tier goes first");
+}

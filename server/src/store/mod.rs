@@ -793,18 +793,28 @@ impl Store {
         (rest, moved)
     }
 
-    /// Copy a DRAM victim to SSD, then drop its DRAM copy. When SSD has no room (or there is
-    /// no SSD tier: a victim no other node took) the block is simply evicted. Returns whether
-    /// the DRAM copy left.
+    /// Copy a DRAM victim to SSD, then drop its DRAM copy. When SSD has no room the block is
+    /// simply evicted; without an SSD tier (a victim no other node took) it is evicted under the
+    /// usual rules ([`Index::evict_untaken`]). Returns whether the DRAM copy left.
     async fn demote(&self, id: u64, copy: PinnedBlock) -> bool {
         let size = copy.len();
-        let ssd = self.ssd.clone();
-        let extent = match &ssd {
-            Some(ssd) => self.reserve_in(&**ssd, size, None).await,
-            None => None,
+        let Some(ssd) = self.ssd.clone() else {
+            // No SSD tier, and no other node took it: evicted under the usual rules, as they
+            // stand now (a lease taken while it was offered keeps it).
+            drop(copy);
+            let out = {
+                let mut ix = self.ix();
+                let mut out = ix.evict_untaken(id, Instant::now());
+                self.meta.enqueue(std::mem::take(&mut out.meta));
+                out
+            };
+            self.metrics.evictions_cascaded.inc_by(out.cascaded as u64);
+            self.metrics.evictions_refused.inc_by(out.refused as u64);
+            self.release(out.dropped);
+            return out.gone > 0;
         };
-        let written = match (extent, &ssd) {
-            (Some(extent), Some(ssd)) => {
+        let written = match self.reserve_in(&*ssd, size, None).await {
+            Some(extent) => {
                 let (s2, data) = (ssd.clone(), copy.clone());
                 let write = move || {
                     let mut extent = extent;
@@ -819,7 +829,7 @@ impl Store {
                     }
                 }
             }
-            _ => None,
+            None => None,
         };
         drop(copy);
         let mut ix = self.ix();
@@ -839,7 +849,7 @@ impl Store {
             }
             Demoted::Vanished => {
                 drop(ix);
-                if let (Some(offset), Some(ssd)) = (written, &ssd) {
+                if let Some(offset) = written {
                     ssd.release(SsdExtent { offset, len: size });
                 }
             }
