@@ -513,84 +513,57 @@ async fn policies_are_loaded_on_a_running_cluster_where_they_decide() {
     assert!(err.contains("forbidden"), "{err}");
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_full_node_moves_its_dram_victims_into_another_nodes_free_dram_before_its_ssd() {
+/// 12 MiB put straight into a node of 4 MiB of DRAM (no placement), beside a node of 64 MiB:
+/// at least 12 of its 24 blocks must end up in the big node's DRAM, and every block the pool
+/// still routes reads back as the same tenant's. Returns how many the small node demoted.
+async fn spill_from_a_full_node(small_ssd: &'static str) -> u64 {
     let keys = tempfile::tempdir().unwrap();
     let key_file = keys.path().join("master-key");
     std::fs::write(&key_file, format!("{ADMIN_KEY}\n")).unwrap();
     let master = master();
-    let small = storage(&master, &key_file, "small", "4MiB", "64MiB");
+    let small = storage(&master, &key_file, "small", "4MiB", small_ssd);
     let _big = storage(&master, &key_file, "big", "64MiB", "0");
     let cl = Cluster { master, nodes: Vec::new(), _keys: keys };
     let c = cl.client(ALICE_KEY).await;
     nodes_until(&c, "two nodes join", |n| n.len() == 2 && n.iter().all(|n| n.live)).await;
-    // 12 MiB put straight into the small node (no placement): three times its DRAM.
     let direct = small.client(ALICE_KEY).await;
     const SIZE: usize = 512 << 10;
     let names: Vec<String> = (0..24).map(|i| format!("spill-{i}")).collect();
     for k in &names {
         direct.put(k, &value_for(k, SIZE)).await.unwrap();
     }
-    // Its victims went to the big node's free DRAM, not to its own SSD...
+    // With an SSD every block stays somewhere; without one, the victims no node took are gone.
+    let all_kept = small_ssd != "0";
     let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
+    let (held, big) = loop {
         let r = c.route(&names).await.unwrap();
         let nodes = c.nodes().await.unwrap();
         let big = nodes.iter().find(|n| n.name == "big").unwrap().node;
-        if r.items.iter().all(|n| !n.is_empty()) && r.items.iter().filter(|n| n.contains(&big)).count() >= 12 {
-            break;
-        }
-        assert!(Instant::now() < deadline, "victims did not move to the big node: {:?}", r.items);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-    let m = small.scrape();
-    assert!(kvpool_tests::metric(&m, "kvpool_cluster_offloads_total{outcome=\"moved\"}") >= 12.0, "{m}");
-    let demoted = direct.stats().await.unwrap().demotions;
-    assert!(demoted < 12, "the small node demoted {demoted} blocks to its SSD instead");
-    // ... and every block still reads back, as the same tenant's, from wherever it is now.
-    assert_eq!(read_back(&c, &names, SIZE).await, vec![ErrorCode::Ok; names.len()]);
-    let bob = cl.client(BOB_KEY).await;
-    assert_eq!(bob.lookup(&names[..1]).await.unwrap(), 0);
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_full_node_without_ssd_moves_its_dram_victims_into_another_nodes_free_dram() {
-    let keys = tempfile::tempdir().unwrap();
-    let key_file = keys.path().join("master-key");
-    std::fs::write(&key_file, format!("{ADMIN_KEY}\n")).unwrap();
-    let master = master();
-    let small = storage(&master, &key_file, "small", "4MiB", "0");
-    let _big = storage(&master, &key_file, "big", "64MiB", "0");
-    let cl = Cluster { master, nodes: Vec::new(), _keys: keys };
-    let c = cl.client(ALICE_KEY).await;
-    nodes_until(&c, "two nodes join", |n| n.len() == 2 && n.iter().all(|n| n.live)).await;
-    // 12 MiB put straight into the small node, which has no SSD tier to demote to.
-    let direct = small.client(ALICE_KEY).await;
-    const SIZE: usize = 512 << 10;
-    let names: Vec<String> = (0..24).map(|i| format!("nossd-{i}")).collect();
-    for k in &names {
-        direct.put(k, &value_for(k, SIZE)).await.unwrap();
-    }
-    // Its victims went to the big node's free DRAM instead of being dropped.
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let big = loop {
-        let r = c.route(&names).await.unwrap();
-        let nodes = c.nodes().await.unwrap();
-        let big = nodes.iter().find(|n| n.name == "big").unwrap().node;
-        if r.items.iter().filter(|n| n.contains(&big)).count() >= 12 {
-            break big;
+        let held: Vec<String> =
+            names.iter().zip(&r.items).filter(|(_, n)| !n.is_empty()).map(|(k, _)| k.clone()).collect();
+        let on_big = r.items.iter().filter(|n| n.contains(&big)).count();
+        if (!all_kept || held.len() == names.len()) && on_big >= 12 {
+            break (held, on_big);
         }
         assert!(Instant::now() < deadline, "victims did not move to the big node: {:?}", r.items);
         tokio::time::sleep(Duration::from_millis(50)).await;
     };
+    assert!(big >= 12);
     let m = small.scrape();
     assert!(kvpool_tests::metric(&m, "kvpool_cluster_offloads_total{outcome=\"moved\"}") >= 12.0, "{m}");
-    assert_eq!(direct.stats().await.unwrap().demotions, 0, "there is no SSD to demote to");
-    // Every block the pool still routes reads back as the same tenant's; the moved ones too.
-    let r = c.route(&names).await.unwrap();
-    let held: Vec<String> = names.iter().zip(&r.items).filter(|(_, n)| !n.is_empty()).map(|(k, _)| k.clone()).collect();
-    assert!(held.len() >= 12 && r.items.iter().filter(|n| n.contains(&big)).count() >= 12, "{:?}", r.items);
     assert_eq!(read_back(&c, &held, SIZE).await, vec![ErrorCode::Ok; held.len()]);
     let bob = cl.client(BOB_KEY).await;
     assert_eq!(bob.lookup(&held[..1]).await.unwrap(), 0);
+    direct.stats().await.unwrap().demotions
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_node_moves_its_dram_victims_into_another_nodes_free_dram_before_its_ssd() {
+    let demoted = spill_from_a_full_node("64MiB").await;
+    assert!(demoted < 12, "the small node demoted {demoted} blocks to its SSD instead");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_node_without_ssd_moves_its_dram_victims_into_another_nodes_free_dram() {
+    assert_eq!(spill_from_a_full_node("0").await, 0, "there is no SSD to demote to");
 }
