@@ -301,8 +301,14 @@ fn micros(d: Duration) -> u64 {
 type WorkerBufs = Vec<Vec<u8>>;
 
 /// memcpy of the same bytes with the same parallelism: each "op" copies one batch from the
-/// shared source into the worker's own buffers.
+/// shared source into the worker's own buffers. One untimed pass first, so that first touches
+/// of the pages (which a VM host may have to map in) do not make the baseline look slow.
 fn run_memcpy(pool: &[u8], size: usize, batch: usize, bufs: &mut [WorkerBufs], ops_per_worker: usize) -> OpResult {
+    for wb in bufs.iter_mut() {
+        for (j, dst) in wb.iter_mut().enumerate().take(batch) {
+            dst.copy_from_slice(&pool[j * size..(j + 1) * size]);
+        }
+    }
     let start = Instant::now();
     let hists: Vec<Histogram<u64>> = std::thread::scope(|s| {
         let handles: Vec<_> = bufs

@@ -59,6 +59,11 @@ pub struct ClientConfig {
     /// When the shared-memory transport is in use, send requests over the server's same-host
     /// control socket instead of QUIC streams (a fraction of QUIC's round trip).
     pub local_control: bool,
+    /// Hash values again after the server copied them into registered buffers. The server
+    /// already hashes each block as it lands in the buffer and answers `Corrupt` on a mismatch
+    /// (PROTOCOL.md, `GetInto`), so this only guards against a faulty server, at the cost of a
+    /// second pass over the bytes. Values that cross QUIC are always verified here.
+    pub verify_shm_gets: bool,
 }
 
 impl ClientConfig {
@@ -73,6 +78,7 @@ impl ClientConfig {
             quic: kvpool_net::QuicTuning::default(),
             transport: TransportChoice::Auto,
             local_control: true,
+            verify_shm_gets: false,
         }
     }
 

@@ -702,8 +702,7 @@ impl Client {
                         )));
                     }
                     let mut buf = vec![0u8; item.size as usize];
-                    rx.read_exact(&mut buf).await?;
-                    verify(keys[i].as_ref(), item.checksum, &buf)?;
+                    read_verified(&mut rx, keys[i].as_ref(), item.checksum, &mut buf).await?;
                     value = Some(buf);
                 }
                 out.push(GetResult { status: item.status, value, tier: item.tier, lease_ms: item.lease_ms });
@@ -772,8 +771,7 @@ impl Client {
                         status = ErrorCode::ValueTooLarge;
                     } else {
                         let dst = &mut buf[..item.size as usize];
-                        rx.read_exact(dst).await?;
-                        verify(keys[i].as_ref(), item.checksum, dst)?;
+                        read_verified(&mut rx, keys[i].as_ref(), item.checksum, dst).await?;
                     }
                 }
                 out.push(GetIntoResult { status, size: item.size, tier: item.tier, lease_ms: item.lease_ms });
@@ -890,6 +888,34 @@ impl Client {
             other => Err(unexpected("Pong", &other)),
         }
     }
+}
+
+/// Read exactly `dst.len()` value bytes and check them against `expected`, hashing each piece
+/// as it lands (while it is still in cache) rather than in a second pass over the value.
+async fn read_verified(rx: &mut RecvStream, key: &[u8], expected: u64, dst: &mut [u8]) -> Result<()> {
+    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+    let mut filled = 0;
+    while filled < dst.len() {
+        // Pieces small enough to be hashed from L2.
+        let end = dst.len().min(filled + (128 << 10));
+        match rx.read(&mut dst[filled..end]).await? {
+            Some(n) => {
+                h.update(&dst[filled..filled + n]);
+                filled += n;
+            }
+            None => {
+                return Err(ClientError::Protocol(format!(
+                    "stream ended early, {} bytes short of a declared value size",
+                    dst.len() - filled
+                )))
+            }
+        }
+    }
+    let actual = h.digest();
+    if actual != expected {
+        return Err(ClientError::Checksum { key: key_text(key), expected, actual });
+    }
+    Ok(())
 }
 
 fn verify(key: &[u8], expected: u64, bytes: &[u8]) -> Result<()> {

@@ -161,6 +161,55 @@ async fn unsharing_a_buffer_in_use_is_a_typed_error_not_a_crash() {
     assert_eq!(fresh.as_slice(), &buf.as_slice()[..size]);
 }
 
+/// The server hashes each block as it lands in the client's buffer. A destination written
+/// while the server fills it fails that check: the item is `Corrupt`, never `Ok`, and the
+/// block (whose server copy is sound) stays and serves.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_destination_written_during_the_copy_is_corrupt_not_ok() {
+    let srv = TestServer::start(Opts { dram: "256MiB", ..Opts::default() });
+    let c = client_on(&srv, ADMIN_KEY, TransportChoice::Shm).await;
+    let size = 8 << 20;
+    let value = value_for("raced", size);
+    let mut src = c.alloc_buffer(size).unwrap();
+    src.as_mut_slice().copy_from_slice(&value);
+    let entry = [("raced", src.slice(0, size).unwrap(), PutOptions::default())];
+    assert_eq!(c.put_from_batch(&entry, PutMode::Insert).await.unwrap(), vec![ErrorCode::Ok]);
+    let dst = c.alloc_buffer(size).unwrap();
+    // A thread keeps writing one byte of the destination with a value the block lacks there.
+    // (The byte is inside the first piece the server copies, not at its start: memcpy stores
+    // the head of a range last, just before the server reads it back.)
+    let at = 4096;
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let (addr, wrong, stop2) = (dst.as_ptr() as usize + at, value[at] ^ 0xff, stop.clone());
+    let writer = std::thread::spawn(move || {
+        while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
+            // SAFETY: the buffer outlives the thread (joined below); racing the server's copy
+            // is the point of this test.
+            unsafe { (addr as *mut u8).write_volatile(wrong) };
+        }
+    });
+    let mut statuses = Vec::new();
+    for _ in 0..50 {
+        let r = c.get_into_batch(&["raced"], &[dst.slice(0, size).unwrap()]).await.unwrap();
+        statuses.push(r[0].status);
+        if r[0].status == ErrorCode::Corrupt {
+            break;
+        }
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    writer.join().unwrap();
+    assert_eq!(statuses.last(), Some(&ErrorCode::Corrupt), "{statuses:?}");
+    // The block was not dropped: a quiet get serves it whole, verified again by this client.
+    let mut cfg = cfg_on(&srv, ADMIN_KEY, TransportChoice::Shm);
+    cfg.verify_shm_gets = true;
+    let v = Client::connect(cfg).await.unwrap();
+    let dst2 = v.alloc_buffer(size).unwrap();
+    let r = v.get_into_batch(&["raced"], &[dst2.slice(0, size).unwrap()]).await.unwrap();
+    assert_eq!((r[0].status, r[0].size), (ErrorCode::Ok, size as u64));
+    assert!(dst2.as_slice() == &value[..]);
+    assert_eq!(v.stats().await.unwrap().corrupt_blocks, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_tenants_on_shm_cannot_reach_each_other() {
     let srv = TestServer::start(Opts::default());

@@ -47,12 +47,80 @@ impl XferState {
 /// handing them to a thread costs more than the copy.
 const INLINE: u64 = 256 << 10;
 
+/// Bytes copied between two hashings of the destination: small enough that the bytes just
+/// written are still in L1 when they are read back for the hash.
+const HASH_CHUNK: usize = 32 << 10;
+
+/// Per-descriptor xxh3-64 of the bytes a [`LocalTransport::post_hashed`] batch wrote, read
+/// back from the destination right after each chunk was copied (so hashing costs no second
+/// trip to memory). Valid once the batch has settled `Done`.
+#[derive(Clone, Default)]
+pub struct Digests(Arc<[AtomicU64]>);
+
+impl Digests {
+    fn new(n: usize) -> Digests {
+        Digests((0..n).map(|_| AtomicU64::new(0)).collect())
+    }
+
+    /// The digest of descriptor `i` of the batch.
+    pub fn get(&self, i: usize) -> u64 {
+        self.0[i].load(Ordering::Acquire)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+}
+
+/// Copy `len` bytes from `src` to `dst` and return the xxh3-64 of the bytes as written.
+///
+/// # Safety
+/// As for `copy_nonoverlapping`: both ranges valid, distinct memory.
+unsafe fn copy_hashed(src: *const u8, dst: *mut u8, len: usize) -> u64 {
+    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+    let mut done = 0;
+    while done < len {
+        let n = (len - done).min(HASH_CHUNK);
+        // SAFETY: within the ranges the caller vouches for.
+        unsafe {
+            std::ptr::copy_nonoverlapping(src.add(done), dst.add(done), n);
+            h.update(std::slice::from_raw_parts(dst.add(done), n));
+        }
+        done += n;
+    }
+    h.digest()
+}
+
+/// One piece of a batch: a copy, and where its digest goes when the batch is hashed.
 struct Job {
     src: usize,
     dst: usize,
     len: usize,
+    hash: Option<(Digests, usize)>,
     state: Arc<XferState>,
     _keep: Vec<Keep>,
+}
+
+impl Job {
+    fn run(&self) {
+        // SAFETY: both ranges were bounds-checked against registered regions at post time, the
+        // owners of imported memory are held by the job, and the poster keeps its own regions
+        // valid until the batch settles. Local and peer memory are distinct allocations, so
+        // they never overlap.
+        unsafe {
+            match &self.hash {
+                None => std::ptr::copy_nonoverlapping(self.src as *const u8, self.dst as *mut u8, self.len),
+                Some((d, i)) => {
+                    let sum = copy_hashed(self.src as *const u8, self.dst as *mut u8, self.len);
+                    d.0[*i].store(sum, Ordering::Release);
+                }
+            }
+        }
+    }
 }
 
 #[derive(Default)]
@@ -86,11 +154,7 @@ impl LocalTransport {
                             Err(_) => return,
                         };
                         if !job.state.cancelled.load(Ordering::Relaxed) {
-                            // SAFETY: both ranges were bounds-checked against registered regions
-                            // at post time, the owners of imported memory are held by the job, and
-                            // the poster keeps its own regions valid until the batch settles.
-                            // Local and peer memory are distinct allocations, so they never overlap.
-                            unsafe { std::ptr::copy_nonoverlapping(job.src as *const u8, job.dst as *mut u8, job.len) };
+                            job.run();
                         }
                         job.state.piece_done();
                     })
@@ -98,6 +162,83 @@ impl LocalTransport {
             })
             .collect();
         LocalTransport { inner: Arc::new(Inner::default()), jobs: Mutex::new(Some(tx)), threads }
+    }
+
+    /// As [`Transport::post`], and also hash what is written: once the batch is `Done`,
+    /// [`Digests::get`]`(i)` is the xxh3-64 of descriptor `i`'s bytes as they landed in the
+    /// destination. A descriptor is then copied by one thread (its hash runs in order), so a
+    /// batch with fewer descriptors than threads uses fewer threads than [`Transport::post`].
+    pub fn post_hashed(&self, peer: PeerId, op: Op, batch: &[Xfer]) -> Result<(XferId, Digests), TransportError> {
+        let digests = Digests::new(batch.len());
+        let id = self.post_inner(peer, op, batch, Some(&digests))?;
+        Ok((id, digests))
+    }
+
+    fn post_inner(
+        &self,
+        peer: PeerId,
+        op: Op,
+        batch: &[Xfer],
+        hash: Option<&Digests>,
+    ) -> Result<XferId, TransportError> {
+        let mut pieces: Vec<Job> = Vec::new();
+        let id = self.next();
+        let state = Arc::new(XferState {
+            remaining: AtomicUsize::new(0),
+            cancelled: AtomicBool::new(false),
+            failed: Mutex::new(None),
+            done: Arc::new(tokio::sync::Notify::new()),
+        });
+        {
+            let local = self.inner.local.read();
+            let peers = self.inner.peers.read();
+            let remote = peers.get(&peer.0).ok_or(TransportError::UnknownPeer(peer))?;
+            for (i, x) in batch.iter().enumerate() {
+                let l = local.get(&x.local.0).ok_or(TransportError::UnknownRegion(x.local))?;
+                let r = remote.get(&x.remote.0).ok_or(TransportError::UnknownRegion(x.remote))?;
+                check_bounds(x.local_offset, x.len, l.len as u64)?;
+                check_bounds(x.remote_offset, x.len, r.len as u64)?;
+                let (la, ra) = (l.addr + x.local_offset as usize, r.addr + x.remote_offset as usize);
+                let (src, dst) = match op {
+                    Op::Read => (ra, la),
+                    Op::Write => (la, ra),
+                };
+                let keep: Vec<Keep> = [&l.owner, &r.owner].into_iter().flatten().cloned().collect();
+                let len = x.len as usize;
+                if let Some(d) = hash {
+                    let hash = Some((d.clone(), i));
+                    pieces.push(Job { src, dst, len, hash, state: state.clone(), _keep: keep });
+                    continue;
+                }
+                let mut done = 0usize;
+                while done < len {
+                    let n = (len - done).min(PIECE);
+                    let (src, dst) = (src + done, dst + done);
+                    pieces.push(Job { src, dst, len: n, hash: None, state: state.clone(), _keep: keep.clone() });
+                    done += n;
+                }
+            }
+        }
+        let inline = pieces.iter().map(|p| p.len as u64).sum::<u64>() <= INLINE;
+        if inline {
+            self.inner.xfers.lock().insert(id, state);
+            for job in &pieces {
+                job.run();
+            }
+            return Ok(XferId(id));
+        }
+        state.remaining.store(pieces.len(), Ordering::Release);
+        self.inner.xfers.lock().insert(id, state.clone());
+        let jobs = self.jobs.lock();
+        let tx = jobs.as_ref().ok_or_else(|| TransportError::Io("transport is shut down".into()))?;
+        for job in pieces {
+            if tx.send(job).is_err() {
+                // No thread will run it: fail the batch, and count the piece as done.
+                *state.failed.lock() = Some(TransportError::Io("copy threads are gone".into()));
+                state.piece_done();
+            }
+        }
+        Ok(XferId(id))
     }
 
     fn next(&self) -> u64 {
@@ -196,56 +337,7 @@ impl Transport for LocalTransport {
     }
 
     fn post(&self, peer: PeerId, op: Op, batch: &[Xfer]) -> Result<XferId, TransportError> {
-        let mut pieces = Vec::new();
-        {
-            let local = self.inner.local.read();
-            let peers = self.inner.peers.read();
-            let remote = peers.get(&peer.0).ok_or(TransportError::UnknownPeer(peer))?;
-            for x in batch {
-                let l = local.get(&x.local.0).ok_or(TransportError::UnknownRegion(x.local))?;
-                let r = remote.get(&x.remote.0).ok_or(TransportError::UnknownRegion(x.remote))?;
-                check_bounds(x.local_offset, x.len, l.len as u64)?;
-                check_bounds(x.remote_offset, x.len, r.len as u64)?;
-                let (la, ra) = (l.addr + x.local_offset as usize, r.addr + x.remote_offset as usize);
-                let (src, dst) = match op {
-                    Op::Read => (ra, la),
-                    Op::Write => (la, ra),
-                };
-                let keep: Vec<Keep> = [&l.owner, &r.owner].into_iter().flatten().cloned().collect();
-                let mut done = 0usize;
-                while done < x.len as usize {
-                    let n = (x.len as usize - done).min(PIECE);
-                    pieces.push((src + done, dst + done, n, keep.clone()));
-                    done += n;
-                }
-            }
-        }
-        let id = self.next();
-        let inline = pieces.iter().map(|p| p.2 as u64).sum::<u64>() <= INLINE;
-        let state = Arc::new(XferState {
-            remaining: AtomicUsize::new(if inline { 0 } else { pieces.len() }),
-            cancelled: AtomicBool::new(false),
-            failed: Mutex::new(None),
-            done: Arc::new(tokio::sync::Notify::new()),
-        });
-        self.inner.xfers.lock().insert(id, state.clone());
-        if inline {
-            for (src, dst, len, _keep) in pieces {
-                // SAFETY: as for the copy threads (checked bounds, owners held, distinct memory).
-                unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, len) };
-            }
-            return Ok(XferId(id));
-        }
-        let jobs = self.jobs.lock();
-        let tx = jobs.as_ref().ok_or_else(|| TransportError::Io("transport is shut down".into()))?;
-        for (src, dst, len, keep) in pieces {
-            if tx.send(Job { src, dst, len, state: state.clone(), _keep: keep }).is_err() {
-                // No thread will run it: fail the batch, and count the piece as done.
-                *state.failed.lock() = Some(TransportError::Io("copy threads are gone".into()));
-                state.piece_done();
-            }
-        }
-        Ok(XferId(id))
+        self.post_inner(peer, op, batch, None)
     }
 
     fn status(&self, xfer: XferId) -> Result<XferStatus, TransportError> {
@@ -321,6 +413,42 @@ mod tests {
         let x = Xfer { local: seg_id, local_offset: 0, remote: RegionId(7), remote_offset: 0, len: 1 };
         assert!(t.post(peer, Op::Write, &[x]).is_err());
         t.disconnect(peer).unwrap();
+    }
+
+    #[tokio::test]
+    async fn hashed_batches_report_the_digest_of_each_descriptor() {
+        let t = LocalTransport::new(2);
+        let mut seg = vec![0u8; 16 << 20];
+        let mut client: Vec<u8> = (0..(6 << 20)).map(|i| (i * 7 % 253) as u8).collect();
+        // SAFETY: both vectors outlive every transfer below (each is awaited).
+        let seg_id = unsafe { t.register(region(&mut seg)) }.unwrap();
+        let peer = t.new_peer();
+        t.add_peer_region(peer, RegionId(1), client.as_mut_ptr() as usize, client.len(), Arc::new(())).unwrap();
+        let x = |lo: u64, ro: u64, len: u64| Xfer {
+            local: seg_id,
+            local_offset: lo,
+            remote: RegionId(1),
+            remote_offset: ro,
+            len,
+        };
+        // Sizes across the chunk size, an empty one, and a batch big enough for the threads.
+        let reads = [x(0, 0, 5 << 20), x(5 << 20, 100, (32 << 10) + 1), x(6 << 20, 7, 0), x(7 << 20, 3, 1000)];
+        let (id, d) = t.post_hashed(peer, Op::Read, &reads).unwrap();
+        crate::wait(&t, id, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(d.len(), reads.len());
+        for (i, r) in reads.iter().enumerate() {
+            let got = &seg[r.local_offset as usize..(r.local_offset + r.len) as usize];
+            assert_eq!(got, &client[r.remote_offset as usize..(r.remote_offset + r.len) as usize]);
+            assert_eq!(d.get(i), xxhash_rust::xxh3::xxh3_64(got), "descriptor {i}");
+        }
+        // A small batch is copied inline, and hashed the same way, here from the segment out.
+        seg[..64].copy_from_slice(&[9u8; 64]);
+        let (id, d) = t.post_hashed(peer, Op::Write, &[x(0, 4096, 64)]).unwrap();
+        crate::wait(&t, id, Duration::from_secs(5)).await.unwrap();
+        assert_eq!(&client[4096..4160], &[9u8; 64]);
+        assert_eq!(d.get(0), xxhash_rust::xxh3::xxh3_64(&[9u8; 64]));
+        // Bounds are checked before anything moves, as for plain posts.
+        assert!(matches!(t.post_hashed(peer, Op::Write, &[x(0, 6 << 20, 1)]), Err(TransportError::OutOfBounds { .. })));
     }
 
     #[test]

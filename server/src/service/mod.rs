@@ -327,6 +327,33 @@ async fn read_exact_by<R: RequestRecv>(r: &mut R, buf: &mut [u8], deadline: Dead
     }
 }
 
+/// As [`read_exact_by`], and return the xxh3-64 of the bytes, hashed piece by piece as they
+/// land (while they are in cache) rather than in a second pass over the value.
+async fn read_hashed_by<R: RequestRecv>(
+    r: &mut R,
+    buf: &mut [u8],
+    deadline: Deadline,
+    what: &str,
+) -> Result<u64, Fail> {
+    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+    let mut filled = 0;
+    while filled < buf.len() {
+        let end = buf.len().min(filled + (128 << 10));
+        match tokio::time::timeout_at(deadline, r.read(&mut buf[filled..end])).await {
+            Err(_) => return Err(Fail::Timeout(format!("{what} did not arrive in time"))),
+            Ok(Err(e)) => return Err(read_fail(e, what)),
+            Ok(Ok(0)) => {
+                return Err(read_fail(std::io::Error::from(std::io::ErrorKind::UnexpectedEof), what));
+            }
+            Ok(Ok(n)) => {
+                h.update(&buf[filled..filled + n]);
+                filled += n;
+            }
+        }
+    }
+    Ok(h.digest())
+}
+
 /// Read and drop `n` bytes of a value that will not be stored.
 async fn discard<R: RequestRecv>(r: &mut R, mut n: u64, deadline: Deadline) -> Result<(), Fail> {
     let mut buf = [0u8; 16 * 1024];
@@ -770,11 +797,12 @@ fn holds_blocks(r: &Request) -> bool {
     )
 }
 
-/// A put item whose bytes have been received, waiting for the end of the stream.
+/// A put item whose bytes have been received (with their xxh3-64), waiting for the end of the
+/// stream.
 enum Staged {
     Skip(ErrorCode),
-    Dram(u64, DramBlock),
-    Ssd(u64, Vec<u8>),
+    Dram(u64, DramBlock, u64),
+    Ssd(u64, Vec<u8>, u64),
 }
 
 /// Request-level checks of put items (limits, empty keys); the sum of their sizes.
@@ -829,14 +857,14 @@ async fn put_items<R: RequestRecv>(
                 }
                 Ok(mut blk) => {
                     // Straight from the stream into the segment: no staging copy.
-                    read_exact_by(recv, blk.bytes_mut(), bytes_by, "the declared value bytes").await?;
-                    Staged::Dram(id, blk)
+                    let sum = read_hashed_by(recv, blk.bytes_mut(), bytes_by, "the declared value bytes").await?;
+                    Staged::Dram(id, blk, sum)
                 }
             },
             PutPlan::Ssd(id) => {
                 let mut data = vec![0u8; it.size as usize];
-                read_exact_by(recv, &mut data, bytes_by, "the declared value bytes").await?;
-                Staged::Ssd(id, data)
+                let sum = read_hashed_by(recv, &mut data, bytes_by, "the declared value bytes").await?;
+                Staged::Ssd(id, data, sum)
             }
         };
         staged.push(st);
@@ -847,8 +875,8 @@ async fn put_items<R: RequestRecv>(
     for (it, st) in put.items.iter().zip(staged) {
         results.push(match st {
             Staged::Skip(code) => code,
-            Staged::Dram(id, blk) => s.store.commit(p.tenant_id, id, it, put.mode, blk),
-            Staged::Ssd(id, data) => s.store.commit_ssd(p.tenant_id, id, it, put.mode, data).await,
+            Staged::Dram(id, blk, sum) => s.store.commit(p.tenant_id, id, it, put.mode, blk, Some(sum)),
+            Staged::Ssd(id, data, sum) => s.store.commit_ssd(p.tenant_id, id, it, put.mode, data, Some(sum)).await,
         });
     }
     Ok(StatusList { results })

@@ -13,10 +13,12 @@ use kvpool_proto::{
     PutDoneRequest, PutFromRequest, PutIntentRequest, ReadRequest, ReleaseRequest, Request, Response, ShmOffer,
     StatusList, WriteRequest,
 };
+use kvpool_transport::local::Digests;
 use kvpool_transport::{MemKind, Op, Region, RegionId, Transport, Xfer};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::time::Instant as Deadline;
+use tracing::{debug, warn};
 
 /// The copy engine for same-host clients: the DRAM segment is its local region.
 pub struct DataPath {
@@ -183,13 +185,15 @@ async fn put_from(p: PutFromRequest, session: &Arc<Session>, s: &Shared) -> Resu
         };
         staged.push(st);
     }
-    let staged = copy(dp, peer, Op::Read, &xfers, staged, s.timeouts.transfer(total), &s.metrics).await?;
+    let (staged, sums) = copy(dp, peer, Op::Read, &xfers, staged, s.timeouts.transfer(total), &s.metrics).await?;
+    // The copy threads hashed each block as it landed in server memory: that is its checksum.
+    let mut sums = (0..sums.len()).map(|i| sums.get(i));
     let mut results = Vec::with_capacity(staged.len());
     for (it, st) in p.items.iter().zip(staged) {
         results.push(match st {
             Staged::Skip(code) => code,
-            Staged::Dram(id, blk) => s.store.commit(tenant, id, it, p.mode, blk),
-            Staged::Ssd(id, data, _) => s.store.commit_ssd(tenant, id, it, p.mode, data).await,
+            Staged::Dram(id, blk) => s.store.commit(tenant, id, it, p.mode, blk, sums.next()),
+            Staged::Ssd(id, data, _) => s.store.commit_ssd(tenant, id, it, p.mode, data, sums.next()).await,
         });
     }
     Ok(Response::Put(StatusList { results }))
@@ -215,7 +219,8 @@ impl Holds for Staged {
 
 /// Post one batch and wait for it in a task that owns `held` (the memory the batch touches), so
 /// that a cancelled request can never free that memory under a running copy. Temporary
-/// registrations are dropped once the batch settled.
+/// registrations are dropped once the batch settled. Returns the xxh3-64 of each descriptor's
+/// bytes as written, which the copy threads compute while the bytes are in cache.
 async fn copy<H: Holds>(
     dp: &DataPath,
     peer: kvpool_transport::PeerId,
@@ -224,7 +229,7 @@ async fn copy<H: Holds>(
     held: Vec<H>,
     timeout: Duration,
     metrics: &crate::metrics::Metrics,
-) -> Result<Vec<H>, Fail> {
+) -> Result<(Vec<H>, Digests), Fail> {
     let t = dp.transport.clone();
     let started = std::time::Instant::now();
     let bytes: u64 = xfers.iter().map(|x| x.len).sum();
@@ -236,10 +241,10 @@ async fn copy<H: Holds>(
     };
     if xfers.is_empty() {
         unregister(&t, &held);
-        return Ok(held);
+        return Ok((held, Digests::default()));
     }
-    let id = match t.post(peer, op, xfers) {
-        Ok(id) => id,
+    let (id, sums) = match t.post_hashed(peer, op, xfers) {
+        Ok(x) => x,
         Err(e) => {
             unregister(&t, &held);
             return Err(invalid(format!("transfer refused: {e}")));
@@ -249,7 +254,7 @@ async fn copy<H: Holds>(
     if let Ok(kvpool_transport::XferStatus::Done) = t.status(id) {
         unregister(&t, &held);
         metrics.transferred("shm", direction, bytes, started.elapsed());
-        return Ok(held);
+        return Ok((held, sums));
     }
     let task = tokio::spawn(async move {
         let r = kvpool_transport::wait(&*t, id, timeout).await;
@@ -259,7 +264,7 @@ async fn copy<H: Holds>(
     match task.await {
         Ok((Ok(()), held)) => {
             metrics.transferred("shm", direction, bytes, started.elapsed());
-            Ok(held)
+            Ok((held, sums))
         }
         Ok((Err(kvpool_transport::TransportError::Timeout(_)), _)) => {
             Err(Fail::Reply(error(ErrorCode::Timeout, "the copy did not finish in time")))
@@ -340,7 +345,27 @@ async fn get_into(g: GetIntoRequest, session: &Arc<Session>, s: &Shared) -> Resu
         items.push(item);
         held.push(out);
     }
-    copy(dp, peer, Op::Write, &xfers, held, s.timeouts.transfer(total), &s.metrics).await?;
+    let (held, sums) = copy(dp, peer, Op::Write, &xfers, held, s.timeouts.transfer(total), &s.metrics).await?;
+    // Every block copied was hashed as it landed in the client's buffer: an item is `Ok` only
+    // if that matches the checksum recorded at put, so no failed block is ever served.
+    let mut sums = (0..sums.len()).map(|i| sums.get(i));
+    let tenant = session.principal.tenant_id;
+    for ((item, out), key) in items.iter_mut().zip(&held).zip(&g.keys) {
+        let Some(sv) = &out.served else { continue };
+        if sums.next() == Some(item.checksum) {
+            continue;
+        }
+        if crate::store::checksum(sv.bytes()) != item.checksum {
+            // The server's own copy fails its checksum: drop the block, never serve it.
+            warn!(key = %String::from_utf8_lossy(key), "checksum mismatch on a shared-memory get; block dropped");
+            s.metrics.corrupt.inc();
+            s.store.remove(tenant, std::slice::from_ref(key), true);
+        } else {
+            // The server's copy is sound: the destination was written during the copy.
+            debug!(key = %String::from_utf8_lossy(key), "destination changed while it was filled");
+        }
+        *item = GetItem { status: ErrorCode::Corrupt, size: 0, tier: 0, checksum: 0, lease_ms: 0 };
+    }
     Ok(Response::Filled(GetResponse { items }))
 }
 
@@ -430,7 +455,7 @@ async fn put_done(d: PutDoneRequest, session: &Arc<Session>, s: &Shared) -> Resu
         };
         let blk = r.block.lock().await.take();
         results.push(match blk {
-            Some(blk) => s.store.commit(tenant, r.id, &r.item, r.mode, blk),
+            Some(blk) => s.store.commit(tenant, r.id, &r.item, r.mode, blk, None),
             None => ErrorCode::Expired,
         });
     }

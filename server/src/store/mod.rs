@@ -649,6 +649,8 @@ impl Store {
     }
 
     /// Publish a filled DRAM block. `AlreadyExists` / `Leased` when the key changed meanwhile.
+    /// `sum` is the block's xxh3-64 when the caller hashed the bytes as they were written (the
+    /// copy engine does); otherwise it is computed here.
     pub fn commit(
         &self,
         tenant: u32,
@@ -656,8 +658,9 @@ impl Store {
         item: &kvpool_proto::PutItem,
         mode: PutMode,
         block: DramBlock,
+        sum: Option<u64>,
     ) -> ErrorCode {
-        let sum = checksum(block.bytes());
+        let sum = sum.unwrap_or_else(|| checksum(block.bytes()));
         self.commit_copy(tenant, id, item, mode, sum, Some(DramCopy(block.commit())), None)
     }
 
@@ -669,12 +672,13 @@ impl Store {
         item: &kvpool_proto::PutItem,
         mode: PutMode,
         data: Vec<u8>,
+        sum: Option<u64>,
     ) -> ErrorCode {
         let Some(ssd) = self.ssd.clone() else { return ErrorCode::NoSpace };
         let Some(extent) = self.reserve_in(&*ssd, item.size, None).await else {
             return self.no_space(tenant);
         };
-        let sum = checksum(&data);
+        let sum = sum.unwrap_or_else(|| checksum(&data));
         let s2 = ssd.clone();
         // An SSD extent is an address (Copy): the write gets its own.
         let written = tokio::task::spawn_blocking(move || {
