@@ -1466,6 +1466,12 @@ impl<D: CopyHandle> Index<D> {
 
     /// Drop an SSD copy whose bytes cannot be trusted (read error or checksum mismatch); the
     /// block goes with it unless it still has a DRAM copy. Never served again.
+    /// Count a block of `tenant` found corrupt outside the index's sight (its DRAM bytes
+    /// failed their checksum on the way out); the caller removes it.
+    pub fn note_corrupt(&mut self, tenant: u32) {
+        self.tenant_mut(tenant).corrupt += 1;
+    }
+
     pub fn drop_corrupt(&mut self, id: u64, locator: u64) -> Option<(Dropped<D>, Option<MetaOp>)> {
         let b = self.blocks.get_mut(id).filter(|b| b.ssd.get() == Some(locator))?;
         let (tenant, size) = (b.tenant, b.size());

@@ -358,8 +358,7 @@ async fn get_into(g: GetIntoRequest, session: &Arc<Session>, s: &Shared) -> Resu
         if crate::store::checksum(sv.bytes()) != item.checksum {
             // The server's own copy fails its checksum: drop the block, never serve it.
             warn!(key = %String::from_utf8_lossy(key), "checksum mismatch on a shared-memory get; block dropped");
-            s.metrics.corrupt.inc();
-            s.store.remove(tenant, std::slice::from_ref(key), true);
+            s.store.drop_corrupt_key(tenant, key);
         } else {
             // The server's copy is sound: the destination was written during the copy.
             debug!(key = %String::from_utf8_lossy(key), "destination changed while it was filled");

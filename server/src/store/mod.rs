@@ -1027,6 +1027,14 @@ impl Store {
 
     // ---- removal ---------------------------------------------------------------------------
 
+    /// A block whose DRAM bytes failed their checksum on the way out: counted (for the server
+    /// and its tenant) and removed, leased or not.
+    pub fn drop_corrupt_key(&self, tenant: u32, key: &[u8]) {
+        self.metrics.corrupt.inc();
+        self.ix().note_corrupt(tenant);
+        self.remove(tenant, &[key.to_vec()], true);
+    }
+
     pub fn remove(&self, tenant: u32, keys: &[Vec<u8>], force: bool) -> Vec<ErrorCode> {
         let mut ix = self.ix();
         let (status, dropped, meta) = ix.remove(tenant, keys, force, Instant::now());

@@ -100,3 +100,31 @@ async fn two_records_naming_one_extent_leave_it_to_the_newer() {
     assert_eq!(read(&store, "new").await.unwrap(), vec![9u8; 5000]);
     assert_eq!(read(&store, "old").await, Err(ErrorCode::NotFound));
 }
+
+#[tokio::test]
+async fn a_block_found_corrupt_on_the_way_out_is_counted_and_removed() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(cfg(dir.path()), Arc::new(Metrics::new()), crate::policy::builtin_policies(0)).unwrap();
+    let item = kvpool_proto::PutItem {
+        key: b"k".to_vec(),
+        size: 4096,
+        parent: None,
+        tokens: 0,
+        seq_tokens: 0,
+        pin: kvpool_proto::PinSpec::None,
+    };
+    let PutPlan::Dram(id) = store.plan_put(1, std::slice::from_ref(&item), PutMode::Insert).remove(0) else {
+        panic!("expected a DRAM plan");
+    };
+    let mut blk = store.reserve(1, 4096, tokio::time::Instant::now() + Duration::from_secs(1)).await.unwrap();
+    blk.bytes_mut().fill(7);
+    assert_eq!(store.commit(1, id, &item, PutMode::Insert, blk, None), ErrorCode::Ok);
+    // Leased by a reader, as a get's block is while it is copied out.
+    let plan = store.plan_get(1, &[b"k".to_vec()]);
+    assert!(matches!(plan[0], GetPlan::Dram { .. }));
+    store.drop_corrupt_key(1, b"k");
+    assert_eq!(store.tenant_counters(1).corrupt, 1);
+    assert_eq!(store.exists(1, &[b"k".to_vec()]), vec![false]);
+    drop(plan);
+    assert_eq!(read(&store, "k").await, Err(ErrorCode::NotFound));
+}
