@@ -11,10 +11,15 @@ Two roles, both talking to a `mooncake_master` the harness started on loopback:
           -> {"put": {"seconds": s, "lat_us": [...]}, "get": {...}, "bytes": n}
           Each of C threads does N put_batch calls of B blocks of S bytes, then (after all puts)
           N get_batch calls of the same keys; the keys are removed afterwards.
+          With --shm HOST:PORT the client is instead a "dummy client" of a `mooncake_client`
+          process (Mooncake's own same-host path): its buffers live in a shared-memory pool
+          that process maps, and each worker runs batch_put_from / batch_get_into on its own
+          registered region, the counterpart of kvpool's put_from / get_into over shm.
 
 Errors go to stderr and exit non-zero; the harness reports them.
 """
 import argparse
+import ctypes
 import json
 import os
 import sys
@@ -76,10 +81,36 @@ def run_phase(conc, fn):
     return secs, [x for w in lats for x in w]
 
 
+def shm_setup(args):
+    """A dummy client of the `mooncake_client` at args.shm, with one registered region of
+    args.max_bytes per worker in the shared pool; returns (store, [region address])."""
+    store = MooncakeDistributedStore()
+    total = args.max_bytes * args.workers
+    rc = store.setup_dummy(total, 16 << 20, args.shm)
+    if rc != 0:
+        raise SystemExit(f"mooncake setup_dummy failed: rc={rc} (real client {args.shm})")
+    base = store.alloc_from_mem_pool(total)
+    if not base:
+        raise SystemExit(f"mooncake alloc_from_mem_pool({total}) failed")
+    rc = store.register_buffer(base, total)
+    if rc != 0:
+        raise SystemExit(f"mooncake register_buffer failed: rc={rc}")
+    # Same random bytes in every region (generated once), and every page touched before timing.
+    data = os.urandom(args.max_bytes)
+    regions = [base + w * args.max_bytes for w in range(args.workers)]
+    for r in regions:
+        ctypes.memmove(r, data, args.max_bytes)
+    return store, regions, data
+
+
 def client(args):
-    store = setup(args, 0, args.local_buffer)
-    # Same bytes for every run, like the Rust targets (random, generated once).
-    pool = os.urandom(args.max_bytes)
+    if args.shm:
+        store, regions, expected = shm_setup(args)
+        pool = None
+    else:
+        store = setup(args, 0, args.local_buffer)
+        # Same bytes for every run, like the Rust targets (random, generated once).
+        pool = os.urandom(args.max_bytes)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:
         line = line.strip()
@@ -87,17 +118,31 @@ def client(args):
             continue
         req = json.loads(line)
         size, batch, conc, ops, run = req["size"], req["batch"], req["conc"], req["ops"], req["run"]
-        view = memoryview(pool)
-        values = [view[j * size:(j + 1) * size] for j in range(batch)]
+        if pool is None and (conc > len(regions) or size * batch > args.max_bytes):
+            print(json.dumps({"error": f"{conc} x {batch} x {size} B exceeds the registered regions"}), flush=True)
+            continue
+        if pool is not None:
+            view = memoryview(pool)
+            values = [view[j * size:(j + 1) * size] for j in range(batch)]
 
         def keys(w, op):
             return [f"bench/{run}/{size}/{batch}/{conc}/w{w}/o{op}/i{j}" for j in range(batch)]
+
+        def ptrs(w):
+            return [regions[w] + j * size for j in range(batch)]
 
         def put_worker(w):
             out = []
             for op in range(ops):
                 k = keys(w, op)
                 t = time.perf_counter()
+                if pool is None:
+                    rcs = store.batch_put_from(k, ptrs(w), [size] * batch)
+                    out.append(max(1, int((time.perf_counter() - t) * 1e6)))
+                    bad = [(i, r) for i, r in enumerate(rcs) if r != 0]
+                    if bad:
+                        raise RuntimeError(f"batch_put_from: item {bad[0][0]} rc={bad[0][1]}")
+                    continue
                 rc = store.put_batch(k, values)
                 out.append(max(1, int((time.perf_counter() - t) * 1e6)))
                 if rc != 0:
@@ -109,6 +154,13 @@ def client(args):
             for op in range(ops):
                 k = keys(w, op)
                 t = time.perf_counter()
+                if pool is None:
+                    got = store.batch_get_into(k, ptrs(w), [size] * batch)
+                    out.append(max(1, int((time.perf_counter() - t) * 1e6)))
+                    bad = [(i, n) for i, n in enumerate(got) if n != size]
+                    if bad:
+                        raise RuntimeError(f"batch_get_into: item {bad[0][0]} returned {bad[0][1]}, expected {size}")
+                    continue
                 got = store.get_batch(k)
                 out.append(max(1, int((time.perf_counter() - t) * 1e6)))
                 bad = [i for i, v in enumerate(got) if len(v) != size]
@@ -118,7 +170,15 @@ def client(args):
 
         try:
             put_s, put_l = run_phase(conc, put_worker)
+            if pool is None:
+                # Gets must really land: clear the regions, then compare after (neither timed).
+                for w in range(conc):
+                    ctypes.memset(regions[w], 0, size * batch)
             get_s, get_l = run_phase(conc, get_worker)
+            if pool is None:
+                for w in range(conc):
+                    if ctypes.string_at(regions[w], size * batch) != expected[:size * batch]:
+                        raise RuntimeError(f"batch_get_into: worker {w} read bytes that differ from the put")
         except RuntimeError as e:
             print(json.dumps({"error": str(e)}), flush=True)
             continue
@@ -141,6 +201,8 @@ def main():
     p.add_argument("--segment", type=int, default=1 << 30, help="serve: bytes of global segment")
     p.add_argument("--local-buffer", type=int, default=512 << 20, help="client: local transfer buffer")
     p.add_argument("--max-bytes", type=int, default=256 << 20, help="client: largest batch in bytes")
+    p.add_argument("--shm", help="client: host:port of a mooncake_client to use over shared memory")
+    p.add_argument("--workers", type=int, default=8, help="client --shm: most concurrent workers")
     args = p.parse_args()
     if args.role == "serve":
         serve(args)

@@ -24,7 +24,7 @@ use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvpool_client::ClientConfig;
 use kvpool_client::TransportChoice;
-use peers::{MooncakeCluster, MooncakeInstall, RedisServer, RedisTarget};
+use peers::{MooncakeCluster, MooncakeInstall, MooncakePath, RedisServer, RedisTarget};
 use rand::{RngCore, SeedableRng};
 use serde::Serialize;
 use std::path::PathBuf;
@@ -100,7 +100,8 @@ struct ThroughputArgs {
     /// Also write the results as JSON to this file
     #[arg(long)]
     json: Option<PathBuf>,
-    /// Systems to measure, in order (kvpool, redis, mooncake); default: all whose peer is installed.
+    /// Systems to measure, in order (kvpool, kvpool-shm, redis, mooncake, mooncake-shm); default:
+    /// all whose peer is installed.
     /// A listed peer that is not installed is reported as skipped.
     #[arg(long, value_delimiter = ',', value_parser = TARGETS)]
     targets: Vec<String>,
@@ -125,8 +126,9 @@ struct ThroughputArgs {
 }
 
 /// Every system `throughput` knows how to drive: kvpool over QUIC, kvpool over same-host
-/// shared memory (zero-copy buffers), Redis, Mooncake.
-const TARGETS: [&str; 4] = ["kvpool", "kvpool-shm", "redis", "mooncake"];
+/// shared memory (zero-copy buffers), Redis, Mooncake over TCP, and Mooncake's own same-host
+/// path (a dummy client of `mooncake_client` over shared memory).
+const TARGETS: [&str; 5] = ["kvpool", "kvpool-shm", "redis", "mooncake", "mooncake-shm"];
 
 fn parse_size(s: &str) -> Result<usize> {
     let b: bytesize::ByteSize = s.parse().map_err(|e| anyhow::anyhow!("bad size {s:?}: {e}"))?;
@@ -253,6 +255,13 @@ fn goals(rows: &[Row], lookup: Option<&LookupLatency>) -> Vec<Goal> {
             goal: format!("shm 1MiB x64 {op}: kvpool-shm / Mooncake TCP (best 1MiB)"),
             measured: ratio(shm.map(|r| r.result.mb_per_s), mb("mooncake", 1 << 20, op, None)),
             needed: 10.0,
+            at_most: false,
+        });
+        // Not in the list: a same-host path should not lose to the peer's own one.
+        out.push(Goal {
+            goal: format!("shm 1MiB x64 {op}: kvpool-shm / Mooncake shm (same batch)"),
+            measured: ratio(shm.map(|r| r.result.mb_per_s), mb("mooncake-shm", 1 << 20, op, Some(64))),
+            needed: 1.0,
             at_most: false,
         });
     }
@@ -661,24 +670,37 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                 let target: Arc<dyn Target> = Arc::new(RedisTarget::connect(srv.port).await?);
                 run_in_process(&target, &plan, &pool, &run, &pb, &mut rows).await?;
             }
-            "mooncake" => {
-                let install = MooncakeInstall::find(&a.python, &a.mooncake_driver).map_err(anyhow::Error::msg)?;
+            "mooncake" | "mooncake-shm" => {
+                let (install, path, how) = if name == "mooncake" {
+                    (MooncakeInstall::find(&a.python, &a.mooncake_driver), MooncakePath::Tcp, "tcp")
+                } else {
+                    let how = "same-host shared memory through mooncake_client, batch_put_from / batch_get_into";
+                    (MooncakeInstall::find_shm(&a.python, &a.mooncake_driver), MooncakePath::Shm, how)
+                };
+                let install = install.map_err(anyhow::Error::msg)?;
                 // Same room as kvpool's DRAM tier; the client buffer holds every batch in flight.
                 let segment = parse_size(&dram)? as u64;
                 let local_buffer = ((max_size * max_batch * max_conc) as u64).max(64 << 20) + (64 << 20);
                 let mut mc = tokio::task::block_in_place(|| {
-                    MooncakeCluster::start(&install, segment, local_buffer, (max_size * max_batch) as u64)
+                    MooncakeCluster::start(
+                        &install,
+                        path,
+                        segment,
+                        local_buffer,
+                        (max_size * max_batch) as u64,
+                        max_conc,
+                    )
                 })?;
-                peers_seen.push(format!("mooncake-transfer-engine-non-cuda {} (python client, tcp)", mc.version));
+                peers_seen.push(format!("mooncake-transfer-engine-non-cuda {} (python client, {how})", mc.version));
                 for &(size, batch, conc, ops) in &plan {
                     let label = config_label(size, batch, conc);
-                    pb.set_message(format!("mooncake {label}"));
+                    pb.set_message(format!("{name} {label}"));
                     let mut bufs: Vec<WorkerBufs> =
                         (0..conc).map(|_| (0..batch).map(|_| vec![1u8; size]).collect()).collect();
                     let memcpy = run_memcpy(&pool, size, batch, &mut bufs, ops);
                     drop(bufs);
                     let (put, get) = tokio::task::block_in_place(|| mc.run(size, batch, conc, ops, &run))
-                        .with_context(|| format!("mooncake {label}"))?;
+                        .with_context(|| format!("{name} {label}"))?;
                     pb.inc((2 * conc * ops) as u64);
                     let bytes = (conc * ops * batch * size) as u64;
                     for (op, ph) in [("put", put), ("get", get)] {
@@ -686,8 +708,7 @@ async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                         for l in &ph.lat_us {
                             let _ = h.record((*l).max(1));
                         }
-                        let row =
-                            make_row("mooncake", size, batch, conc, op, summarize(&h, bytes, ph.seconds), &memcpy);
+                        let row = make_row(name, size, batch, conc, op, summarize(&h, bytes, ph.seconds), &memcpy);
                         pb.suspend(|| print_row(&row));
                         rows.push(row);
                     }
@@ -777,6 +798,7 @@ fn select_targets(a: &ThroughputArgs) -> Result<(Vec<String>, Vec<Skipped>)> {
         let missing = match t.as_str() {
             "redis" => RedisServer::available().is_none().then(|| "redis-server not found on PATH".to_string()),
             "mooncake" => MooncakeInstall::find(&a.python, &a.mooncake_driver).err(),
+            "mooncake-shm" => MooncakeInstall::find_shm(&a.python, &a.mooncake_driver).err(),
             _ => None,
         };
         match missing {

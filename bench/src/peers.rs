@@ -185,6 +185,9 @@ impl Target for RedisTarget {
 pub struct MooncakeInstall {
     pub python: PathBuf,
     pub master: PathBuf,
+    /// `mooncake_client`, the standalone "real client" that serves same-host dummy clients over
+    /// shared memory (absent from older packages).
+    pub real_client: Option<PathBuf>,
     pub driver: PathBuf,
     pub version: String,
 }
@@ -215,8 +218,31 @@ impl MooncakeInstall {
             .find(|p| p.is_file())
             .or_else(|| which("mooncake_master"))
             .ok_or_else(|| "mooncake_master not found in the mooncake package nor on PATH".to_string())?;
-        Ok(MooncakeInstall { python: python.to_path_buf(), master, driver: driver.to_path_buf(), version })
+        let real_client =
+            [pkg_dir.join("mooncake_client")].into_iter().find(|p| p.is_file()).or_else(|| which("mooncake_client"));
+        Ok(MooncakeInstall { python: python.to_path_buf(), master, real_client, driver: driver.to_path_buf(), version })
     }
+
+    /// As [`MooncakeInstall::find`], for Mooncake's same-host path, which needs `mooncake_client`.
+    pub fn find_shm(python: &Path, driver: &Path) -> std::result::Result<Self, String> {
+        let install = Self::find(python, driver)?;
+        if install.real_client.is_none() {
+            return Err(
+                "mooncake_client (the same-host real client) not found in the mooncake package nor on PATH".into()
+            );
+        }
+        Ok(install)
+    }
+}
+
+/// How the Mooncake client process reaches the segment.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MooncakePath {
+    /// A storage process mounts the segment; the client's transfer engine moves bytes over TCP.
+    Tcp,
+    /// A `mooncake_client` process mounts the segment and serves the client ("dummy client")
+    /// through a shared-memory pool it maps: Mooncake's own same-host path.
+    Shm,
 }
 
 /// Latencies of one phase as the driver measured them.
@@ -276,7 +302,7 @@ impl Driver {
 /// client process that runs the workload; all on loopback, all killed on drop.
 pub struct MooncakeCluster {
     client: Driver,
-    _storage: Driver,
+    storage: Storage,
     _master: Reaped,
     _dir: tempfile::TempDir,
     pub version: String,
@@ -284,8 +310,16 @@ pub struct MooncakeCluster {
 
 impl MooncakeCluster {
     /// `segment`: bytes the storage process mounts; `local_buffer`: the client's transfer buffer
-    /// (it must hold every batch in flight at once); `max_bytes`: the largest batch.
-    pub fn start(install: &MooncakeInstall, segment: u64, local_buffer: u64, max_bytes: u64) -> Result<Self> {
+    /// (it must hold every batch in flight at once; TCP only); `max_bytes`: the largest batch;
+    /// `workers`: the most concurrent workers (each has its own region of `max_bytes`; shm only).
+    pub fn start(
+        install: &MooncakeInstall,
+        path: MooncakePath,
+        segment: u64,
+        local_buffer: u64,
+        max_bytes: u64,
+        workers: usize,
+    ) -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("kvpool-bench-mooncake-").tempdir()?;
         let (rpc, metrics) = (free_port()?, free_port()?);
         let log = dir.path().join("master.log");
@@ -317,27 +351,84 @@ impl MooncakeCluster {
             std::thread::sleep(Duration::from_millis(50));
         }
         let addr = format!("127.0.0.1:{rpc}");
-        let storage = Driver::spawn(
-            install,
-            &["serve".into(), "--master".into(), addr.clone(), "--segment".into(), segment.to_string()],
-            dir.path().join("storage.log"),
-        )
-        .context("starting the mooncake storage process")?;
-        let client = Driver::spawn(
-            install,
-            &[
-                "client".into(),
-                "--master".into(),
-                addr,
-                "--local-buffer".into(),
-                local_buffer.to_string(),
-                "--max-bytes".into(),
-                max_bytes.to_string(),
-            ],
-            dir.path().join("client.log"),
-        )
-        .context("starting the mooncake client process")?;
-        Ok(MooncakeCluster { client, _storage: storage, _master: master, _dir: dir, version: install.version.clone() })
+        let mut client_args = vec![
+            "client".into(),
+            "--master".into(),
+            addr.clone(),
+            "--local-buffer".into(),
+            local_buffer.to_string(),
+            "--max-bytes".into(),
+            max_bytes.to_string(),
+        ];
+        let storage = match path {
+            MooncakePath::Tcp => Storage::Driver(
+                Driver::spawn(
+                    install,
+                    &["serve".into(), "--master".into(), addr, "--segment".into(), segment.to_string()],
+                    dir.path().join("storage.log"),
+                )
+                .context("starting the mooncake storage process")?,
+            ),
+            MooncakePath::Shm => {
+                let port = free_port()?;
+                let real = Self::start_real_client(install, &dir, &addr, port, segment)?;
+                client_args.extend([
+                    "--shm".into(),
+                    format!("127.0.0.1:{port}"),
+                    "--workers".into(),
+                    workers.to_string(),
+                ]);
+                Storage::RealClient { _process: real }
+            }
+        };
+        let client = Driver::spawn(install, &client_args, dir.path().join("client.log"))
+            .context("starting the mooncake client process")?;
+        Ok(MooncakeCluster { client, storage, _master: master, _dir: dir, version: install.version.clone() })
+    }
+
+    /// `mooncake_client` on `port`, mounting `segment` bytes, with local memcpy forced on (it is
+    /// Mooncake's default when TCP is the only transport; set so a changed default cannot slow it).
+    fn start_real_client(
+        install: &MooncakeInstall,
+        dir: &tempfile::TempDir,
+        master: &str,
+        port: u16,
+        segment: u64,
+    ) -> Result<Reaped> {
+        let bin = install.real_client.as_ref().context("mooncake_client not installed")?;
+        let log = dir.path().join("real-client.log");
+        let out = std::fs::File::create(&log)?;
+        let child = Command::new(bin)
+            .args([
+                "--host=127.0.0.1".to_string(),
+                format!("--port={port}"),
+                "--protocol=tcp".into(),
+                format!("--global_segment_size={segment}"),
+                "--local_buffer_size=67108864".into(),
+                format!("--master_server_address={master}"),
+                "--metadata_server=P2PHANDSHAKE".into(),
+                // One service thread per core of this machine (the default is 1).
+                format!("--threads={}", std::thread::available_parallelism().map(|n| n.get()).unwrap_or(2)),
+            ])
+            .env("MC_STORE_MEMCPY", "1")
+            .current_dir(dir.path())
+            .stdin(Stdio::null())
+            .stdout(out.try_clone()?)
+            .stderr(out)
+            .spawn()
+            .with_context(|| format!("starting {}", bin.display()))?;
+        let mut child = Reaped(child);
+        let start = Instant::now();
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            if let Some(st) = child.0.try_wait()? {
+                bail!("mooncake_client exited with {st}:\n{}", tail(&log, 20));
+            }
+            if start.elapsed() > Duration::from_secs(60) {
+                bail!("mooncake_client not listening after 60 s:\n{}", tail(&log, 20));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Ok(child)
     }
 
     /// Put then get `conc x ops` batches of `batch` blocks of `size` bytes; keys removed after.
@@ -366,11 +457,19 @@ impl MooncakeCluster {
     }
 }
 
+/// The process that mounts Mooncake's segment (kept alive, killed on drop).
+enum Storage {
+    Driver(Driver),
+    RealClient { _process: Reaped },
+}
+
 impl Drop for MooncakeCluster {
     fn drop(&mut self) {
         // Closing stdin lets both drivers close their stores cleanly before they are killed.
         self.client.stdin.take();
-        self._storage.stdin.take();
+        if let Storage::Driver(d) = &mut self.storage {
+            d.stdin.take();
+        }
         let deadline = Instant::now() + Duration::from_secs(3);
         while Instant::now() < deadline {
             if matches!(self.client.child.0.try_wait(), Ok(Some(_))) {

@@ -62,7 +62,8 @@ pub fn font() -> bool {
     })
 }
 
-const COLORS: [RGBColor; 8] = [
+// Twelve: five systems and memcpy, a put and a get line each, all told apart.
+const COLORS: [RGBColor; 12] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -71,6 +72,10 @@ const COLORS: [RGBColor; 8] = [
     RGBColor(140, 86, 75),
     RGBColor(227, 119, 194),
     RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+    RGBColor(0, 0, 128),
+    RGBColor(0, 0, 0),
 ];
 
 /// MB/s (log scale) vs block size (log scale), one line per (system, op), the best MB/s of each

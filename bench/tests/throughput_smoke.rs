@@ -94,3 +94,69 @@ fn missing_peer_is_skipped_when_not_required() {
     assert_eq!(report["skipped"][0]["target"], "mooncake");
     assert!(report["rows"].as_array().unwrap().is_empty());
 }
+
+fn mooncake_installed() -> bool {
+    Command::new("python3").args(["-c", "import mooncake.store"]).output().is_ok_and(|o| o.status.success())
+}
+
+/// Mooncake over TCP and over its own same-host path (a dummy client of `mooncake_client`),
+/// beside kvpool over shm: every system really moves the batches, and the same-host goal is
+/// measured. CI installs Mooncake (bench/peers/setup.sh) and sets KVPOOL_REQUIRE_PEERS.
+#[test]
+fn throughput_mooncake_tcp_and_shm_beside_kvpool_shm() {
+    let require_peers = std::env::var_os("KVPOOL_REQUIRE_PEERS").is_some_and(|v| !v.is_empty() && v != "0");
+    if !require_peers && !mooncake_installed() {
+        eprintln!("mooncake not installed and KVPOOL_REQUIRE_PEERS unset: skipped");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let json = dir.path().join("out.json");
+    let out = Command::new(env!("CARGO_BIN_EXE_kvpool-bench"))
+        .args([
+            "throughput",
+            "--sizes",
+            "1MiB",
+            "--batches",
+            "64",
+            "--concurrency",
+            "1,2",
+            "--budget",
+            "64MiB",
+            "--min-ops",
+            "1",
+            "--targets",
+            "kvpool-shm,mooncake,mooncake-shm",
+            "--require",
+            "mooncake,mooncake-shm",
+            "--json",
+        ])
+        .arg(&json)
+        .output()
+        .expect("running kvpool-bench");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "kvpool-bench failed: {}\nstdout:\n{stdout}\nstderr:\n{stderr}", out.status);
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(&json).expect("JSON written")).expect("JSON parses");
+    let mut per_target: BTreeMap<String, usize> = BTreeMap::new();
+    for r in report["rows"].as_array().expect("rows") {
+        assert!(r["result"]["mb_per_s"].as_f64().expect("mb_per_s") > 0.0, "non-positive MB/s in {r}");
+        *per_target.entry(r["target"].as_str().expect("target").to_string()).or_default() += 1;
+    }
+    // 1 size x 1 batch x 2 concurrencies x (put, get) each.
+    for t in ["kvpool-shm", "mooncake", "mooncake-shm"] {
+        assert_eq!(per_target.get(t), Some(&4), "{t} rows: {per_target:?}");
+    }
+    let peers = report["peers"].as_array().expect("peers");
+    assert!(peers.iter().any(|p| p.as_str().unwrap_or("").contains("mooncake_client")), "peers: {peers:?}");
+    let goals = report["goals"].as_array().expect("goals");
+    for op in ["get", "put"] {
+        let g = goals
+            .iter()
+            .find(|g| {
+                g["goal"].as_str().unwrap_or("").starts_with(&format!("shm 1MiB x64 {op}: kvpool-shm / Mooncake shm"))
+            })
+            .unwrap_or_else(|| panic!("no same-host goal for {op}: {goals:?}"));
+        assert!(g["measured"].as_f64().is_some_and(|m| m > 0.0), "same-host {op} goal not measured: {g}");
+    }
+}

@@ -43,6 +43,7 @@ class Client:
         transport: str = "auto",
         timeout: float = 30.0,
         client_name: Optional[str] = None,
+        verify_shm_gets: bool = False,
     ) -> None: ...
     @property
     def transport(self) -> str: ...

@@ -452,9 +452,13 @@ impl Client {
     /// `server` (`host:port`) with `api_key` and one of `fingerprint` (SHA-256 of the server
     /// certificate, hex) or `ca_file` (PEM). Explicit arguments override what `data_dir` says.
     /// `transport` is `auto` (same-host shared memory when offered, else QUIC), `quic` or `shm`.
+    /// The server verifies every block it copies into a registered buffer against the checksum
+    /// taken at put; `verify_shm_gets=True` has the client hash those bytes again too, a guard
+    /// against a faulty server that costs one more pass over the data.
     #[new]
     #[pyo3(signature = (server=None, api_key=None, *, fingerprint=None, ca_file=None, data_dir=None,
-                        server_name=None, transport="auto", timeout=30.0, client_name=None))]
+                        server_name=None, transport="auto", timeout=30.0, client_name=None,
+                        verify_shm_gets=false))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -467,6 +471,7 @@ impl Client {
         transport: &str,
         timeout: f64,
         client_name: Option<String>,
+        verify_shm_gets: bool,
     ) -> PyResult<Self> {
         let trust = match (fingerprint, ca_file) {
             (Some(f), _) => Some(Trust::Fingerprint(kvpool_client::parse_fingerprint(&f).map_err(Error::from)?)),
@@ -501,6 +506,7 @@ impl Client {
             cfg.client_name = n;
         }
         cfg.transport = transport.parse::<TransportChoice>().map_err(Error::Argument)?;
+        cfg.verify_shm_gets = verify_shm_gets;
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(Error::Argument(format!("timeout must be a positive number of seconds, not {timeout}")).into());
         }

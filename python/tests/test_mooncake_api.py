@@ -376,3 +376,23 @@ def test_shared_buffer_outlives_its_python_object_while_registered(server: Serve
     c.unregister(addr)
     assert c.remove(["sb"], True) == ["ok"]
     c.close()
+
+
+def test_client_side_verification_of_shm_gets(server: Server) -> None:
+    """verify_shm_gets=True: gets into registered buffers are hashed again by the client, and
+    whole blocks still arrive intact (a bad type is refused before connecting)."""
+    with pytest.raises(TypeError):
+        kvpool.Client(server.addr, server.api_key, fingerprint=server.fingerprint, verify_shm_gets="yes")  # type: ignore[arg-type]
+    c = kvpool.Client(server.addr, server.api_key, fingerprint=server.fingerprint, transport="shm", verify_shm_gets=True)
+    assert c.transport == "shm"
+    n = 3 * (1 << 18) + 11
+    buf = c.alloc_buffer(2 * n)
+    assert c.register(buf.address, 2 * n) is True
+    payload = os.urandom(n)
+    ctypes.memmove(buf.address, payload, n)
+    assert c.put_from(["vsg"], [buf.address], [n]) == ["ok"]
+    assert c.get_into(["vsg"], [buf.address + n], [n]) == [("ok", n)]
+    assert ctypes.string_at(buf.address + n, n) == payload
+    assert c.remove(["vsg"], True) == ["ok"]
+    c.unregister(buf.address)
+    c.close()
