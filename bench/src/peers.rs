@@ -340,16 +340,7 @@ impl MooncakeCluster {
             .with_context(|| format!("starting {}", install.master.display()))?;
         let mut master = Reaped(master);
         // Ready when its RPC port accepts connections.
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", rpc)).is_err() {
-            if let Some(st) = master.0.try_wait()? {
-                bail!("mooncake_master exited with {st}:\n{}", tail(&log, 20));
-            }
-            if start.elapsed() > Duration::from_secs(30) {
-                bail!("mooncake_master not listening after 30 s:\n{}", tail(&log, 20));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(&mut master, rpc, "mooncake_master", &log, Duration::from_secs(30))?;
         let addr = format!("127.0.0.1:{rpc}");
         let mut client_args = vec![
             "client".into(),
@@ -418,16 +409,7 @@ impl MooncakeCluster {
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
         let mut child = Reaped(child);
-        let start = Instant::now();
-        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-            if let Some(st) = child.0.try_wait()? {
-                bail!("mooncake_client exited with {st}:\n{}", tail(&log, 20));
-            }
-            if start.elapsed() > Duration::from_secs(60) {
-                bail!("mooncake_client not listening after 60 s:\n{}", tail(&log, 20));
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+        wait_listening(&mut child, port, "mooncake_client", &log, Duration::from_secs(60))?;
         Ok(child)
     }
 
@@ -455,6 +437,22 @@ impl MooncakeCluster {
             _ => bail!("mooncake driver reply without put/get: {line}"),
         }
     }
+}
+
+/// Wait until `child` accepts TCP connections on loopback `port`; fail with the tail of its
+/// log if it exits first or is not listening within `limit`.
+fn wait_listening(child: &mut Reaped, port: u16, name: &str, log: &Path, limit: Duration) -> Result<()> {
+    let start = Instant::now();
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if let Some(st) = child.0.try_wait()? {
+            bail!("{name} exited with {st}:\n{}", tail(log, 20));
+        }
+        if start.elapsed() > limit {
+            bail!("{name} not listening after {} s:\n{}", limit.as_secs(), tail(log, 20));
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Ok(())
 }
 
 /// The process that mounts Mooncake's segment (kept alive, killed on drop).
