@@ -175,30 +175,40 @@ async fn a_destination_written_during_the_copy_is_corrupt_not_ok() {
     let entry = [("raced", src.slice(0, size).unwrap(), PutOptions::default())];
     assert_eq!(c.put_from_batch(&entry, PutMode::Insert).await.unwrap(), vec![ErrorCode::Ok]);
     let dst = c.alloc_buffer(size).unwrap();
-    // A thread keeps writing one byte of the destination with a value the block lacks there.
-    // (The byte is inside the first piece the server copies, not at its start: memcpy stores
-    // the head of a range last, just before the server reads it back.)
-    let at = 4096;
+    // A thread keeps writing, in every 32 KiB piece of the destination, one byte with a value
+    // the block lacks there. The server hashes each piece right after copying it, so a write
+    // that lands between the two is caught; sweeping every piece gives each get hundreds of
+    // such windows instead of one. (The byte sits 4 KiB into its piece, not at its start:
+    // memcpy stores the head of a range last, just before the server reads it back.)
+    let base = dst.as_ptr() as usize;
+    let marks: Vec<(usize, u8)> =
+        (0..size).step_by(32 << 10).map(|piece| piece + 4096).map(|at| (base + at, value[at] ^ 0xff)).collect();
     let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let (addr, wrong, stop2) = (dst.as_ptr() as usize + at, value[at] ^ 0xff, stop.clone());
+    let stop2 = stop.clone();
     let writer = std::thread::spawn(move || {
         while !stop2.load(std::sync::atomic::Ordering::Relaxed) {
-            // SAFETY: the buffer outlives the thread (joined below); racing the server's copy
-            // is the point of this test.
-            unsafe { (addr as *mut u8).write_volatile(wrong) };
+            for &(addr, wrong) in &marks {
+                // SAFETY: the buffer outlives the thread (joined below); racing the server's
+                // copy is the point of this test.
+                unsafe { (addr as *mut u8).write_volatile(wrong) };
+            }
         }
     });
+    // Each get is a fresh chance (a few ms); on a loaded machine the writer may not run
+    // during some of them, so try for a while rather than a fixed number of times.
     let mut statuses = Vec::new();
-    for _ in 0..50 {
+    let deadline = std::time::Instant::now() + Duration::from_secs(30);
+    while std::time::Instant::now() < deadline {
         let r = c.get_into_batch(&["raced"], &[dst.slice(0, size).unwrap()]).await.unwrap();
         statuses.push(r[0].status);
         if r[0].status == ErrorCode::Corrupt {
             break;
         }
+        assert_eq!(r[0].status, ErrorCode::Ok, "{statuses:?}");
     }
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     writer.join().unwrap();
-    assert_eq!(statuses.last(), Some(&ErrorCode::Corrupt), "{statuses:?}");
+    assert_eq!(statuses.last(), Some(&ErrorCode::Corrupt), "no get was caught in {} tries", statuses.len());
     // The block was not dropped: a quiet get serves it whole, verified again by this client.
     let mut cfg = cfg_on(&srv, ADMIN_KEY, TransportChoice::Shm);
     cfg.verify_shm_gets = true;
