@@ -24,5 +24,5 @@ export KVPOOL_SERVER_BIN="$target/debug/kvpool-server"
 t2=$SECONDS
 echo "== pytest python/tests (the slow vLLM ones are deselected here: .ci/vllm-e2e.sh runs them)"
 # From the tests folder so that `import kvpool` finds the installed wheel, not the source tree.
-(cd python/tests && "$PYTHON" -m pytest -q -rs -m "not slow")
+(cd python/tests && "$PYTHON" -m pytest -q -rs -m "not slow and not vllm")
 echo "== python client: deps+wheel $((t1 - t0)) s, server build $((t2 - t1)) s, tests $((SECONDS - t2)) s"

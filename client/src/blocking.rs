@@ -141,9 +141,22 @@ impl Client {
     pub fn get_locate<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Located> {
         self.run(self.inner.get_locate(keys))
     }
-    /// End a lease of [`Self::get_locate`].
+    /// End a lease of [`Self::get_locate`] or [`Self::lookup_lease`].
     pub fn release(&self, lease: u64) -> Result<()> {
         self.run(self.inner.release(lease))
+    }
+    /// See [`crate::Client::lookup_lease`].
+    pub fn lookup_lease<K: AsRef<[u8]>>(&self, chain: &[K], ttl: Duration) -> Result<crate::LookupLease> {
+        self.run(self.inner.lookup_lease(chain, ttl))
+    }
+    /// See [`crate::Client::remove_matching`].
+    pub fn remove_matching(
+        &self,
+        prefix: impl AsRef<[u8]>,
+        pattern: Option<&str>,
+        force: bool,
+    ) -> Result<RemoveAllResponse> {
+        self.run(self.inner.remove_matching(prefix, pattern, force))
     }
 
     pub fn policy_load(

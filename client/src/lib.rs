@@ -16,6 +16,7 @@ mod admin;
 pub mod blocking;
 mod cluster;
 mod config;
+mod connector;
 mod error;
 mod events;
 mod local;
@@ -27,6 +28,7 @@ pub mod tls;
 
 pub use cluster::ClusterClient;
 pub use config::{parse_fingerprint, read_key_file, ClientConfig, EndpointInfo, TransportChoice, Trust};
+pub use connector::LookupLease;
 pub use error::{ClientError, Result};
 pub use events::{SubscribeOptions, Subscription};
 pub use kvpool_net::{PathReport, QuicTuning, Segmentation};

@@ -360,6 +360,9 @@ pub struct Index<D: CopyHandle> {
     /// When each lease ends, by id, for leases that may still be running (expired ones are
     /// pruned lazily). Aside, not in the record: only blocks being read have one.
     leases: BTreeMap<u64, Instant>,
+    /// Holds by id (a lookup that leases what it counted), each released by its holder: a held
+    /// block is leased until its last hold goes, whatever the clock says.
+    holds: HashMap<u64, u32>,
     /// Ids with a demotion in flight.
     moving: BTreeSet<u64>,
     soft_pins: BTreeSet<(u64, u64)>,
@@ -462,6 +465,7 @@ impl<D: CopyHandle> Index<D> {
             blocks: Blocks::new(),
             next_id: 1,
             leases: BTreeMap::new(),
+            holds: HashMap::new(),
             moving: BTreeSet::new(),
             soft_pins: BTreeSet::new(),
             events: Events::new(),
@@ -527,7 +531,7 @@ impl<D: CopyHandle> Index<D> {
 
     /// A lease on block `id` runs past `now`.
     fn is_leased(&self, id: u64, now: Instant) -> bool {
-        self.leases.get(&id).is_some_and(|until| *until > now)
+        self.leases.get(&id).is_some_and(|until| *until > now) || self.holds.contains_key(&id)
     }
 
     /// The resident children of `b`.
@@ -1041,6 +1045,7 @@ impl<D: CopyHandle> Index<D> {
         }
         self.tenant_mut(b.tenant).resident -= 1;
         self.leases.remove(&id);
+        self.holds.remove(&id);
         self.moving.remove(&id);
         if let Some(until) = self.pin_until.remove(&id) {
             self.soft_pins.remove(&(until, id));
@@ -1143,6 +1148,35 @@ impl<D: CopyHandle> Index<D> {
         hit
     }
 
+    /// [`Index::lookup`], and a hold on the resident leading blocks it counted: they stay
+    /// leased until [`Index::unhold`] of the returned ids (whose holder must call it exactly once).
+    pub fn lookup_hold(&mut self, tenant: u32, chain: &[Vec<u8>], wall_us: u64) -> (usize, Vec<u64>) {
+        let hit = self.lookup(tenant, chain, wall_us);
+        let ids: Vec<u64> =
+            chain[..hit].iter().map(|k| self.blocks.id_of(tenant, k).expect("counted as resident")).collect();
+        for &id in &ids {
+            *self.holds.entry(id).or_insert(0) += 1;
+        }
+        (hit, ids)
+    }
+
+    /// Let go of one hold on each of `ids` (blocks removed since are skipped).
+    pub fn unhold(&mut self, ids: &[u64]) {
+        for id in ids {
+            if let std::collections::hash_map::Entry::Occupied(mut e) = self.holds.entry(*id) {
+                *e.get_mut() -= 1;
+                if *e.get() == 0 {
+                    e.remove();
+                }
+            }
+        }
+    }
+
+    /// Number of blocks held now.
+    pub fn held(&self) -> usize {
+        self.holds.len()
+    }
+
     /// The block id of a resident key (no lease, no event).
     pub fn id_of(&self, tenant: u32, key: &[u8]) -> Option<u64> {
         self.blocks.id_of(tenant, key)
@@ -1179,13 +1213,19 @@ impl<D: CopyHandle> Index<D> {
         (st, dropped, meta)
     }
 
-    /// Remove every block of the tenant; leased ones stay unless `force`.
+    /// Remove every block of the tenant whose key `matches`; leased ones stay unless `force`.
     /// Returns (removed, skipped, copies to free, sled removals).
-    pub fn remove_all(&mut self, tenant: u32, force: bool, now: Instant) -> (u64, u64, Vec<Dropped<D>>, Vec<MetaOp>) {
+    pub fn remove_all(
+        &mut self,
+        tenant: u32,
+        force: bool,
+        now: Instant,
+        matches: impl Fn(&[u8]) -> bool,
+    ) -> (u64, u64, Vec<Dropped<D>>, Vec<MetaOp>) {
         let ids: Vec<(u64, bool)> = self
             .blocks
             .iter()
-            .filter(|(_, b)| b.tenant == tenant)
+            .filter(|(_, b)| b.tenant == tenant && matches(self.blocks.key(b)))
             .map(|(id, _)| (id, self.is_leased(id, now)))
             .collect();
         let (mut removed, mut skipped, mut dropped, mut meta) = (0, 0, Vec::new(), Vec::new());
@@ -1209,8 +1249,11 @@ impl<D: CopyHandle> Index<D> {
     /// or dropped when an SSD copy exists); the in-flight bytes are protected by the handle.
     pub fn excluded(&mut self, now: Instant, tier: Tier) -> Vec<u64> {
         self.leases.retain(|_, until| *until > now);
-        let mut ex: Vec<u64> =
-            if tier == Tier::Dram && self.has_ssd { Vec::new() } else { self.leases.keys().copied().collect() };
+        let mut ex: Vec<u64> = if tier == Tier::Dram && self.has_ssd {
+            Vec::new()
+        } else {
+            self.leases.keys().chain(self.holds.keys()).copied().collect()
+        };
         ex.extend(self.moving.iter().copied());
         ex.sort_unstable();
         ex.dedup();

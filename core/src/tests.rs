@@ -142,6 +142,44 @@ fn eviction_is_leaf_first_and_skips_leased_blocks() {
 }
 
 #[test]
+fn a_held_chain_stays_until_every_hold_goes_whatever_the_clock() {
+    let mut p = pool(false, 0);
+    let now = Instant::now();
+    put(&mut p, T1, spec(b"r", 256, None), now).unwrap();
+    put(&mut p, T1, spec(b"c", 256, Some(b"r")), now).unwrap();
+    put(&mut p, T1, spec(b"x", 256, None), now).unwrap();
+    // Two lookups hold r and c (x is not part of the chain asked; "gap" is absent).
+    let (hit, ids) = p.index.lookup_hold(T1, &keys(&["r", "c", "gap"]), 0);
+    assert_eq!((hit, ids.len()), (2, 2));
+    let (_, again) = p.index.lookup_hold(T1, &keys(&["r"]), 0);
+    assert_eq!(p.index.held(), 2);
+    let much_later = now + Duration::from_secs(3600);
+    // Eviction takes only x, and a remove without force refuses the held root.
+    assert_eq!(p.evict(Tier::Dram, 768, false, much_later).gone, 1);
+    assert_eq!(p.index.exists(T1, &keys(&["r", "c", "x"])), vec![true, true, false]);
+    assert_eq!(p.index.remove(T1, &keys(&["r"]), false, much_later).0, vec![RemoveStatus::Leased]);
+    // The first holder lets go: r is still held by the second, c is free (and evicted first).
+    p.index.unhold(&ids);
+    assert_eq!(p.index.held(), 1);
+    assert_eq!(p.evict(Tier::Dram, 512, false, much_later).gone, 1);
+    assert_eq!(p.index.exists(T1, &keys(&["r", "c"])), vec![true, false]);
+    p.index.unhold(&again);
+    assert_eq!(p.index.held(), 0);
+    assert_eq!(p.evict(Tier::Dram, 256, false, much_later).gone, 1);
+    // A held block removed by force takes its hold along; a late unhold is harmless.
+    let (_, ids) = {
+        put(&mut p, T1, spec(b"y", 256, None), now).unwrap();
+        p.index.lookup_hold(T1, &keys(&["y"]), 0)
+    };
+    let (removed, skipped, _, _) = p.index.remove_all(T1, false, now, |k| k == b"y");
+    assert_eq!((removed, skipped), (0, 1));
+    p.index.remove(T1, &keys(&["y"]), true, now);
+    assert_eq!(p.index.held(), 0);
+    p.index.unhold(&ids);
+    assert_eq!(p.index.held(), 0);
+}
+
+#[test]
 fn a_copy_in_use_is_not_a_victim() {
     let mut p = pool(false, 0);
     let now = Instant::now();
@@ -539,7 +577,7 @@ fn the_change_feed_reports_every_copy_that_comes_or_goes_and_why() {
     p.index.commit(T1, id, &s, true, 0, Some(copy(id)), None, now, 0, 0).unwrap();
     put(&mut p, T1, spec(b"z", 1, None), now).unwrap();
     p.index.remove(T1, &keys(&["z"]), false, now);
-    p.index.remove_all(T1, false, now);
+    p.index.remove_all(T1, false, now, |_| true);
     assert_eq!(
         changes(&mut p),
         vec![

@@ -35,7 +35,7 @@ import threading
 import time
 import urllib.request
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -64,13 +64,13 @@ def server_binary(explicit: Optional[str]) -> Path:
 class Pool:
     """A kvpool server process."""
 
-    def __init__(self, binary: Path, data_dir: Path) -> None:
+    def __init__(self, binary: Path, data_dir: Path, dram: str = "1GiB") -> None:
         self.dir = data_dir
         self.dir.mkdir(parents=True, exist_ok=True)
         self.log = open(self.dir / "server.log", "wb")
         self.proc = subprocess.Popen(
             [str(binary), "--data-dir", str(self.dir), "--listen", "127.0.0.1:0", "--metrics-listen",
-             "127.0.0.1:0", "--dram-size", "1GiB", "--ssd-capacity", "0"],
+             "127.0.0.1:0", "--dram-size", dram, "--ssd-capacity", "0"],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60
@@ -104,7 +104,7 @@ class Engine:
     """An ``engine.py`` process: one vLLM engine."""
 
     def __init__(self, name: str, model: Path, workdir: Path, pool_dir: Optional[Path], transport: str,
-                 sync_save: bool = False) -> None:
+                 sync_save: bool = False, extra_args: Sequence[str] = ()) -> None:
         self.name = name
         self.stats_path = workdir / f"connector-{name}" if pool_dir else None
         cmd = [sys.executable, str(HERE / "engine.py"), "--model", str(model), "--transport", transport]
@@ -112,6 +112,7 @@ class Engine:
             cmd += ["--kvpool-data-dir", str(pool_dir), "--stats-path", str(self.stats_path)]
             if sync_save:
                 cmd.append("--sync-save")
+        cmd += list(extra_args)
         env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
         self.log_path = workdir / f"engine-{name}.log"
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -143,10 +144,14 @@ class Engine:
         self._expect("KVPOOL_READY", timeout)
 
     def run(self, tokens: list[int]) -> dict[str, Any]:
+        return self.call({"prompt_token_ids": tokens})
+
+    def call(self, command: dict[str, Any], timeout: float = 600) -> dict[str, Any]:
+        """One command of ``engine.py`` and its answer."""
         assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps({"prompt_token_ids": tokens}) + "\n")
+        self.proc.stdin.write(json.dumps(command) + "\n")
         self.proc.stdin.flush()
-        return json.loads(self._expect("KVPOOL_RESULT", 300))
+        return json.loads(self._expect("KVPOOL_RESULT", timeout))
 
     def connector_stats(self) -> dict[str, Any]:
         """Counters of this engine's connector (scheduler and worker sides)."""

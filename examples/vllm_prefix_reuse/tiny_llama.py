@@ -71,6 +71,39 @@ def build(out: Path) -> Path:
     return out
 
 
+def build_sliding(out: Path, window: int = 256) -> Path:
+    """A tiny random Mistral whose every layer attends over a sliding window of ``window``
+    tokens, with grouped-query attention (4 heads, 2 KV heads), and the same tokenizer."""
+    marker = out / "kvpool-recipe.json"
+    recipe = f"tiny-mistral-sw{window}-v1"
+    if marker.exists() and json.loads(marker.read_text()).get("recipe") == recipe:
+        return out
+    import torch
+    from transformers import MistralConfig, MistralForCausalLM, PreTrainedTokenizerFast
+
+    src = build(out.parent / (out.name + "-tokenizer"))
+    tok = PreTrainedTokenizerFast.from_pretrained(str(src))
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save_pretrained(out)
+    torch.manual_seed(4321)
+    cfg = MistralConfig(
+        vocab_size=len(tok),
+        hidden_size=256,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=8192,
+        sliding_window=window,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        torch_dtype="float32",
+    )
+    MistralForCausalLM(cfg).save_pretrained(out, safe_serialization=True)
+    marker.write_text(json.dumps({"recipe": recipe, "vocab_size": cfg.vocab_size}))
+    return out
+
+
 if __name__ == "__main__":
     if len(sys.argv) != 2:
         raise SystemExit(__doc__)

@@ -3,10 +3,11 @@
 
 use kvpool_proto::frame::encode_frame;
 use kvpool_proto::{
-    BufSlice, EventScope, GetIntoRequest, KeysRequest, KvEventKind, LookupRequest, NodeBlock, NodePutRequest,
-    NodeReportRequest, PinSpec, Ping, PlaceRequest, PolicyKind, PolicyLoadRequest, PolicyRollbackRequest,
-    PutDoneRequest, PutFromRequest, PutIntentRequest, PutItem, PutMode, PutRequest, ReadRequest, ReleaseRequest,
-    RemoveAllRequest, RemoveRequest, Request, SubscribeRequest, TierUse, WriteRequest,
+    BufSlice, EventScope, GetIntoRequest, KeysRequest, KvEventKind, LookupLeaseRequest, LookupRequest, NodeBlock,
+    NodePutRequest, NodeReportRequest, PinSpec, Ping, PlaceRequest, PolicyKind, PolicyLoadRequest,
+    PolicyRollbackRequest, PutDoneRequest, PutFromRequest, PutIntentRequest, PutItem, PutMode, PutRequest, ReadRequest,
+    ReleaseRequest, RemoveAllRequest, RemoveMatchingRequest, RemoveRequest, Request, SubscribeRequest, TierUse,
+    WriteRequest,
 };
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -108,7 +109,26 @@ fn small_id(rng: &mut StdRng) -> u64 {
 
 /// A well-formed version 2 request.
 fn request_v2(rng: &mut StdRng) -> Request {
-    match rng.gen_range(0..12) {
+    match rng.gen_range(0..14) {
+        12 => Request::LookupLease(LookupLeaseRequest {
+            chain: keys(rng),
+            ttl_ms: match rng.gen_range(0..4) {
+                0 => 0,
+                1 => rng.gen(),
+                _ => rng.gen_range(1..3_000),
+            },
+        }),
+        13 => Request::RemoveMatching(RemoveMatchingRequest {
+            prefix: if rng.gen_bool(0.7) { format!("k{}", rng.gen_range(0..5)).into_bytes() } else { key(rng) },
+            pattern: match rng.gen_range(0..6) {
+                0 => Some(format!("^k{}$", rng.gen_range(0..48))),
+                1 => Some("(a+)+$[".into()),
+                2 => Some("k(1|2)\\d{0,1000}{1000}".into()),
+                3 => Some((0..rng.gen_range(0..64)).map(|_| rng.gen_range(32u8..127) as char).collect()),
+                _ => None,
+            },
+            force: rng.gen(),
+        }),
         // Cluster requests: this server is no master, so they are refused with a typed error
         // (the master's side has its own hostile-input test in the server crate).
         10 => match rng.gen_range(0..4) {

@@ -273,6 +273,11 @@ async fn check_canaries(w: &Worker) -> Result<()> {
 /// canaries again: no reservation, lease or in-flight copy leaked.
 async fn check_no_leak(w: &mut Worker, canary_dram: u64) -> Result<()> {
     w.sessions.clear();
+    // A lookup's hold goes with its lease, and every lease with its connection.
+    let held = w.shared.store.held();
+    if held != 0 {
+        bail!("{held} blocks still held by lookups with every fuzzed connection closed");
+    }
     for p in &w.principals {
         w.shared.store.remove_all(p.tenant_id, true);
     }

@@ -65,10 +65,54 @@ pub enum Request {
     /// A storage node moves blocks of `tenant` into this node (admin keys only): a `Put` on
     /// behalf of that tenant; raw value bytes follow the frame as for `Put`.
     NodePut(NodePutRequest),
+    // ---- version 2: connectors (PROTOCOL.md 11.9) -------------------------------------------
+    /// `Lookup` that holds what it counted: the resident leading blocks of the chain are kept
+    /// (not evicted, not removed without `force`) until `Release` of the lease, its time, or the
+    /// end of the connection. Answered with `LookupLeased`.
+    LookupLease(LookupLeaseRequest),
+    /// Remove the caller's blocks whose keys start with `prefix` and, when `pattern` is given,
+    /// match that regular expression. Answered with `RemoveAll`.
+    RemoveMatching(RemoveMatchingRequest),
 }
 
 /// Number of request variants this version knows (tags `0..REQUEST_TAGS`).
-pub const REQUEST_TAGS: u32 = 29;
+pub const REQUEST_TAGS: u32 = 31;
+
+/// A prefix chain (root first) to count and hold.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LookupLeaseRequest {
+    #[serde(with = "crate::key_list")]
+    pub chain: Vec<Vec<u8>>,
+    /// How long to hold the blocks, in ms (0: the server's lease time; capped at
+    /// [`MAX_HOLD_MS`]).
+    pub ttl_ms: u32,
+}
+
+/// Longest hold a `LookupLease` may ask for.
+pub const MAX_HOLD_MS: u32 = 60_000;
+
+/// Answer to `LookupLease`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LookupLeased {
+    /// Number of leading blocks of the chain that are resident (in any tier).
+    pub resident: u32,
+    /// Name of the hold on those blocks (0 when none is resident: nothing to release).
+    pub lease: u64,
+    /// The hold lasts this long from the answer unless released earlier.
+    pub lease_ms: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct RemoveMatchingRequest {
+    /// Keys must start with these bytes (empty: every key).
+    #[serde(with = "serde_bytes")]
+    pub prefix: Vec<u8>,
+    /// A regular expression (Rust `regex` syntax, matched against the key's bytes, anywhere
+    /// unless anchored) that keys must also match.
+    pub pattern: Option<String>,
+    /// Remove held and leased blocks too.
+    pub force: bool,
+}
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct NodePutRequest {
@@ -476,6 +520,8 @@ pub enum Response {
     NodeList(NodeList),
     /// Answer to `Route` and `Place`.
     Routes(Routes),
+    /// Answer to `LookupLease`.
+    LookupLeased(LookupLeased),
 }
 
 /// A storage node as the master sees it.
@@ -928,6 +974,19 @@ mod tests {
         );
     }
 
+    #[test]
+    fn documented_connector_messages() {
+        let blocks = doc_blocks("### 11.9 Connector requests");
+        assert_eq!(blocks.len(), 3, "notation, request, answer");
+        let ask = Request::LookupLease(LookupLeaseRequest { chain: vec![b"k1".to_vec()], ttl_ms: 5000 });
+        assert_eq!(dump(blocks[1]), crate::frame::encode_frame(&ask).unwrap());
+        let answer = Response::LookupLeased(LookupLeased { resident: 1, lease: 7, lease_ms: 5000 });
+        assert_eq!(dump(blocks[2]), crate::frame::encode_frame(&answer).unwrap());
+        let rm = Request::RemoveMatching(RemoveMatchingRequest { prefix: vec![], pattern: None, force: false });
+        assert_eq!(crate::message_tag(&codec::encode(&rm).unwrap()), Some(30));
+        assert_eq!(REQUEST_TAGS, 31);
+    }
+
     fn doc_blocks(heading: &str) -> Vec<&'static str> {
         let doc = include_str!("../../docs/PROTOCOL.md");
         let start = doc.find(heading).expect("section in PROTOCOL.md");
@@ -970,7 +1029,7 @@ mod tests {
             ),
             Some(20)
         );
-        assert_eq!(REQUEST_TAGS, 29);
+        assert_eq!(REQUEST_TAGS, 31);
         assert_eq!(codec::encode(&Response::Done).unwrap(), vec![15, 0, 0, 0]);
         assert_eq!(codec::encode(&ErrorCode::Expired).unwrap(), vec![23, 0, 0, 0]);
     }

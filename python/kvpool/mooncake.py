@@ -17,6 +17,10 @@ Where kvpool differs on purpose, the method's docstring says so. The main differ
 - A kvpool client does not contribute memory to the pool: ``global_segment_size`` and
   ``local_buffer_size`` given to ``setup`` are accepted and ignored; the server's ``dram.size``
   (mapped from the same field of ``mooncake_store_config.json``) is the pool's capacity.
+- ``tenant_id`` (``setup``'s keyword, the config file's field, ``MOONCAKE_TENANT_ID``) keeps
+  Mooncake's meaning, a key space of its own: keys of a tenant other than ``default`` are stored
+  under ``tenant:<id>/`` within the kvpool tenant of the API key (the API key, not the
+  ``tenant_id``, is what kvpool authorizes).
 - ``lookup(keys)`` (kvpool's own) answers how many leading keys of a prefix chain are resident in
   one request, where Mooncake's connectors call ``batch_is_exist`` over the whole chain.
 - Addresses given to ``put_from``/``get_into`` and their batch forms are checked against the
@@ -46,13 +50,12 @@ anything else     -1 INTERNAL_ERROR
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import re
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
+from kvpool import _mooncake_config as mooncake_config
 from kvpool._native import Client, KvpoolError, SharedBuffer
 
 log = logging.getLogger("kvpool.mooncake")
@@ -100,30 +103,6 @@ def _error_code(e: KvpoolError) -> int:
     return to_mooncake_code(e.code)  # type: ignore[attr-defined]
 
 
-def _parse_size(v: Any) -> int:
-    """Sizes in Mooncake configs: integers (bytes) or strings such as ``"4GB"``/``"4GiB"``."""
-    if isinstance(v, int):
-        return v
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)?\s*", str(v), re.IGNORECASE)
-    if not m:
-        raise ValueError(f"not a size: {v!r}")
-    unit = (m.group(2) or "").upper().rstrip("B")
-    scale = {"": 1, "K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "KI": 1024, "MI": 1024**2, "GI": 1024**3, "TI": 1024**4}
-    return int(float(m.group(1)) * scale[unit])
-
-
-def _transport(protocol: str) -> str:
-    """Mooncake ``protocol`` -> kvpool transport, as the server maps it: ``tcp`` serves remote and
-    same-host clients alike, which in kvpool is QUIC plus shared memory on the same host."""
-    p = (protocol or "tcp").lower()
-    if p in ("tcp", "auto", ""):
-        return "auto"
-    if p in ("quic", "shm"):
-        return p
-    log.warning("protocol %r is not available in kvpool; using QUIC (shared memory on the same host)", protocol)
-    return "auto"
-
-
 def _pin(config: Any) -> Optional[str]:
     """A Mooncake ``ReplicateConfig`` (or anything with its attributes) -> kvpool pin."""
     if config is None:
@@ -161,6 +140,7 @@ class MooncakeDistributedStore:
 
     def __init__(self) -> None:
         self._client: Optional[Client] = None
+        self._ns = ""
         self._closed = False
 
     # ---- life cycle -------------------------------------------------------------------
@@ -181,10 +161,14 @@ class MooncakeDistributedStore:
         ca_file: Optional[str] = None,
         data_dir: Optional[str] = None,
         timeout: float = 30.0,
+        tenant_id: Optional[str] = None,
         **unused: Any,
     ) -> int:
         """Connect. Accepts Mooncake's positional arguments, or one config dict (Mooncake's second
-        overload), or nothing: then ``MOONCAKE_CONFIG_PATH`` names a ``mooncake_store_config.json``.
+        overload), or nothing: then ``MOONCAKE_CONFIG_PATH`` names a ``mooncake_store_config.json``,
+        or, without it, ``MOONCAKE_MASTER``, ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``,
+        ``MOONCAKE_TENANT_ID`` (and Mooncake's other ``MOONCAKE_*`` variables) are read as Mooncake
+        reads them. Sizes are binary as in Mooncake (``"4GB"`` is 4 GiB).
 
         Mapping (the server maps the same fields of that file the same way):
         ``master_server_addr``/``master_server_address`` -> the kvpool server address (QUIC);
@@ -197,7 +181,11 @@ class MooncakeDistributedStore:
         if isinstance(local_hostname, dict):
             cfg: dict[str, Any] = dict(local_hostname)
         elif local_hostname is None and not master_server_addr:
-            cfg = self._config_file()
+            try:
+                cfg = mooncake_config.load()
+            except (OSError, ValueError) as e:
+                log.error("setup: %s", e)
+                return INVALID_PARAMS
         else:
             cfg = {
                 "local_hostname": local_hostname,
@@ -213,7 +201,8 @@ class MooncakeDistributedStore:
         try:
             for k in ("global_segment_size", "local_buffer_size"):
                 if cfg.get(k):
-                    _parse_size(cfg[k])
+                    mooncake_config.parse_size(cfg[k])
+            namespace = mooncake_config.tenant_namespace(tenant_id if tenant_id is not None else cfg.get("tenant_id"))
         except ValueError as e:
             log.error("setup: %s", e)
             return INVALID_PARAMS
@@ -234,7 +223,7 @@ class MooncakeDistributedStore:
                 fingerprint=fingerprint,
                 ca_file=ca_file,
                 data_dir=data_dir,
-                transport=_transport(cfg.get("protocol", "tcp")),
+                transport=mooncake_config.transport(cfg.get("protocol", "tcp")),
                 timeout=timeout,
                 client_name="kvpool-mooncake",
             )
@@ -244,20 +233,16 @@ class MooncakeDistributedStore:
         if self._client is not None:
             self._client.close()
         self._client = client
+        self._ns = namespace
         self._closed = False
         return OK
 
-    @staticmethod
-    def _config_file() -> dict[str, Any]:
-        path = os.environ.get("MOONCAKE_CONFIG_PATH")
-        if not path:
-            return {}
-        with open(path, encoding="utf-8") as f:
-            cfg: dict[str, Any] = json.load(f)
-        te = cfg.get("transfer_engine") or {}
-        if "backend" in te and "protocol" not in cfg:
-            cfg["protocol"] = te["backend"]
-        return cfg
+    def _k(self, keys: Sequence[Key]) -> list[Key]:
+        """Keys as the pool names them: inside the namespace of a Mooncake ``tenant_id``."""
+        if not self._ns:
+            return list(keys)
+        ns = self._ns
+        return [ns.encode() + k if isinstance(k, bytes) else ns + k for k in keys]
 
     def close(self) -> int:
         """Close the connection. Returns 0."""
@@ -314,7 +299,7 @@ class MooncakeDistributedStore:
         if len(keys) != len(values):
             return [INVALID_PARAMS] * len(keys)
         try:
-            return [to_mooncake_code(s) for s in c.put_batch(list(keys), list(values), upsert, pin=_pin(config))]
+            return [to_mooncake_code(s) for s in c.put_batch(self._k(keys), list(values), upsert, pin=_pin(config))]
         except KvpoolError as e:
             return [_error_code(e)] * len(keys)
 
@@ -328,7 +313,7 @@ class MooncakeDistributedStore:
         if c is None:
             return [b""] * len(keys)
         try:
-            return [v if (s == "ok" and v is not None) else b"" for s, v in c.get_batch(list(keys))]
+            return [v if (s == "ok" and v is not None) else b"" for s, v in c.get_batch(self._k(keys))]
         except KvpoolError as e:
             log.warning("get_batch: %s", e)
             return [b""] * len(keys)
@@ -340,7 +325,7 @@ class MooncakeDistributedStore:
         if c is None:
             return INTERNAL_ERROR
         try:
-            status, size = c.get_size([key])[0]
+            status, size = c.get_size(self._k([key]))[0]
         except KvpoolError as e:
             return _error_code(e)
         return int(size) if status == "ok" else to_mooncake_code(status)
@@ -357,7 +342,7 @@ class MooncakeDistributedStore:
         if c is None:
             return [-1] * len(keys)
         try:
-            return [1 if p else 0 for p in c.exists(list(keys))]
+            return [1 if p else 0 for p in c.exists(self._k(keys))]
         except KvpoolError:
             return [-1] * len(keys)
 
@@ -368,7 +353,7 @@ class MooncakeDistributedStore:
         if c is None:
             return INTERNAL_ERROR
         try:
-            return int(c.lookup(list(keys)))
+            return int(c.lookup(self._k(keys)))
         except KvpoolError as e:
             return _error_code(e)
 
@@ -382,18 +367,19 @@ class MooncakeDistributedStore:
         if c is None:
             return [INTERNAL_ERROR] * len(keys)
         try:
-            return [to_mooncake_code(s) for s in c.remove(list(keys), force)]
+            return [to_mooncake_code(s) for s in c.remove(self._k(keys), force)]
         except KvpoolError as e:
             return [_error_code(e)] * len(keys)
 
     def remove_all(self, force: bool = False) -> int:
-        """Remove every block of this tenant; returns how many were removed (leased blocks are
-        kept unless ``force``), or a negative code."""
+        """Remove every block of this tenant (of the Mooncake ``tenant_id`` given to ``setup``,
+        when not ``default``); returns how many were removed (leased blocks are kept unless
+        ``force``), or a negative code."""
         c = self._c()
         if c is None:
             return INTERNAL_ERROR
         try:
-            removed, _kept = c.remove_all(force)
+            removed, _kept = c.remove_matching(self._ns, None, force) if self._ns else c.remove_all(force)
             return int(removed)
         except KvpoolError as e:
             return _error_code(e)
@@ -509,7 +495,7 @@ class MooncakeDistributedStore:
         if c is None:
             return [INTERNAL_ERROR] * len(keys)
         try:
-            st = c.put_from_multi(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes], upsert, pin=_pin(config))
+            st = c.put_from_multi(self._k(keys), [list(p) for p in ptrs], [list(s) for s in sizes], upsert, pin=_pin(config))
         except KvpoolError as e:
             return [_error_code(e)] * len(keys)
         return [to_mooncake_code(s) for s in st]
@@ -519,7 +505,7 @@ class MooncakeDistributedStore:
         if c is None:
             return [INTERNAL_ERROR] * len(keys)
         try:
-            got = c.get_into_multi(list(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
+            got = c.get_into_multi(self._k(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
         except KvpoolError as e:
             return [_error_code(e)] * len(keys)
         return [int(n) if s == "ok" else to_mooncake_code(s) for s, n in got]

@@ -673,6 +673,64 @@ impl Client {
         })?)
     }
 
+    /// `lookup`, holding what it counted: the resident leading blocks stay (not evicted, not
+    /// removed without force) until `release` of each lease returned, `ttl` seconds (the server's
+    /// lease time when None; at most 60), or the end of this client's connection. Returns
+    /// `(resident, leases)`; a chain longer than one request may hold takes one lease per part.
+    #[pyo3(signature = (chain, ttl=None))]
+    fn lookup_lease(
+        &self,
+        py: Python<'_>,
+        chain: Vec<Bound<'_, PyAny>>,
+        ttl: Option<f64>,
+    ) -> PyResult<(usize, Vec<u64>)> {
+        let ks = keys_of(&chain)?;
+        let ttl = match ttl {
+            None => Duration::ZERO,
+            Some(t) if t.is_finite() && t > 0.0 => Duration::from_secs_f64(t.min(3600.0)),
+            Some(t) => return Err(Error::Argument(format!("ttl must be a positive number of seconds, not {t}")).into()),
+        };
+        Ok(py.detach(|| -> Res<(usize, Vec<u64>)> {
+            let client = self.live()?;
+            let (mut resident, mut leases) = (0, Vec::new());
+            for chunk in ks.chunks(self.max_batch()) {
+                let l = client.lookup_lease(chunk, ttl)?;
+                resident += l.resident;
+                if l.lease != 0 {
+                    leases.push(l.lease);
+                }
+                if l.resident < chunk.len() {
+                    break;
+                }
+            }
+            Ok((resident, leases))
+        })?)
+    }
+
+    /// End a lease of `lookup_lease` early. A lease that already ended raises `expired`.
+    fn release(&self, py: Python<'_>, lease: u64) -> PyResult<()> {
+        Ok(py.detach(|| -> Res<()> { Ok(self.live()?.release(lease)?) })?)
+    }
+
+    /// Remove every block of this tenant whose key starts with `prefix` and, when `pattern` is
+    /// given, matches that regular expression (Rust regex syntax, over the key's bytes; anchor it
+    /// with `^...$` to match whole keys). Returns `(removed, kept_because_leased)`.
+    #[pyo3(signature = (prefix=None, pattern=None, force=false))]
+    fn remove_matching(
+        &self,
+        py: Python<'_>,
+        prefix: Option<Bound<'_, PyAny>>,
+        pattern: Option<String>,
+        force: bool,
+    ) -> PyResult<(u64, u64)> {
+        let prefix = match prefix {
+            Some(p) => key_bytes(&p)?,
+            None => Vec::new(),
+        };
+        let r = py.detach(|| -> Res<_> { Ok(self.live()?.remove_matching(&prefix, pattern.as_deref(), force)?) })?;
+        Ok((r.removed, r.skipped))
+    }
+
     /// Remove keys: one status per key (`ok`, `not-found`, `leased` unless `force`).
     #[pyo3(signature = (keys, force=false))]
     fn remove(&self, py: Python<'_>, keys: Vec<Bound<'_, PyAny>>, force: bool) -> PyResult<Vec<&'static str>> {
@@ -779,6 +837,10 @@ impl Client {
             })
         };
         let zero_copy = backing.is_some();
+        if !zero_copy {
+            // A device pointer (CUDA, Ascend) is refused here, before anything reads it.
+            crate::hostmem::check(ptr, size).map_err(Error::from)?;
+        }
         py.detach(|| self.regions.write().add(ptr, size, backing)).map_err(Error::from)?;
         Ok(zero_copy)
     }

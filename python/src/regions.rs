@@ -19,6 +19,8 @@ pub enum RegionError {
     NotRegistered(usize),
     #[error("{ptr:#x}+{len} is not inside one registered buffer")]
     Outside { ptr: usize, len: usize },
+    #[error("{start:#x}+{len} is not host memory this process can read and write: {why}")]
+    NotHostMemory { start: usize, len: usize, why: String },
     #[error("destination {a:#x}+{a_len} overlaps destination {b:#x}+{b_len} of the same call")]
     Aliased { a: usize, a_len: usize, b: usize, b_len: usize },
 }

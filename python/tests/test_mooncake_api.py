@@ -196,6 +196,49 @@ def test_unregistered_and_out_of_range_addresses_are_refused(store: MooncakeDist
     assert store.get_into("k", p, 64) == INVALID_PARAMS
 
 
+def _mmap(size: int, prot: int) -> int:
+    """An anonymous private mapping with these protections (PROT_NONE: what CUDA and Ascend
+    runtimes reserve device address ranges with)."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    MAP_PRIVATE, MAP_ANONYMOUS = 0x02, 0x20
+    p = libc.mmap(None, size, prot, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0)
+    assert p not in (None, ctypes.c_void_p(-1).value), os.strerror(ctypes.get_errno())
+    return int(p)
+
+
+def _munmap(p: int, size: int) -> None:
+    libc = ctypes.CDLL(None)
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.munmap(ctypes.c_void_p(p), size)
+
+
+def test_device_pointers_are_refused_at_registration(store: MooncakeDistributedStore) -> None:
+    """A device pointer (a number in a range the host may not touch) given to register_buffer is
+    an error, never read: the process used to die on the first put_from of one."""
+    PROT_NONE, PROT_READ = 0, 1
+    size = 1 << 20
+    none, ro, gone = _mmap(size, PROT_NONE), _mmap(size, PROT_READ), _mmap(size, PROT_READ | 2)
+    _munmap(gone, size)
+    try:
+        for ptr, why in [(none, "---p"), (ro, "r--p"), (gone, "not mapped"), (0xDEAD0000, "not mapped")]:
+            assert store.register_buffer(ptr, size) == INVALID_PARAMS
+            with pytest.raises(kvpool.KvpoolError) as e:
+                store.client.register(ptr, size)
+            assert e.value.code == "invalid-argument" and why in str(e.value), str(e.value)
+            assert store.put_from("dev", ptr, 64) == INVALID_PARAMS
+        # Host memory right next to a refused range is fine, and the client serves on.
+        a = np.arange(4096, dtype=np.uint8)
+        assert store.register_buffer(a.ctypes.data, a.nbytes) == 0
+        assert store.put_from("host", a.ctypes.data, 4096) == 0
+        assert store.get("host") == a.tobytes()
+        assert store.unregister_buffer(a.ctypes.data) == 0
+    finally:
+        _munmap(none, size)
+        _munmap(ro, size)
+
+
 def test_sixteen_threads_share_one_client(store: MooncakeDistributedStore) -> None:
     """16 threads, one client: puts, gets, zero-copy transfers and lookups at once. Every thread
     checks its own bytes; a wrong value, an exception or a hang fails the test."""
@@ -396,3 +439,36 @@ def test_client_side_verification_of_shm_gets(server: Server) -> None:
     assert c.remove(["vsg"], True) == ["ok"]
     c.unregister(buf.address)
     c.close()
+
+
+def test_tenant_ids_are_separate_key_spaces(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mooncake's tenant_id: from setup's keyword, and from MOONCAKE_* as Mooncake reads them."""
+    stores = {}
+    for t in ("team-a", "team-b", None):
+        st = MooncakeDistributedStore()
+        assert st.setup("localhost", "", 0, 0, "tcp", "", server.addr, api_key=server.api_key,
+                        fingerprint=server.fingerprint, tenant_id=t) == 0
+        assert st.put("shared-name", (t or "default").encode()) == 0
+        stores[t] = st
+    assert [stores[t].get("shared-name") for t in stores] == [b"team-a", b"team-b", b"default"]
+    assert stores["team-a"].is_exist("shared-name") == 1
+    assert stores["team-a"].remove_all(True) == 1  # (the get above leased it)
+    assert stores["team-a"].get("shared-name") == b""
+    assert stores["team-b"].get("shared-name") == b"team-b" and stores[None].get("shared-name") == b"default"
+    # Configured by the environment alone, as Mooncake's MooncakeConfig.load_from_env.
+    monkeypatch.delenv("MOONCAKE_CONFIG_PATH", raising=False)
+    monkeypatch.delenv("KVPOOL_SERVER", raising=False)
+    monkeypatch.setenv("MOONCAKE_MASTER", server.addr)
+    monkeypatch.setenv("MOONCAKE_PROTOCOL", "TCP")
+    monkeypatch.setenv("MOONCAKE_TENANT_ID", "team-b")
+    monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "4GB")
+    monkeypatch.setenv("KVPOOL_API_KEY", server.api_key)
+    monkeypatch.setenv("KVPOOL_FINGERPRINT", server.fingerprint)
+    env = MooncakeDistributedStore()
+    assert env.setup() == 0
+    assert env.get("shared-name") == b"team-b"
+    monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "4 gigabytes")
+    assert MooncakeDistributedStore().setup() == INVALID_PARAMS
+    for st in [*stores.values(), env]:
+        st.remove_all(True)
+        st.close()

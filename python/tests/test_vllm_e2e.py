@@ -1,7 +1,9 @@
-"""The seed's end-to-end check on real vLLM CPU engines (slow: engines take ~45 s each to start).
+"""End-to-end checks on real vLLM CPU engines (slow: engines take ~45 s each to start).
 
-Runs ``examples/vllm_prefix_reuse/run.py --check`` (three engines through the ``LLM`` class) and
-``openai_server.py --check`` (two OpenAI-compatible servers, requests sent with curl) with the
+Runs ``examples/vllm_prefix_reuse/run.py --check`` (three engines through the ``LLM`` class),
+``scenarios.py --check`` (the connector under preemption, chunked prefill, lost blocks, a full
+pool, a sliding window, a reset; six engines) and ``openai_server.py --check`` (two
+OpenAI-compatible servers, requests sent with curl) with the
 interpreter that has vLLM and kvpool: ``KVPOOL_VLLM_PYTHON``, else the running one.
 ``.ci/vllm-e2e.sh`` runs it with the cached venv's Python. A missing vLLM fails the tests (they are
 deselected with ``-m "not slow"``, never skipped).
@@ -59,3 +61,20 @@ def test_prefix_reuse_through_the_openai_server(tmp_path: Path) -> None:
     s = json.loads(out.read_text())
     assert s["B_pool_prompt2"]["cached_tokens"] > 0
     assert s["B_pool_prompt2"]["first_token"] == s["A_prompt2"]["first_token"]
+
+
+def test_the_connector_under_the_schedulers_real_life(tmp_path: Path) -> None:
+    out = tmp_path / "scenarios.json"
+    r = subprocess.run(
+        [PY, str(EXAMPLE / "scenarios.py"), "--check", "--json", str(out), "--workdir", str(tmp_path / "work"),
+         "--server-bin", str(server_binary())],
+        capture_output=True, text=True, timeout=1800,
+    )
+    print(r.stdout[-6000:])
+    assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-4000:]
+    s = json.loads(out.read_text())
+    assert not s["failures"]
+    assert s["A_preemptions"] > 0
+    assert s["blocks_compared_with_cold_kv"] > 0 and s["worst_relative_difference"] < 1e-4
+    assert s["A_loaded_blocks"] > 0 and s["B_loaded_blocks"] > 0 and s["B_load_failed_blocks"] > 0
+    assert s["D_save_failed_blocks"] > 0 and s["S_loaded_blocks"] > 0

@@ -25,6 +25,7 @@ use tokio::time::Instant as Deadline;
 use tracing::{debug, info, warn, Instrument};
 
 mod cluster;
+mod connector;
 pub mod local;
 pub mod memory;
 mod session;
@@ -556,6 +557,8 @@ fn op_name(r: &Request) -> &'static str {
         Request::Route(_) => "route",
         Request::Place(_) => "place",
         Request::NodePut(_) => "node_put",
+        Request::LookupLease(_) => "lookup_lease",
+        Request::RemoveMatching(_) => "remove_matching",
     }
 }
 
@@ -751,6 +754,8 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
         | Request::GetInto(_)
         | Request::Write(_)
         | Request::Read(_)
+        | Request::LookupLease(_)
+        | Request::RemoveMatching(_)
         | Request::Subscribe(_)) => match v2::dispatch(v2, recv, send, session, s, deadline).await? {
             Some(r) => r,
             None => return Ok(()),
@@ -794,6 +799,8 @@ fn holds_blocks(r: &Request) -> bool {
             | Request::GetInto(_)
             | Request::Write(_)
             | Request::Read(_)
+            | Request::LookupLease(_)
+            | Request::RemoveMatching(_)
     )
 }
 

@@ -25,9 +25,12 @@ pub struct Reserved {
     pub block: tokio::sync::Mutex<Option<DramBlock>>,
 }
 
-/// Blocks located by `GetLocate`, kept in place until released or expired.
+/// Blocks located by `GetLocate` (or held by `LookupLease`), kept in place until released or
+/// expired.
 pub struct LeaseHold {
     pub blocks: Vec<Option<Served>>,
+    /// The index's hold on the blocks a `LookupLease` counted; let go with the lease.
+    pub held: Option<super::connector::Held>,
 }
 
 pub struct Session {

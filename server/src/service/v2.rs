@@ -99,6 +99,14 @@ pub(super) async fn dispatch<R: RequestRecv, W: RequestSend>(
             }
             Response::Done
         }
+        Request::LookupLease(l) => {
+            expect_end(recv, deadline).await?;
+            super::connector::lookup_lease(l, session, s)?
+        }
+        Request::RemoveMatching(r) => {
+            expect_end(recv, deadline).await?;
+            super::connector::remove_matching(r, session, s)?
+        }
         other => return Err(malformed(format!("{other:?} is not a version 2 request"))),
     };
     Ok(Some(resp))
@@ -498,7 +506,8 @@ async fn get_locate(keys: &[Vec<u8>], session: &Arc<Session>, s: &Shared) -> Res
         }
     }
     let ttl = hold_for(s, total).max(s.store.cfg.lease_ttl);
-    let lease = if blocks.iter().any(Option::is_some) { session.lease(LeaseHold { blocks }, ttl) } else { 0 };
+    let lease =
+        if blocks.iter().any(Option::is_some) { session.lease(LeaseHold { blocks, held: None }, ttl) } else { 0 };
     Ok(Response::Located(Located { lease, lease_ms: ttl.as_millis().min(u32::MAX as u128) as u32, items }))
 }
 

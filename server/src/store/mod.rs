@@ -1021,6 +1021,27 @@ impl Store {
         n as u32
     }
 
+    /// [`Store::lookup`], holding the resident leading blocks until [`Store::unhold`] of the
+    /// returned ids.
+    pub fn lookup_hold(&self, tenant: u32, chain: &[Vec<u8>]) -> (u32, Vec<u64>) {
+        let (n, ids) = self.ix().lookup_hold(tenant, chain, wall_us());
+        self.metrics.lookup_blocks.with_label_values(&["hit"]).inc_by(n as u64);
+        self.metrics.lookup_blocks.with_label_values(&["miss"]).inc_by((chain.len() - n) as u64);
+        (n as u32, ids)
+    }
+
+    /// Let go of the hold [`Store::lookup_hold`] took on `ids`.
+    pub fn unhold(&self, ids: &[u64]) {
+        if !ids.is_empty() {
+            self.ix().unhold(ids);
+        }
+    }
+
+    /// Number of blocks held by lookups now.
+    pub fn held(&self) -> usize {
+        self.ix().held()
+    }
+
     pub fn exists(&self, tenant: u32, keys: &[Vec<u8>]) -> Vec<bool> {
         self.ix().exists(tenant, keys)
     }
@@ -1053,8 +1074,14 @@ impl Store {
 
     /// Remove every block of the tenant; leased ones stay unless `force`. (removed, skipped)
     pub fn remove_all(&self, tenant: u32, force: bool) -> (u64, u64) {
+        self.remove_matching(tenant, force, |_| true)
+    }
+
+    /// Remove the tenant's blocks whose key `matches`; leased ones stay unless `force`.
+    /// (removed, skipped). One pass over the index under its lock.
+    pub fn remove_matching(&self, tenant: u32, force: bool, matches: impl Fn(&[u8]) -> bool) -> (u64, u64) {
         let mut ix = self.ix();
-        let (removed, skipped, dropped, meta) = ix.remove_all(tenant, force, Instant::now());
+        let (removed, skipped, dropped, meta) = ix.remove_all(tenant, force, Instant::now(), matches);
         self.meta.enqueue(meta);
         drop(ix);
         self.release(dropped);

@@ -1,0 +1,142 @@
+"""The connector's settings: ``kv_connector_extra_config``, then the environment, then Mooncake's
+own configuration (``MOONCAKE_CONFIG_PATH`` or ``MOONCAKE_*``), so that a deployment set up for
+vLLM's Mooncake store connector works unchanged where kvpool can honour it, and is refused with a
+message where it cannot.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from kvpool import _mooncake_config as mooncake
+from kvpool._native import Client
+
+log = logging.getLogger("kvpool.vllm")
+
+# Keys of kv_connector_extra_config this connector reads (kvpool's and Mooncake's).
+KNOWN = {
+    "kvpool_server", "kvpool_api_key", "kvpool_api_key_file", "kvpool_fingerprint", "kvpool_ca",
+    "kvpool_data_dir", "kvpool_transport", "kvpool_timeout_s", "kvpool_lookup_lease_s",
+    "kvpool_staging", "kvpool_staging_bytes", "kvpool_load_failure_policy", "kvpool_full_backoff_s",
+    "store_threshold",
+    "key_prefix", "model_name", "async_save", "stats_path",
+    # vLLM's Mooncake store connector's names.
+    "cache_prefix", "load_async", "lookup_async", "enable_lookup", "save_decode_cache",
+    "preferred_segment", "tenant_id",
+}
+
+
+def _flag(extra: dict[str, Any], key: str, default: bool) -> bool:
+    v = extra.get(key, default)
+    try:
+        return mooncake.parse_bool(v)
+    except ValueError:
+        raise ValueError(f"kv_connector_extra_config[{key!r}] must be a boolean, not {v!r}") from None
+
+
+@dataclass
+class ConnectorConfig:
+    """Everything the scheduler and worker sides read from the configuration."""
+
+    server: Optional[str] = None
+    api_key: Optional[str] = None
+    fingerprint: Optional[str] = None
+    ca: Optional[str] = None
+    data_dir: Optional[str] = None
+    transport: str = "auto"
+    timeout_s: float = 30.0
+    key_prefix: str = ""
+    namespace: str = ""
+    model_name: Optional[str] = None
+    store_threshold: int = 0
+    async_save: bool = True
+    stats_path: Optional[str] = None
+    lookup_lease_s: float = 10.0
+    enable_lookup: bool = True
+    lookup_async: bool = False
+    save_decode_cache: bool = False
+    staging: str = "auto"
+    staging_bytes: int = 256 << 20
+    load_failure_policy: str = "recompute"
+    full_backoff_s: float = 1.0
+    ignored: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def from_extra(extra: dict[str, Any]) -> "ConnectorConfig":
+        """Read ``kv_connector_extra_config``; raise ``ValueError`` for settings kvpool refuses."""
+        c = ConnectorConfig()
+        mc = mooncake.load()
+        env = os.environ.get
+        c.server = extra.get("kvpool_server") or env("KVPOOL_SERVER") or mc.get("master_server_address") or None
+        c.api_key = extra.get("kvpool_api_key") or env("KVPOOL_API_KEY")
+        key_file = extra.get("kvpool_api_key_file") or env("KVPOOL_API_KEY_FILE")
+        if c.api_key is None and key_file:
+            with open(key_file, encoding="utf-8") as f:
+                c.api_key = f.readline().strip()
+        c.fingerprint = extra.get("kvpool_fingerprint") or env("KVPOOL_FINGERPRINT")
+        c.ca = extra.get("kvpool_ca") or env("KVPOOL_CA")
+        c.data_dir = extra.get("kvpool_data_dir") or env("KVPOOL_DATA_DIR")
+        c.transport = str(extra.get("kvpool_transport") or mooncake.transport(mc.get("protocol")))
+        if c.transport not in ("auto", "quic", "shm"):
+            raise ValueError(f"kvpool_transport must be auto, quic or shm, not {c.transport!r}")
+        c.timeout_s = float(extra.get("kvpool_timeout_s", 30.0))
+        if mc.get("device_name"):
+            log.info("Mooncake device_name %r has no meaning in kvpool (no RDMA devices); ignored",
+                     mc["device_name"])
+        # Names: kvpool's key_prefix is Mooncake's cache_prefix.
+        prefixes = {str(extra[k]) for k in ("key_prefix", "cache_prefix") if extra.get(k)}
+        if len(prefixes) > 1:
+            raise ValueError(f"key_prefix and cache_prefix name different prefixes: {sorted(prefixes)}")
+        c.key_prefix = prefixes.pop() if prefixes else ""
+        c.namespace = mooncake.tenant_namespace(extra.get("tenant_id") or mc.get("tenant_id"))
+        c.model_name = extra.get("model_name")
+        c.store_threshold = int(extra.get("store_threshold", 0))
+        c.async_save = _flag(extra, "async_save", True)
+        c.stats_path = extra.get("stats_path")
+        c.lookup_lease_s = float(extra.get("kvpool_lookup_lease_s", 10.0))
+        if not 0 < c.lookup_lease_s <= 60:
+            raise ValueError("kvpool_lookup_lease_s must be in (0, 60] seconds")
+        c.enable_lookup = _flag(extra, "enable_lookup", True)
+        c.lookup_async = _flag(extra, "lookup_async", False)
+        c.save_decode_cache = _flag(extra, "save_decode_cache", False)
+        if _flag(extra, "load_async", False):
+            raise ValueError(
+                "load_async: kvpool's connector loads synchronously, within the step that needs the "
+                "blocks (a load of the pool's DRAM takes milliseconds); remove load_async or set it "
+                "to false"
+            )
+        if extra.get("preferred_segment"):
+            raise ValueError(
+                "preferred_segment: kvpool has no per-engine segments to prefer; the server's "
+                "placement policy chooses where blocks go (remove preferred_segment)"
+            )
+        c.staging = str(extra.get("kvpool_staging", "auto"))
+        if c.staging not in ("auto", "always"):
+            raise ValueError(f"kvpool_staging must be auto or always, not {c.staging!r}")
+        c.staging_bytes = mooncake.parse_size(extra.get("kvpool_staging_bytes", 256 << 20))
+        c.load_failure_policy = str(extra.get("kvpool_load_failure_policy", "recompute"))
+        if c.load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kvpool_load_failure_policy must be recompute or fail")
+        c.full_backoff_s = float(extra.get("kvpool_full_backoff_s", 1.0))
+        if c.full_backoff_s < 0:
+            raise ValueError("kvpool_full_backoff_s must not be negative")
+        c.ignored = sorted(set(extra) - KNOWN)
+        if c.ignored:
+            log.warning("kv_connector_extra_config keys kvpool does not know (ignored): %s", c.ignored)
+        return c
+
+    def client(self, name: str) -> Client:
+        """A kvpool client for one side of the connector."""
+        return Client(
+            self.server,
+            self.api_key,
+            fingerprint=self.fingerprint,
+            ca_file=self.ca,
+            data_dir=self.data_dir,
+            transport=self.transport,
+            timeout=self.timeout_s,
+            client_name=name,
+        )

@@ -1,0 +1,525 @@
+"""The scheduler side: what the pool has (a lookup that holds what it counted), which blocks to load
+and save each step, and the references that keep a saved block's memory from being reused.
+
+A request's life as vLLM 0.32's scheduler drives it, and what this side does at each step:
+
+1. ``get_num_new_matched_tokens`` (waiting, or preempted and waiting again): one
+   ``lookup_lease`` per distinct shard of the request's block-hash chain. The resident leading
+   blocks stay in the pool until the load is done (or the request ends, or the hold's time).
+2. ``update_state_after_alloc``: the tokens vLLM counted as computed from the pool become a
+   pending load into the blocks just allocated; a fresh record of the request starts (a resumed
+   request's blocks are all new).
+3. ``build_connector_meta``: a request scheduled this step, new or resumed (V1 runner:
+   ``scheduled_cached_reqs.resumed_req_ids``; V2 runner: ``scheduled_new_reqs``), gets its load;
+   every full block a step completes within the prefill (and the decode, with
+   ``save_decode_cache``) is saved. Each save job takes a reference on its blocks in vLLM's block
+   pool: preempted or finished, the request's blocks cannot be handed to another request until
+   every worker reported the job done, so a save never reads another request's KV.
+4. ``update_connector_output``: the workers' finished jobs drop their references and holds.
+5. ``request_finished``: always False; the references, not the request, keep blocks alive.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Iterable, Optional
+
+from kvpool._native import Client, KvpoolError
+from kvpool.vllm.config import ConnectorConfig
+from kvpool.vllm.keys import KeyLayout, hash_hex
+from kvpool.vllm.metadata import KVPoolConnectorMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
+from kvpool.vllm.stats import KVPoolConnectorStats, dump
+
+if TYPE_CHECKING:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvpool.vllm")
+
+# vLLM's null block (vllm.v1.attention.backends.utils.NULL_BLOCK_ID): never a request's own.
+NULL_BLOCK = 0
+
+
+@dataclass
+class _Looked:
+    """What a lookup found for a waiting request."""
+
+    resident: int
+    local: int  # tokens vLLM had computed locally when it asked
+    leases: list[int]
+
+
+@dataclass
+class _Load:
+    first: int
+    end: int
+    leases: list[int]
+
+
+@dataclass
+class _Req:
+    """A scheduled request."""
+
+    request: "Request"
+    block_ids: list[int]
+    saved: int  # leading blocks saved, being saved, or already there (loaded, computed locally)
+    prefill_end: int  # tokens this prefill computes: the prompt, or all tokens of a resume
+
+
+@dataclass
+class _Job:
+    """A load or save the workers run; done when every worker reported it."""
+
+    remaining: int
+    refs: list[int] = field(default_factory=list)
+    leases: list[int] = field(default_factory=list)
+    save: Optional[SaveJob] = None
+    failed: set[int] = field(default_factory=set)
+    reset_after: bool = False  # a save in flight across reset_cache: its keys go again at the end
+    tokens: Optional[list[list[int]]] = None  # per block, for BlockStored events
+    lora_name: Optional[str] = None
+
+
+class Scheduler:
+    def __init__(
+        self,
+        cfg: ConnectorConfig,
+        layout: KeyLayout,
+        block_size: int,
+        role: str,
+        num_workers: int,
+        kv_events: bool,
+        client: Optional[Client] = None,
+    ) -> None:
+        self.cfg = cfg
+        self.layout = layout
+        self.block_size = block_size
+        self.loads_on = role != "kv_producer" and cfg.enable_lookup
+        self.saves_on = role != "kv_consumer"
+        self.num_workers = num_workers
+        self.prefixes = layout.lookup_prefixes()
+        self.client = client if client is not None else cfg.client("kvpool-vllm-scheduler")
+        self.pool: Optional["BlockPool"] = None
+        self.local: dict[str, int] = {}
+        self.looked: dict[str, _Looked] = {}
+        self.lookups: dict[str, Future[tuple[int, list[int]]]] = {}
+        self.pending: dict[str, _Load] = {}
+        self.reqs: dict[str, _Req] = {}
+        self.jobs: dict[int, _Job] = {}
+        self.next_job = 0
+        # Network calls that nothing waits for (releases) and async lookups run here.
+        self.bg = ThreadPoolExecutor(2, thread_name_prefix="kvpool-sched")
+        self.stats = KVPoolConnectorStats()
+        self.lock = threading.Lock()
+        self.totals = {"lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "lookup_errors": 0}
+        self.events = _Events(self) if kv_events else None
+
+    # ---- lookups ------------------------------------------------------------------------
+
+    def _lookup(self, hashes: list[str]) -> tuple[int, list[int]]:
+        """Resident leading blocks in every shard, and the holds taken on them."""
+        t0 = time.perf_counter()
+        resident, leases = len(hashes), []
+        try:
+            for p in self.prefixes:
+                n, held = self.client.lookup_lease(KeyLayout.chain(p, hashes[:resident]), self.cfg.lookup_lease_s)
+                leases.extend(held)
+                resident = min(resident, n)
+                if resident == 0:
+                    break
+        except KvpoolError:
+            self._release(leases)
+            raise
+        finally:
+            with self.lock:
+                self.stats.record("lookup", time.perf_counter() - t0, len(hashes), hit=resident)
+        return resident, leases
+
+    def get_num_new_matched_tokens(self, request: "Request", num_computed: int) -> tuple[Optional[int], bool]:
+        rid = request.request_id
+        self.local[rid] = num_computed
+        if not self.loads_on:
+            return 0, False
+        bs = self.block_size
+        n_blocks = min(len(request.block_hashes), request.num_tokens // bs)
+        # vLLM computes at least one token itself, so a whole-prompt hit counts one short.
+        if min(n_blocks * bs, request.num_tokens - 1) <= num_computed:
+            return 0, False
+        old = self.looked.pop(rid, None)
+        if old is not None:
+            self._release(old.leases)
+        hashes = [hash_hex(h) for h in request.block_hashes[:n_blocks]]
+        try:
+            if self.cfg.lookup_async:
+                fut = self.lookups.get(rid)
+                if fut is None:
+                    self.lookups[rid] = self.bg.submit(self._lookup, hashes)
+                    return None, False
+                if not fut.done():
+                    return None, False
+                del self.lookups[rid]
+                resident, leases = fut.result()
+            else:
+                resident, leases = self._lookup(hashes)
+        except KvpoolError as e:
+            self.totals["lookup_errors"] += 1
+            log.warning("kvpool lookup failed, computing request %s locally: %s", rid, e)
+            return 0, False
+        self.totals["lookups"] += 1
+        self.totals["lookup_blocks"] += n_blocks
+        self.totals["hit_blocks"] += resident
+        dump(self.cfg.stats_path, "scheduler", self.counters())
+        hit = min(resident * bs, request.num_tokens - 1)
+        if hit <= num_computed:
+            self._release(leases)
+            return 0, False
+        self.looked[rid] = _Looked(resident, num_computed, leases)
+        return hit - num_computed, False
+
+    def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external: int) -> None:
+        rid = request.request_id
+        bs = self.block_size
+        local = self.local.pop(rid, 0)
+        looked = self.looked.pop(rid, None)
+        block_ids = list(blocks.get_block_ids()[0])
+        saved = local // bs
+        old = self.pending.pop(rid, None)
+        if old is not None:
+            self._release(old.leases)
+        if num_external > 0 and looked is not None:
+            first, end = looked.local // bs, -(-(looked.local + num_external) // bs)
+            if end > looked.resident or end > len(block_ids):
+                # Never load more than the lookup found: compute the rest instead.
+                log.error("kvpool: request %s counted %d blocks from the pool, %d found; loading those",
+                          rid, end, looked.resident)
+                end = min(looked.resident, len(block_ids))
+            self.pending[rid] = _Load(first, end, looked.leases)
+            saved = end
+        elif looked is not None:
+            self._release(looked.leases)
+        self.reqs[rid] = _Req(request, block_ids, saved, request.num_tokens)
+
+    # ---- each step ----------------------------------------------------------------------
+
+    def build_connector_meta(self, out: "SchedulerOutput") -> KVPoolConnectorMetadata:
+        meta = KVPoolConnectorMetadata()
+        for rid in out.finished_req_ids:
+            self._forget(rid)
+        cached = out.scheduled_cached_reqs
+        scheduled_anew = {r.req_id for r in out.scheduled_new_reqs} | set(cached.resumed_req_ids)
+        meta.preempted = set(out.preempted_req_ids or ())
+        # A request preempted and scheduled again in the same step (a prefix-cache reset of
+        # running requests) keeps the record its new allocation made.
+        for rid in meta.preempted - scheduled_anew:
+            self._forget(rid)
+        state = getattr(out, "kv_connector_block_state", None)
+        for new in out.scheduled_new_reqs:
+            t = self.reqs.get(new.req_id)
+            if t is None:
+                continue
+            t.block_ids = list(new.block_ids[0])
+            if new.prefill_token_ids is not None:
+                # V2 model runner: a resumed request re-prefills prompt and output.
+                t.prefill_end = len(new.prefill_token_ids)
+            self._current_blocks(t, new.req_id, state)
+            self._issue_load(meta, new.req_id, t)
+            self._schedule_save(meta, t, new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0))
+        for i, rid in enumerate(cached.req_ids):
+            t = self.reqs.get(rid)
+            if t is None:
+                continue
+            ids = cached.new_block_ids[i]
+            if rid in cached.resumed_req_ids:
+                # V1 model runner: a resumed request's blocks are all new, given in full.
+                if ids is not None:
+                    t.block_ids = list(ids[0])
+            elif ids is not None:
+                t.block_ids.extend(ids[0])
+            self._current_blocks(t, rid, state)
+            if rid in cached.resumed_req_ids:
+                self._issue_load(meta, rid, t)
+            self._schedule_save(meta, t, cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(rid, 0))
+        self._take_jobs(meta)
+        return meta
+
+    @staticmethod
+    def _current_blocks(t: _Req, rid: str, state: Any) -> None:
+        """vLLM 0.32 hands connectors the block tables as they are now: they win over the record
+        built from this step's additions."""
+        if state is not None:
+            ids = state.get_block_ids(rid)
+            if ids is not None:
+                t.block_ids = list(ids[0])
+
+    def _issue_load(self, meta: KVPoolConnectorMetadata, rid: str, t: _Req) -> None:
+        load = self.pending.pop(rid, None)
+        if load is None:
+            return
+        # Null blocks stand for positions a sliding window no longer needs: nothing to load there.
+        positions = [b for b in range(load.first, min(load.end, len(t.block_ids))) if t.block_ids[b] != NULL_BLOCK]
+        hashes = [hash_hex(t.request.block_hashes[b]) for b in positions]
+        job = LoadJob(self._job_id(), rid, positions, hashes, [t.block_ids[b] for b in positions])
+        meta.loads.append(job)
+        self.jobs[job.job] = _Job(self.num_workers, leases=load.leases)
+
+    def _schedule_save(self, meta: KVPoolConnectorMetadata, t: _Req, computed_after: int) -> None:
+        """Save the full blocks this step completes (within the prefill, unless
+        ``save_decode_cache``)."""
+        if not self.saves_on:
+            return
+        bs = self.block_size
+        limit = computed_after if self.cfg.save_decode_cache else min(computed_after, t.prefill_end)
+        hashes = t.request.block_hashes
+        end = min(limit // bs, len(hashes), len(t.block_ids))
+        start = t.saved
+        if end <= start:
+            return
+        t.saved = end
+        positions = [
+            b for b in range(start, end) if (b + 1) * bs >= self.cfg.store_threshold and t.block_ids[b] != NULL_BLOCK
+        ]
+        if not positions:
+            return
+        meta.saves.append(
+            SaveJob(
+                self._job_id(),
+                t.request.request_id,
+                positions,
+                [hash_hex(hashes[b]) for b in positions],
+                [hash_hex(hashes[b - 1]) if b > 0 else None for b in positions],
+                [t.block_ids[b] for b in positions],
+            )
+        )
+        if self.events is not None:
+            tokens = t.request.all_token_ids
+            lora = getattr(t.request, "lora_request", None)
+            self.events.tokens[meta.saves[-1].job] = (
+                [list(tokens[b * bs : (b + 1) * bs]) for b in positions],
+                getattr(lora, "lora_name", None),
+            )
+
+    def _take_jobs(self, meta: KVPoolConnectorMetadata) -> None:
+        """Reference the blocks of this step's saves until every worker has read them."""
+        pool = self.pool
+        for s in meta.saves:
+            job = _Job(self.num_workers, save=s)
+            if pool is None:
+                meta.unreferenced = True
+            else:
+                pool.touch([pool.blocks[b] for b in s.block_ids])
+                job.refs = list(s.block_ids)
+            self.jobs[s.job] = job
+
+    def _job_id(self) -> int:
+        self.next_job += 1
+        return self.next_job
+
+    def update_connector_output(self, output: "KVConnectorOutput") -> None:
+        wm = getattr(output, "kv_connector_worker_meta", None)
+        if not isinstance(wm, KVPoolWorkerMetadata):
+            return
+        for job_id, n in wm.done.items():
+            job = self.jobs.get(job_id)
+            if job is None:
+                continue
+            job.failed |= wm.failed.get(job_id, set())
+            job.remaining -= n
+            if job.remaining > 0:
+                continue
+            del self.jobs[job_id]
+            if job.refs and self.pool is not None:
+                # Tail first, as vLLM frees, so a shared prefix is reused last.
+                self.pool.free_blocks(self.pool.blocks[b] for b in reversed(job.refs))
+            self._release(job.leases)
+            if job.save is not None:
+                if job.reset_after:
+                    self._drop_keys(job.save.hashes)
+                elif self.events is not None:
+                    self.events.saved(job.save, job.failed)
+
+    def has_pending_push_work(self) -> bool:
+        """Keep the engine stepping while a save job holds block references: completions reach
+        this side only with a step's output."""
+        return any(j.refs for j in self.jobs.values())
+
+    # ---- request ends, resets -----------------------------------------------------------
+
+    def _forget(self, rid: str) -> None:
+        self.reqs.pop(rid, None)
+        self.local.pop(rid, None)
+        for d in (self.looked, self.pending):
+            x = d.pop(rid, None)
+            if x is not None:
+                self._release(x.leases)
+        fut = self.lookups.pop(rid, None)
+        if fut is not None:
+            fut.add_done_callback(lambda f: f.exception() is None and self._release(f.result()[1]))
+
+    def request_finished(self, request: "Request") -> tuple[bool, Optional[dict[str, Any]]]:
+        self._forget(request.request_id)
+        return False, None
+
+    def reset_cache(self) -> bool:
+        """Drop this model's blocks from the pool (vLLM's ``reset_prefix_cache`` after a weight
+        update). Saves still in flight drop their keys again when they finish."""
+        for rid in list(self.looked) + list(self.pending):
+            for d in (self.looked, self.pending):
+                x = d.pop(rid, None)
+                if x is not None:
+                    self._release(x.leases)
+        for job in self.jobs.values():
+            if job.save is not None:
+                job.reset_after = True
+        try:
+            removed, kept = self.client.remove_matching(self.layout.model_prefix, force=True)
+        except KvpoolError as e:
+            log.error("kvpool: reset of %s* failed: %s", self.layout.model_prefix, e)
+            return False
+        log.info("kvpool: reset dropped %d blocks of %s*", removed, self.layout.model_prefix)
+        if self.events is not None:
+            self.events.cleared()
+        return True
+
+    def _drop_keys(self, hashes: list[str]) -> None:
+        keys = [k for p in self.prefixes for k in KeyLayout.chain(p, hashes)]
+        self.bg.submit(self._quietly, lambda: self.client.remove(keys, force=True))
+
+    def _release(self, leases: Iterable[int]) -> None:
+        leases = list(leases)
+        if leases:
+            self.bg.submit(self._quietly, lambda: [self.client.release(x) for x in leases])
+
+    @staticmethod
+    def _quietly(f: Any) -> None:
+        try:
+            f()
+        except KvpoolError as e:
+            # A hold that ended by itself, or a pool that went away: nothing to undo.
+            log.debug("kvpool: %s", e)
+
+    # ---- telemetry ----------------------------------------------------------------------
+
+    def counters(self) -> dict[str, Any]:
+        return dict(self.totals)
+
+    def take_stats(self) -> Optional[KVPoolConnectorStats]:
+        with self.lock:
+            if self.stats.is_empty():
+                return None
+            s, self.stats = self.stats, KVPoolConnectorStats()
+        return s
+
+    def take_events(self) -> list[Any]:
+        return self.events.take() if self.events is not None else []
+
+    def close(self) -> None:
+        if self.events is not None:
+            self.events.close()
+        self.bg.shutdown(wait=True)
+        self.client.close()
+
+
+class _Events:
+    """vLLM's KV events for blocks in the pool, so that KV-aware routing sees them: ``BlockStored``
+    when this engine's save of a block is done, ``BlockRemoved`` when the pool lets that block go
+    (removed or evicted from its last tier), and ``AllBlocksCleared`` after a reset. Removals come
+    from the pool's own event stream (``subscribe``), followed on a thread of its own."""
+
+    def __init__(self, sched: Scheduler) -> None:
+        from vllm.distributed.kv_events import MEDIUM_CPU
+
+        self.sched = sched
+        self.medium = MEDIUM_CPU
+        self.tokens: dict[int, tuple[list[list[int]], Optional[str]]] = {}
+        self.lock = threading.Lock()
+        self.out: deque[Any] = deque()
+        # Announced blocks (by hash) and the pool tiers that hold them ("dram", "ssd").
+        self.announced: dict[str, set[str]] = {}
+        self.watch = sched.prefixes[0] + "@"
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._follow, name="kvpool-events", daemon=True)
+        self.thread.start()
+
+    def saved(self, job: SaveJob, failed: set[int]) -> None:
+        from vllm.distributed.kv_events import BlockStored
+
+        tokens, lora = self.tokens.pop(job.job, ([], None))
+        with self.lock:
+            for i, pos in enumerate(job.positions):
+                if pos in failed:
+                    continue
+                # A save lands in DRAM (or was there already: then its tiers are a guess).
+                self.announced.setdefault(job.hashes[i], set()).add("dram")
+                self.out.append(
+                    BlockStored(
+                        block_hashes=[bytes.fromhex(job.hashes[i])],
+                        parent_block_hash=bytes.fromhex(job.parents[i]) if job.parents[i] else None,
+                        token_ids=tokens[i] if i < len(tokens) else [],
+                        block_size=self.sched.block_size,
+                        lora_id=None,
+                        medium=self.medium,
+                        lora_name=lora,
+                    )
+                )
+
+    def cleared(self) -> None:
+        from vllm.distributed.kv_events import AllBlocksCleared
+
+        with self.lock:
+            self.announced.clear()
+            self.out.append(AllBlocksCleared())
+
+    def take(self) -> list[Any]:
+        with self.lock:
+            out = list(self.out)
+            self.out.clear()
+        return out
+
+    def _follow(self) -> None:
+        from vllm.distributed.kv_events import BlockRemoved
+
+        backoff = 0.2
+        while not self.stop.is_set():
+            client = None
+            try:
+                client = self.sched.cfg.client("kvpool-vllm-events")
+                sub = client.subscribe()
+                backoff = 0.2
+                while not self.stop.is_set():
+                    batch = sub.next(0.5)
+                    if not batch:
+                        continue
+                    for e in batch["events"]:
+                        key = bytes(e["key"]).decode("utf-8", "replace")
+                        if not key.startswith(self.watch):
+                            continue
+                        h = key[len(self.watch) :]
+                        with self.lock:
+                            tiers = self.announced.get(h)
+                            if tiers is None:
+                                continue
+                            if e["kind"] == "stored":
+                                tiers.add(e["tier"])
+                                continue
+                            tiers.discard(e["tier"])
+                            if e["kind"] == "removed" or not tiers:
+                                del self.announced[h]
+                                self.out.append(BlockRemoved(block_hashes=[bytes.fromhex(h)], medium=self.medium))
+            except KvpoolError as e:
+                log.debug("kvpool events: %s; following again in %.1f s", e, backoff)
+                self.stop.wait(backoff)
+                backoff = min(backoff * 2, 5.0)
+            finally:
+                if client is not None:
+                    client.close()
+
+    def close(self) -> None:
+        self.stop.set()
