@@ -64,6 +64,10 @@ pub struct ClientConfig {
     /// (PROTOCOL.md, `GetInto`), so this only guards against a faulty server, at the cost of a
     /// second pass over the bytes. Values that cross QUIC are always verified here.
     pub verify_shm_gets: bool,
+    /// A connection that hears nothing from the server for this long is dead (a killed server
+    /// sends no close): requests on it fail, and the next one connects again. Keep-alives go
+    /// out at a third of it, so a live but idle server is never taken for dead.
+    pub dead_after: Duration,
 }
 
 impl ClientConfig {
@@ -79,6 +83,7 @@ impl ClientConfig {
             transport: TransportChoice::Auto,
             local_control: true,
             verify_shm_gets: false,
+            dead_after: Duration::from_secs(60),
         }
     }
 

@@ -165,8 +165,9 @@ fn quic_config(cfg: &ClientConfig, addr: &SocketAddr, bufs: &kvpool_net::SocketB
     let mut t = kvpool_net::transport_config(kvpool_net::path_kind(addr.ip()), bufs, &cfg.quic);
     t.max_concurrent_bidi_streams(0u8.into());
     t.max_concurrent_uni_streams(0u8.into());
-    t.keep_alive_interval(Some(Duration::from_secs(5)));
-    t.max_idle_timeout(Some(quinn::IdleTimeout::try_from(Duration::from_secs(60)).expect("60 s fits")));
+    let dead_after = cfg.dead_after.clamp(Duration::from_millis(100), Duration::from_secs(3600));
+    t.keep_alive_interval(Some((dead_after / 3).min(Duration::from_secs(5))));
+    t.max_idle_timeout(Some(quinn::IdleTimeout::try_from(dead_after).expect("an hour fits")));
     qc.transport_config(Arc::new(t));
     Ok(qc)
 }

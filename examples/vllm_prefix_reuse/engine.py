@@ -118,7 +118,7 @@ def main() -> None:
         elif "kv_blocks" in req:
             result = {"blocks": _kv_blocks(core, req["kv_blocks"])}
         elif "reset_prefix_cache" in req:
-            result = {"ok": llm.reset_prefix_cache(reset_connector=bool(req["reset_prefix_cache"]))}
+            result = {"ok": _reset(llm, bool(req["reset_prefix_cache"]))}
         elif "connector" in req:
             result = {"stats": _connector_stats(llm, core)}
         else:
@@ -133,6 +133,19 @@ def main() -> None:
                 "ttft_s": ttft,
             }
         print("KVPOOL_RESULT " + json.dumps(result), flush=True)
+
+
+def _reset(llm: Any, connector: bool) -> bool:
+    """vLLM refuses to drop its prefix cache while a connector's save still holds blocks. An
+    in-process engine steps only inside ``generate``, so the saves' completions (which come with
+    a step's output) would never arrive: step it until they have, for up to 30 s."""
+    deadline = time.monotonic() + 30
+    while not llm.reset_prefix_cache(reset_connector=connector):
+        if time.monotonic() > deadline:
+            return False
+        llm.llm_engine.step()
+        time.sleep(0.01)
+    return True
 
 
 def _core(llm: Any) -> Any:
@@ -171,11 +184,13 @@ def _connector_stats(llm: Any, core: Any) -> dict[str, Any]:
     """The connector's counters: the scheduler side's, and the worker side's (in process)."""
     if core is None or core.scheduler.connector is None:
         return {}
-    out = dict(core.scheduler.connector.connector_stats())
+    out = {f"scheduler_{k}" if k.startswith("pool_") else k: v
+           for k, v in core.scheduler.connector.connector_stats().items()}
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
 
     if has_kv_transfer_group():
-        out.update(get_kv_transfer_group().connector_stats())
+        out.update({f"worker_{k}" if k.startswith("pool_") else k: v
+                    for k, v in get_kv_transfer_group().connector_stats().items()})
     return out
 
 

@@ -27,4 +27,4 @@ class KVPoolConnector(_Connector):
         if KVPoolConnector._counted % 2:
             return
         lost = [hash_hex(h) for h in request.block_hashes[(load.first + load.end) // 2 : load.end]]
-        s.client.remove([k for p in s.prefixes for k in KeyLayout.chain(p, lost)], force=True)
+        s.store.client.remove([k for p in s.prefixes for k in KeyLayout.chain(p, lost)], force=True)

@@ -67,10 +67,15 @@ class Pool:
     def __init__(self, binary: Path, data_dir: Path, dram: str = "1GiB") -> None:
         self.dir = data_dir
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.log = open(self.dir / "server.log", "wb")
+        self.binary, self.dram = binary, dram
+        self.start("127.0.0.1:0")
+
+    def start(self, listen: str) -> None:
+        self.log = open(self.dir / "server.log", "ab")
+        (self.dir / "endpoint.json").unlink(missing_ok=True)
         self.proc = subprocess.Popen(
-            [str(binary), "--data-dir", str(self.dir), "--listen", "127.0.0.1:0", "--metrics-listen",
-             "127.0.0.1:0", "--dram-size", dram, "--ssd-capacity", "0"],
+            [str(self.binary), "--data-dir", str(self.dir), "--listen", listen, "--metrics-listen",
+             "127.0.0.1:0", "--dram-size", self.dram, "--ssd-capacity", "0"],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60
@@ -78,7 +83,14 @@ class Pool:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise SystemExit("kvpool-server did not start: " + (self.dir / "server.log").read_text()[-2000:])
             time.sleep(0.05)
-        self.metrics = json.loads((self.dir / "endpoint.json").read_text())["metrics_addr"]
+        ep = json.loads((self.dir / "endpoint.json").read_text())
+        self.metrics, self.addr = ep["metrics_addr"], ep["quic_addr"]
+
+    def kill(self) -> None:
+        """SIGKILL: no close reaches the clients, as when a node dies."""
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
 
     def lookup_blocks(self) -> dict[str, float]:
         """``kvpool_lookup_blocks_total`` by result (hit, miss)."""
@@ -208,6 +220,8 @@ def main() -> int:
     p.add_argument("--system-tokens", type=int, default=2000)
     p.add_argument("--transport", default="auto", help="kvpool transport of the connectors: auto, quic, shm")
     p.add_argument("--sync-save", action="store_true", help="connectors save inside wait_for_save")
+    p.add_argument("--load-sync", action="store_true", help="connectors load within the step that needs the "
+                                                             "blocks instead of between steps (load_async false)")
     p.add_argument("--json", help="write the figures here")
     p.add_argument("--check", action="store_true", help="exit 1 unless every expectation holds")
     args = p.parse_args()
@@ -222,8 +236,9 @@ def main() -> int:
     pool = Pool(server_binary(args.server_bin), workdir / "pool")
     engines: list[Engine] = []
     try:
-        a = Engine("A", model, workdir, pool.dir, args.transport, args.sync_save)
-        b = Engine("B", model, workdir, pool.dir, args.transport, args.sync_save)
+        extra = ["--extra", json.dumps({"load_async": False})] if args.load_sync else []
+        a = Engine("A", model, workdir, pool.dir, args.transport, args.sync_save, extra)
+        b = Engine("B", model, workdir, pool.dir, args.transport, args.sync_save, extra)
         c = Engine("C-cold", model, workdir, None, args.transport)
         engines = [a, b, c]
         for e in engines:
@@ -277,6 +292,7 @@ def main() -> int:
         "min_cached_tokens_B": min(x["B"]["num_cached_tokens"] for x in warmups + trials),
         "transport": args.transport,
         "async_save": not args.sync_save,
+        "load_async": not args.load_sync,
         "wall_s": time.monotonic() - t_start,
     }
     print(f"TTFT median: without pool {ttft_cold * 1e3:.1f} ms, with pool {ttft_pool * 1e3:.1f} ms "

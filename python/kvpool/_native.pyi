@@ -44,6 +44,7 @@ class Client:
         timeout: float = 30.0,
         client_name: Optional[str] = None,
         verify_shm_gets: bool = False,
+        dead_after: Optional[float] = None,
     ) -> None: ...
     @property
     def transport(self) -> str: ...

@@ -42,8 +42,8 @@ value-too-large   -10 BUFFER_OVERFLOW (a ``get_into`` buffer smaller than the va
 key-too-long      -400 INVALID_KEY
 invalid-argument  -600 INVALID_PARAMS (also unregistered addresses, batch-too-large)
 corrupt           -701 INVALID_READ (checksum mismatch; the server drops the block)
-timeout, closed,  -900 RPC_FAIL
-connection errors
+timeout, closed,  -900 RPC_FAIL (``unavailable``: the server cannot be reached or the
+unavailable       connection died)
 anything else     -1 INTERNAL_ERROR
 ================  ==========================================
 """
@@ -88,6 +88,7 @@ _CODES = {
     "frame-too-large": INVALID_PARAMS,
     "corrupt": INVALID_READ,
     "timeout": RPC_FAIL,
+    "unavailable": RPC_FAIL,
     "closed": RPC_FAIL,
     "shutting-down": RPC_FAIL,
     "unauthorized": RPC_FAIL,

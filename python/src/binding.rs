@@ -41,6 +41,9 @@ enum Error {
 impl Error {
     fn code(&self) -> &'static str {
         match self {
+            // The server could not be reached or the connection died: callers that keep working
+            // without the pool (an engine's connector) tell this apart from other failures.
+            Error::Client(ClientError::Connect { .. } | ClientError::Io(_) | ClientError::Closed(_)) => "unavailable",
             Error::Client(e) => e.code().name(),
             Error::Region(_) | Error::Argument(_) => ErrorCode::InvalidArgument.name(),
             Error::Closed => "closed",
@@ -452,13 +455,16 @@ impl Client {
     /// `server` (`host:port`) with `api_key` and one of `fingerprint` (SHA-256 of the server
     /// certificate, hex) or `ca_file` (PEM). Explicit arguments override what `data_dir` says.
     /// `transport` is `auto` (same-host shared memory when offered, else QUIC), `quic` or `shm`.
+    /// `timeout` bounds each request; `dead_after` (seconds, default 60) is how long a connection
+    /// may hear nothing from the server before it counts as dead (a killed server sends no
+    /// close), after which calls fail with the code `unavailable` and the next one connects again.
     /// The server verifies every block it copies into a registered buffer against the checksum
     /// taken at put; `verify_shm_gets=True` has the client hash those bytes again too, a guard
     /// against a faulty server that costs one more pass over the data.
     #[new]
     #[pyo3(signature = (server=None, api_key=None, *, fingerprint=None, ca_file=None, data_dir=None,
                         server_name=None, transport="auto", timeout=30.0, client_name=None,
-                        verify_shm_gets=false))]
+                        verify_shm_gets=false, dead_after=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -472,6 +478,7 @@ impl Client {
         timeout: f64,
         client_name: Option<String>,
         verify_shm_gets: bool,
+        dead_after: Option<f64>,
     ) -> PyResult<Self> {
         let trust = match (fingerprint, ca_file) {
             (Some(f), _) => Some(Trust::Fingerprint(kvpool_client::parse_fingerprint(&f).map_err(Error::from)?)),
@@ -511,6 +518,12 @@ impl Client {
             return Err(Error::Argument(format!("timeout must be a positive number of seconds, not {timeout}")).into());
         }
         cfg.request_timeout = Duration::from_secs_f64(timeout);
+        if let Some(d) = dead_after {
+            if !(d.is_finite() && (0.1..=3600.0).contains(&d)) {
+                return Err(Error::Argument(format!("dead_after must be 0.1 to 3600 seconds, not {d}")).into());
+            }
+            cfg.dead_after = Duration::from_secs_f64(d);
+        }
         let inner = py.detach(|| Blocking::connect(cfg)).map_err(Error::from)?;
         tracing::debug!(transport = inner.transport_in_use(), "kvpool python client connected");
         Ok(Client {

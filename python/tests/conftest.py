@@ -47,12 +47,15 @@ class Server:
 
     def __init__(self, dram: str = "256MiB", extra: tuple[str, ...] = ()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvpool-pytest-"))
-        self.log = open(self.dir / "server.log", "wb")
-        self.proc = subprocess.Popen(
-            [str(server_binary()), "--data-dir", str(self.dir), "--listen", "127.0.0.1:0",
-             "--metrics-listen", "off", "--dram-size", dram, "--ssd-capacity", "0", *extra],
-            stdout=self.log, stderr=subprocess.STDOUT,
-        )
+        self.args = ["--data-dir", str(self.dir), "--metrics-listen", "off", "--dram-size", dram,
+                     "--ssd-capacity", "0", *extra]
+        self._spawn("127.0.0.1:0")
+
+    def _spawn(self, listen: str) -> None:
+        self.log = open(self.dir / "server.log", "ab")
+        (self.dir / "endpoint.json").unlink(missing_ok=True)
+        self.proc = subprocess.Popen([str(server_binary()), "--listen", listen, *self.args],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not (self.dir / "endpoint.json").exists():
             if self.proc.poll() is not None:
@@ -64,6 +67,16 @@ class Server:
         self.addr: str = ep["quic_addr"]
         self.fingerprint: str = ep["fingerprint"]
         self.api_key = (self.dir / "api-key").read_text().strip()
+
+    def kill(self) -> None:
+        """SIGKILL: no close reaches the clients (a crashed or unplugged server)."""
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+
+    def start_again(self) -> None:
+        """The same server again: same address, data directory, certificate and key."""
+        self._spawn(self.addr)
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -102,18 +102,25 @@ def check_right(e: SimEngine, model: str, ps: dict[str, list[int]], max_tokens: 
 
 @pytest.mark.parametrize("runner", ["v1", "v2"])
 @pytest.mark.parametrize("transport", ["shm", "quic"])
+@pytest.mark.parametrize("load", ["sync", "async"])
 def test_preempted_requests_resume_with_their_blocks_loaded(model: str, pool: Server, runner: str,
-                                                            transport: str) -> None:
+                                                            transport: str, load: str) -> None:
     ps = prompts(12)
-    ex = extra_for(pool, kvpool_transport=transport)
+    ex = extra_for(pool, kvpool_transport=transport, load_async=load == "async")
     # One engine stores the shared prefix; a second one, short of KV cache, runs everything.
     run(SimEngine(model, ex, num_blocks=400), dict(list(ps.items())[:2]), 40)
     e = SimEngine(model, ex, num_blocks=36, max_batched=64, v2_outputs=runner == "v2")
     resumed_as_new: list[str] = []
-    e.between = lambda eng, out: resumed_as_new.extend(
-        n.req_id for n in out.scheduled_new_reqs if n.prefill_token_ids is not None and len(n.prefill_token_ids) > len(ps[n.req_id])
-    )
+    modes: set[bool] = set()
+
+    def watch(eng: SimEngine, out: Any) -> None:
+        resumed_as_new.extend(n.req_id for n in out.scheduled_new_reqs
+                              if n.prefill_token_ids is not None and len(n.prefill_token_ids) > len(ps[n.req_id]))
+        modes.update(j.asynchronous for j in out.kv_connector_metadata.loads)
+
+    e.between = watch
     run(e, ps, 40)
+    assert modes == {load == "async"}, "loads ran in the other mode"
     assert e.preemptions > 0, "the cache was meant to be too small for every request at once"
     assert bool(resumed_as_new) == (runner == "v2")
     assert e.worker.connector_stats()["loaded_blocks"] > 0
@@ -195,11 +202,12 @@ def _drop_loads(client: Client, layout_prefix: str) -> Any:
     return hook, dropped
 
 
-def test_a_block_lost_between_lookup_and_load_is_computed(model: str, pool: Server) -> None:
+@pytest.mark.parametrize("load", ["sync", "async"])
+def test_a_block_lost_between_lookup_and_load_is_computed(model: str, pool: Server, load: str) -> None:
     ps = prompts(4, seed=5)
     run(SimEngine(model, extra_for(pool), num_blocks=400), ps, 8)
     # vLLM's own default is "fail": the connector turns it to "recompute".
-    e = SimEngine(model, extra_for(pool), num_blocks=400, load_failure_policy="fail")
+    e = SimEngine(model, extra_for(pool, load_async=load == "async"), num_blocks=400, load_failure_policy="fail")
     assert e.config.kv_transfer_config.kv_load_failure_policy == "recompute"
     e.between, dropped = _drop_loads(client_of(pool), prefix_of(e))
     run(e, ps, 8)
@@ -348,6 +356,34 @@ def test_kv_events_tell_vllm_what_the_pool_holds(model: str, pool: Server) -> No
         time.sleep(0.05)
 
 
+def test_kv_events_after_a_pool_restart_remove_what_the_pool_lost(model: str) -> None:
+    """The pool restarts empty (a new event log, nothing recovered): the follower cannot resume
+    its cursor, asks the pool what it still holds and tells vLLM every lost block is gone."""
+    from vllm.distributed.kv_events import BlockRemoved, BlockStored
+
+    s = Server()
+    try:
+        ps = prompts(1, shared=32, seed=13)
+        e = run(SimEngine(model, extra_for(s), num_blocks=400, kv_events=True), ps, 4)
+        stored = {bytes(ev.block_hashes[0]) for ev in e.published if isinstance(ev, BlockStored) and ev.medium == "CPU"}
+        assert stored, "nothing announced"
+        s.kill()
+        s.start_again()
+        deadline = time.monotonic() + 10
+        while True:
+            e.step()
+            removed = {
+                bytes(h) for ev in e.published if isinstance(ev, BlockRemoved) and ev.medium == "CPU" for h in ev.block_hashes
+            }
+            if removed == stored:
+                break
+            assert removed <= stored, "BlockRemoved for a block never announced"
+            assert time.monotonic() < deadline, f"{len(removed)} of {len(stored)} lost blocks reported"
+            time.sleep(0.05)
+    finally:
+        s.stop()
+
+
 def test_connector_stats_reach_vllms_metrics(model: str, pool: Server) -> None:
     from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -395,3 +431,64 @@ def test_staged_transfers_never_register_the_kv_cache(model: str, pool: Server) 
     assert e.preemptions > 0
     assert worker_counters(e)["loaded_blocks"] > 0 and worker_counters(e)["saved_blocks"] > 0
     check_right(e, model, ps, 20, pool)
+
+
+@pytest.mark.parametrize("load", ["sync", "async"])
+def test_a_dead_pool_costs_each_request_no_more_than_the_lookup_deadline(model: str, load: str) -> None:
+    """The pool is killed (no close reaches the engine) while an engine runs: lookups give up at
+    their deadline and then are skipped, saves are dropped and counted, answers stay right; the
+    pool comes back and the engine uses it again, without a restart."""
+    s = Server()
+    try:
+        ps = prompts(6, seed=15)
+        ex = extra_for(s, kvpool_lookup_deadline_ms=50, load_async=load == "async")
+        e = SimEngine(model, ex, num_blocks=400)
+        run(e, ps, 4)
+        sched = e.sched_connector._scheduler
+        assert sched.store.up and worker_counters(e)["saved_blocks"] > 0
+        s.kill()
+        # The same prompts again, with the engine's own prefix cache dropped: every lookup would
+        # hit the pool, which is gone.
+        assert e.scheduler.reset_prefix_cache()
+        again = {f"{r}-again": p for r, p in ps.items()}
+        lookups: list[float] = []
+        inner = sched.get_num_new_matched_tokens
+
+        def timed(req: Any, n: int) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return inner(req, n)
+            finally:
+                lookups.append(time.perf_counter() - t0)
+
+        sched.get_num_new_matched_tokens = timed  # type: ignore[method-assign]
+        t0 = time.monotonic()
+        run(e, again, 4)
+        took = time.monotonic() - t0
+        assert not sched.store.up
+        c = sched.counters()
+        assert c["pool_down_events"] == 1 and c["lookups_skipped"] == len(again)
+        assert max(lookups) < 0.2, f"a lookup waited {max(lookups) * 1e3:.0f} ms on a dead pool"
+        assert sorted(lookups)[-2] < 0.01, "after the first, lookups should not touch the network"
+        assert took < 5, f"{took:.1f} s for {len(again)} short requests on a dead pool"
+        assert {r: e.output(r) for r in again} == {f"{r}-again": o for r, o in cold(model, ps, 4).items()}
+        assert not e.violations
+        # Back: the same address, a pool emptied by the restart (DRAM only).
+        s.start_again()
+        deadline = time.monotonic() + 5
+        while not (sched.store.up and e.worker._worker.store.up):
+            assert time.monotonic() < deadline, "the pool answered again, but the engine did not use it within 5 s"
+            e.step()
+            time.sleep(0.05)
+        third = {f"{r}-third": p for r, p in ps.items()}
+        run(e, third, 4)
+        assert worker_counters(e)["pool_reconnects"] == 1
+        assert e.scheduler.reset_prefix_cache()
+        fourth = {f"{r}-fourth": p for r, p in ps.items()}
+        before = worker_counters(e)["loaded_blocks"]
+        run(e, fourth, 4)
+        assert worker_counters(e)["loaded_blocks"] > before, "no hits after the pool came back"
+        assert not e.violations
+        e.close()
+    finally:
+        s.stop()

@@ -1,6 +1,7 @@
 """End-to-end checks on real vLLM CPU engines (slow: engines take ~45 s each to start).
 
 Runs ``examples/vllm_prefix_reuse/run.py --check`` (three engines through the ``LLM`` class),
+``dead_pool.py --check`` (the pool killed under a running engine, then back),
 ``scenarios.py --check`` (the connector under preemption, chunked prefill, lost blocks, a full
 pool, a sliding window, a reset; six engines) and ``openai_server.py --check`` (two
 OpenAI-compatible servers, requests sent with curl) with the
@@ -78,3 +79,22 @@ def test_the_connector_under_the_schedulers_real_life(tmp_path: Path) -> None:
     assert s["blocks_compared_with_cold_kv"] > 0 and s["worst_relative_difference"] < 1e-4
     assert s["A_loaded_blocks"] > 0 and s["B_loaded_blocks"] > 0 and s["B_load_failed_blocks"] > 0
     assert s["D_save_failed_blocks"] > 0 and s["S_loaded_blocks"] > 0
+
+
+@pytest.mark.parametrize("transport", ["auto", "quic"])
+def test_a_dead_pool_costs_an_engine_almost_nothing(tmp_path: Path, transport: str) -> None:
+    """The pool killed under a running engine: each request within 100 ms of an engine without
+    the connector; the pool back: hits again within 5 s, without restarting the engine."""
+    out = tmp_path / "dead.json"
+    r = subprocess.run(
+        [PY, str(EXAMPLE / "dead_pool.py"), "--check", "--transport", transport, "--json", str(out),
+         "--workdir", str(tmp_path / "work"), "--server-bin", str(server_binary())],
+        capture_output=True, text=True, timeout=1200,
+    )
+    print(r.stdout[-4000:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    s = json.loads(out.read_text())
+    assert not s["failures"]
+    assert s["extra_max_killed_s"] <= 0.1 and s["hits_back_after_s"] <= 5.0
+    c = s["connector"]
+    assert c["lookups_skipped"] > 0 and c["scheduler_pool_reconnects"] >= 1 and c["worker_pool_reconnects"] >= 1

@@ -138,7 +138,8 @@ def test_mooncake_connector_names_are_honoured_or_refused() -> None:
     assert c.namespace == "tenant:team-a/"
     assert c.ignored == ["not_a_key"]
     assert ConnectorConfig.from_extra({"load_async": False}).lookup_async is False
-    for bad, word in [({"load_async": True}, "load_async"), ({"preferred_segment": "node1"}, "preferred_segment"),
+    assert ConnectorConfig.from_extra({"load_async": "true"}).load_async is True
+    for bad, word in [({"preferred_segment": "node1"}, "preferred_segment"),
                       ({"key_prefix": "a", "cache_prefix": "b"}, "different prefixes"),
                       ({"kvpool_transport": "rdma"}, "kvpool_transport"),
                       ({"kvpool_lookup_lease_s": 0}, "lease"), ({"async_save": "maybe"}, "boolean")]:

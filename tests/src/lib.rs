@@ -70,10 +70,12 @@ impl TestServer {
 
     fn spawn(&mut self) {
         let d = self.dir.path();
+        // Started again, a server comes back at its address (clients reconnect to it).
+        let listen = self.endpoint["quic_addr"].as_str().unwrap_or("127.0.0.1:0").to_string();
         let cfg = format!(
             r#"
 [server]
-listen = "127.0.0.1:0"
+listen = "{listen}"
 metrics_listen = "127.0.0.1:0"
 data_dir = "{data}"
 

@@ -144,3 +144,34 @@ async fn remove_matching_drops_one_models_blocks_only() {
     assert_eq!(admin.remove_matching("", None, false).await.unwrap().removed, 1);
     assert_eq!(alice.exists(&["qwen@tp_rank:0@03"]).await.unwrap(), vec![true]);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_server_fails_requests_within_dead_after_not_the_request_timeout() {
+    let mut srv = TestServer::start(Opts::default());
+    // QUIC only: a same-host control socket would notice at once (the socket closes).
+    let mut cfg = srv.client_config_on(ALICE_KEY, kvpool_client::TransportChoice::Quic);
+    cfg.request_timeout = Duration::from_secs(30);
+    cfg.dead_after = Duration::from_millis(600);
+    let c = Client::connect(cfg).await.unwrap();
+    c.put("k", b"v").await.unwrap();
+    // Idle past several keep-alives: a live server is never taken for dead.
+    tokio::time::sleep(Duration::from_millis(1500)).await;
+    assert_eq!(c.get("k").await.unwrap().unwrap(), b"v");
+    srv.kill();
+    let t0 = Instant::now();
+    let e = c.lookup(&["k"]).await.unwrap_err();
+    let took = t0.elapsed();
+    assert!(took < Duration::from_secs(3), "a dead server took {took:?} to notice");
+    assert!(matches!(e, kvpool_client::ClientError::Closed(_) | kvpool_client::ClientError::Connect { .. }), "{e}");
+    // Back at the same address: the same client reconnects by itself.
+    srv.start_again();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        match c.ping().await {
+            Ok(_) => break,
+            Err(e) => assert!(Instant::now() < deadline, "no reconnect: {e}"),
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    c.put("k2", b"v2").await.unwrap();
+}

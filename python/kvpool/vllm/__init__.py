@@ -22,6 +22,11 @@ Select it with::
                              ``quic`` or ``shm``; else from Mooncake's ``protocol``
 ``kvpool_lookup_lease_s``    how long a lookup holds the blocks it counted (default 10 s, at
                              most 60); the load releases them at once
+``kvpool_lookup_deadline_ms`` the scheduler's lookup gives up after this long (default 50): the
+                             request is computed here and the pool counts as down until it
+                             answers a ping again
+``kvpool_dead_after_s``      a connection that hears nothing from the pool for this long is dead
+                             (default 1 s; a killed server sends no close)
 ``kvpool_staging``           ``auto`` (device KV caches go through a host staging area, host
                              caches are registered directly) or ``always`` (stage host caches
                              too)
@@ -43,7 +48,9 @@ Select it with::
                              scheduler asks again on a later step (Mooncake's name)
 ``save_decode_cache``        default False; True: save blocks completed while decoding too
 ``tenant_id``                Mooncake's tenant: a separate key space (else ``MOONCAKE_TENANT_ID``)
-``load_async``               refused when true: loads are synchronous here
+``load_async``               default True: loads run between steps (vLLM's asynchronous load), so
+                             a slow load delays its own request, not the batch; False: within
+                             the step that needs them
 ``preferred_segment``        refused: kvpool places blocks by its placement policy
 ===========================  ==============================================================
 
@@ -272,8 +279,9 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._worker.wait_for_save(meta)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[Optional[set[str]], Optional[set[str]]]:
-        """Nothing is ever deferred: ``request_finished`` answers False."""
-        return None, None
+        """No save defers a free (``request_finished`` answers False); requests whose
+        asynchronous loads finished."""
+        return None, (self._worker.take_received() if self._worker is not None else None)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.take_load_errors() if self._worker is not None else set()

@@ -20,6 +20,7 @@ log = logging.getLogger("kvpool.vllm")
 KNOWN = {
     "kvpool_server", "kvpool_api_key", "kvpool_api_key_file", "kvpool_fingerprint", "kvpool_ca",
     "kvpool_data_dir", "kvpool_transport", "kvpool_timeout_s", "kvpool_lookup_lease_s",
+    "kvpool_lookup_deadline_ms", "kvpool_dead_after_s",
     "kvpool_staging", "kvpool_staging_bytes", "kvpool_load_failure_policy", "kvpool_full_backoff_s",
     "store_threshold",
     "key_prefix", "model_name", "async_save", "stats_path",
@@ -57,11 +58,14 @@ class ConnectorConfig:
     lookup_lease_s: float = 10.0
     enable_lookup: bool = True
     lookup_async: bool = False
+    load_async: bool = True
     save_decode_cache: bool = False
     staging: str = "auto"
     staging_bytes: int = 256 << 20
     load_failure_policy: str = "recompute"
     full_backoff_s: float = 1.0
+    lookup_deadline_s: float = 0.05
+    dead_after_s: float = 1.0
     ignored: list[str] = field(default_factory=list)
 
     @staticmethod
@@ -102,12 +106,7 @@ class ConnectorConfig:
         c.enable_lookup = _flag(extra, "enable_lookup", True)
         c.lookup_async = _flag(extra, "lookup_async", False)
         c.save_decode_cache = _flag(extra, "save_decode_cache", False)
-        if _flag(extra, "load_async", False):
-            raise ValueError(
-                "load_async: kvpool's connector loads synchronously, within the step that needs the "
-                "blocks (a load of the pool's DRAM takes milliseconds); remove load_async or set it "
-                "to false"
-            )
+        c.load_async = _flag(extra, "load_async", True)
         if extra.get("preferred_segment"):
             raise ValueError(
                 "preferred_segment: kvpool has no per-engine segments to prefer; the server's "
@@ -120,6 +119,12 @@ class ConnectorConfig:
         c.load_failure_policy = str(extra.get("kvpool_load_failure_policy", "recompute"))
         if c.load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kvpool_load_failure_policy must be recompute or fail")
+        c.lookup_deadline_s = float(extra.get("kvpool_lookup_deadline_ms", 50)) / 1e3
+        if not 0 < c.lookup_deadline_s <= 60:
+            raise ValueError("kvpool_lookup_deadline_ms must be in (0, 60000]")
+        c.dead_after_s = float(extra.get("kvpool_dead_after_s", 1.0))
+        if not 0.1 <= c.dead_after_s <= 3600:
+            raise ValueError("kvpool_dead_after_s must be in [0.1, 3600]")
         c.full_backoff_s = float(extra.get("kvpool_full_backoff_s", 1.0))
         if c.full_backoff_s < 0:
             raise ValueError("kvpool_full_backoff_s must not be negative")
@@ -139,4 +144,5 @@ class ConnectorConfig:
             transport=self.transport,
             timeout=self.timeout_s,
             client_name=name,
+            dead_after=self.dead_after_s,
         )

@@ -18,6 +18,9 @@ class LoadJob:
     positions: list[int]
     hashes: list[str]
     block_ids: list[int]
+    # Loaded between steps (vLLM's asynchronous load): the request waits for it alone, and the
+    # workers report it finished through ``get_finished``.
+    asynchronous: bool = False
 
 
 @dataclass

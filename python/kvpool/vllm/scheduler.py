@@ -24,13 +24,14 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Iterable, Optional
 
 from kvpool._native import Client, KvpoolError
 from kvpool.vllm.config import ConnectorConfig
+from kvpool.vllm.events import KvEvents
+from kvpool.vllm.health import Pool, PoolDown
 from kvpool.vllm.keys import KeyLayout, hash_hex
 from kvpool.vllm.metadata import KVPoolConnectorMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
 from kvpool.vllm.stats import KVPoolConnectorStats, dump
@@ -72,6 +73,9 @@ class _Req:
     block_ids: list[int]
     saved: int  # leading blocks saved, being saved, or already there (loaded, computed locally)
     prefill_end: int  # tokens this prefill computes: the prompt, or all tokens of a resume
+    # An asynchronous load was counted for it: vLLM calls update_state_after_alloc once more
+    # when it is done, which must not start the record again.
+    loading: bool = False
 
 
 @dataclass
@@ -97,7 +101,6 @@ class Scheduler:
         role: str,
         num_workers: int,
         kv_events: bool,
-        client: Optional[Client] = None,
     ) -> None:
         self.cfg = cfg
         self.layout = layout
@@ -106,31 +109,38 @@ class Scheduler:
         self.saves_on = role != "kv_consumer"
         self.num_workers = num_workers
         self.prefixes = layout.lookup_prefixes()
-        self.client = client if client is not None else cfg.client("kvpool-vllm-scheduler")
+        self.store = Pool(lambda: cfg.client("kvpool-vllm-scheduler"), "scheduler")
         self.pool: Optional["BlockPool"] = None
         self.local: dict[str, int] = {}
         self.looked: dict[str, _Looked] = {}
+        # What the pool had of a request's chain when nothing was to be loaded from it.
+        self.resident: dict[str, int] = {}
         self.lookups: dict[str, Future[tuple[int, list[int]]]] = {}
         self.pending: dict[str, _Load] = {}
         self.reqs: dict[str, _Req] = {}
         self.jobs: dict[int, _Job] = {}
         self.next_job = 0
-        # Network calls that nothing waits for (releases) and async lookups run here.
+        # Async lookups run here.
         self.bg = ThreadPoolExecutor(2, thread_name_prefix="kvpool-sched")
         self.stats = KVPoolConnectorStats()
         self.lock = threading.Lock()
-        self.totals = {"lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "lookup_errors": 0}
-        self.events = _Events(self) if kv_events else None
+        self.totals = {"lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "lookup_errors": 0,
+                       "lookups_skipped": 0}
+        self.events = (
+            KvEvents(lambda: self.cfg.client("kvpool-vllm-events"), self.prefixes[0], self.block_size)
+            if kv_events
+            else None
+        )
 
     # ---- lookups ------------------------------------------------------------------------
 
-    def _lookup(self, hashes: list[str]) -> tuple[int, list[int]]:
+    def _lookup(self, client: Client, hashes: list[str]) -> tuple[int, list[int]]:
         """Resident leading blocks in every shard, and the holds taken on them."""
         t0 = time.perf_counter()
         resident, leases = len(hashes), []
         try:
             for p in self.prefixes:
-                n, held = self.client.lookup_lease(KeyLayout.chain(p, hashes[:resident]), self.cfg.lookup_lease_s)
+                n, held = client.lookup_lease(KeyLayout.chain(p, hashes[:resident]), self.cfg.lookup_lease_s)
                 leases.extend(held)
                 resident = min(resident, n)
                 if resident == 0:
@@ -152,6 +162,7 @@ class Scheduler:
         n_blocks = min(len(request.block_hashes), request.num_tokens // bs)
         # vLLM computes at least one token itself, so a whole-prompt hit counts one short.
         if min(n_blocks * bs, request.num_tokens - 1) <= num_computed:
+            self._learn_resident(request, n_blocks)
             return 0, False
         old = self.looked.pop(rid, None)
         if old is not None:
@@ -161,15 +172,27 @@ class Scheduler:
             if self.cfg.lookup_async:
                 fut = self.lookups.get(rid)
                 if fut is None:
-                    self.lookups[rid] = self.bg.submit(self._lookup, hashes)
+                    client = self.store.client
+                    if not self.store.up or client is None:
+                        raise PoolDown("the pool is down")
+                    self.lookups[rid] = self.bg.submit(self._lookup, client, hashes)
                     return None, False
                 if not fut.done():
                     return None, False
                 del self.lookups[rid]
                 resident, leases = fut.result()
             else:
-                resident, leases = self._lookup(hashes)
+                # A deadline of its own: past it the request is computed here, and the pool is
+                # marked down until it answers a ping again.
+                resident, leases = self.store.call(lambda c: self._lookup(c, hashes), self.cfg.lookup_deadline_s)
+        except PoolDown as e:
+            self.totals["lookups_skipped"] += 1
+            if e.late is not None:
+                e.late.add_done_callback(self._release_late)
+            return 0, False
         except KvpoolError as e:
+            if e.code in ("unavailable", "timeout"):  # type: ignore[attr-defined]
+                self.store.down(str(e))
             self.totals["lookup_errors"] += 1
             log.warning("kvpool lookup failed, computing request %s locally: %s", rid, e)
             return 0, False
@@ -180,17 +203,39 @@ class Scheduler:
         hit = min(resident * bs, request.num_tokens - 1)
         if hit <= num_computed:
             self._release(leases)
+            self.resident[rid] = resident
             return 0, False
         self.looked[rid] = _Looked(resident, num_computed, leases)
-        return hit - num_computed, False
+        return hit - num_computed, self.cfg.load_async
+
+    def _learn_resident(self, request: "Request", n_blocks: int) -> None:
+        """vLLM's own cache has everything the pool could give: ask (without a hold) what the
+        pool still has, so that blocks it lost since this engine stored them (evicted, or a
+        restart) are stored again from this engine's copies."""
+        if not self.saves_on or n_blocks == 0 or not self.store.up:
+            return
+        chain = KeyLayout.chain(self.prefixes[0], [hash_hex(h) for h in request.block_hashes[:n_blocks]])
+        try:
+            self.resident[request.request_id] = self.store.call(lambda c: c.lookup(chain), self.cfg.lookup_deadline_s)
+        except (PoolDown, KvpoolError) as e:
+            log.debug("kvpool: %s", e)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external: int) -> None:
         rid = request.request_id
         bs = self.block_size
+        block_ids = list(blocks.get_block_ids()[0])
+        t = self.reqs.get(rid)
+        if t is not None and t.loading and num_external == 0 and rid not in self.local:
+            # The second call of an asynchronous load, once its blocks are in: more blocks for
+            # the rest of the prompt, nothing to start again.
+            t.block_ids = block_ids
+            t.loading = False
+            return
         local = self.local.pop(rid, 0)
         looked = self.looked.pop(rid, None)
-        block_ids = list(blocks.get_block_ids()[0])
-        saved = local // bs
+        # Blocks vLLM had computed before are saved again only where the pool lacks them.
+        in_pool = self.resident.pop(rid, None)
+        saved = local // bs if in_pool is None else min(local // bs, in_pool)
         old = self.pending.pop(rid, None)
         if old is not None:
             self._release(old.leases)
@@ -205,7 +250,8 @@ class Scheduler:
             saved = end
         elif looked is not None:
             self._release(looked.leases)
-        self.reqs[rid] = _Req(request, block_ids, saved, request.num_tokens)
+        self.reqs[rid] = _Req(request, block_ids, saved, request.num_tokens,
+                              loading=self.cfg.load_async and rid in self.pending)
 
     # ---- each step ----------------------------------------------------------------------
 
@@ -247,6 +293,9 @@ class Scheduler:
             if rid in cached.resumed_req_ids:
                 self._issue_load(meta, rid, t)
             self._schedule_save(meta, t, cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(rid, 0))
+        # Asynchronous loads: their requests wait (WAITING_FOR_REMOTE_KVS), not scheduled.
+        for rid in [r for r, t in self.reqs.items() if t.loading and r in self.pending]:
+            self._issue_load(meta, rid, self.reqs[rid], asynchronous=True)
         self._take_jobs(meta)
         return meta
 
@@ -259,14 +308,14 @@ class Scheduler:
             if ids is not None:
                 t.block_ids = list(ids[0])
 
-    def _issue_load(self, meta: KVPoolConnectorMetadata, rid: str, t: _Req) -> None:
+    def _issue_load(self, meta: KVPoolConnectorMetadata, rid: str, t: _Req, asynchronous: bool = False) -> None:
         load = self.pending.pop(rid, None)
         if load is None:
             return
         # Null blocks stand for positions a sliding window no longer needs: nothing to load there.
         positions = [b for b in range(load.first, min(load.end, len(t.block_ids))) if t.block_ids[b] != NULL_BLOCK]
         hashes = [hash_hex(t.request.block_hashes[b]) for b in positions]
-        job = LoadJob(self._job_id(), rid, positions, hashes, [t.block_ids[b] for b in positions])
+        job = LoadJob(self._job_id(), rid, positions, hashes, [t.block_ids[b] for b in positions], asynchronous)
         meta.loads.append(job)
         self.jobs[job.job] = _Job(self.num_workers, leases=load.leases)
 
@@ -355,13 +404,14 @@ class Scheduler:
     def _forget(self, rid: str) -> None:
         self.reqs.pop(rid, None)
         self.local.pop(rid, None)
+        self.resident.pop(rid, None)
         for d in (self.looked, self.pending):
             x = d.pop(rid, None)
             if x is not None:
                 self._release(x.leases)
         fut = self.lookups.pop(rid, None)
         if fut is not None:
-            fut.add_done_callback(lambda f: f.exception() is None and self._release(f.result()[1]))
+            fut.add_done_callback(self._release_late)
 
     def request_finished(self, request: "Request") -> tuple[bool, Optional[dict[str, Any]]]:
         self._forget(request.request_id)
@@ -379,8 +429,8 @@ class Scheduler:
             if job.save is not None:
                 job.reset_after = True
         try:
-            removed, kept = self.client.remove_matching(self.layout.model_prefix, force=True)
-        except KvpoolError as e:
+            removed, kept = self.store.call(lambda c: c.remove_matching(self.layout.model_prefix, force=True))
+        except (KvpoolError, PoolDown) as e:
             log.error("kvpool: reset of %s* failed: %s", self.layout.model_prefix, e)
             return False
         log.info("kvpool: reset dropped %d blocks of %s*", removed, self.layout.model_prefix)
@@ -390,25 +440,30 @@ class Scheduler:
 
     def _drop_keys(self, hashes: list[str]) -> None:
         keys = [k for p in self.prefixes for k in KeyLayout.chain(p, hashes)]
-        self.bg.submit(self._quietly, lambda: self.client.remove(keys, force=True))
+        self.store.background(lambda c: c.remove(keys, force=True))
 
     def _release(self, leases: Iterable[int]) -> None:
+        """End holds, off the scheduler's thread. A hold that already ended answers `expired`;
+        holds on a pool that went away went with its connection: nothing to undo either way."""
         leases = list(leases)
         if leases:
-            self.bg.submit(self._quietly, lambda: [self.client.release(x) for x in leases])
+            self.store.background(lambda c: [self._quietly(c.release, x) for x in leases])
+
+    def _release_late(self, fut: "Future[tuple[int, list[int]]]") -> None:
+        if fut.exception() is None:
+            self._release(fut.result()[1])
 
     @staticmethod
-    def _quietly(f: Any) -> None:
+    def _quietly(f: Any, *args: Any) -> None:
         try:
-            f()
+            f(*args)
         except KvpoolError as e:
-            # A hold that ended by itself, or a pool that went away: nothing to undo.
             log.debug("kvpool: %s", e)
 
     # ---- telemetry ----------------------------------------------------------------------
 
     def counters(self) -> dict[str, Any]:
-        return dict(self.totals)
+        return {**self.totals, **self.store.counters}
 
     def take_stats(self) -> Optional[KVPoolConnectorStats]:
         with self.lock:
@@ -424,102 +479,4 @@ class Scheduler:
         if self.events is not None:
             self.events.close()
         self.bg.shutdown(wait=True)
-        self.client.close()
-
-
-class _Events:
-    """vLLM's KV events for blocks in the pool, so that KV-aware routing sees them: ``BlockStored``
-    when this engine's save of a block is done, ``BlockRemoved`` when the pool lets that block go
-    (removed or evicted from its last tier), and ``AllBlocksCleared`` after a reset. Removals come
-    from the pool's own event stream (``subscribe``), followed on a thread of its own."""
-
-    def __init__(self, sched: Scheduler) -> None:
-        from vllm.distributed.kv_events import MEDIUM_CPU
-
-        self.sched = sched
-        self.medium = MEDIUM_CPU
-        self.tokens: dict[int, tuple[list[list[int]], Optional[str]]] = {}
-        self.lock = threading.Lock()
-        self.out: deque[Any] = deque()
-        # Announced blocks (by hash) and the pool tiers that hold them ("dram", "ssd").
-        self.announced: dict[str, set[str]] = {}
-        self.watch = sched.prefixes[0] + "@"
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._follow, name="kvpool-events", daemon=True)
-        self.thread.start()
-
-    def saved(self, job: SaveJob, failed: set[int]) -> None:
-        from vllm.distributed.kv_events import BlockStored
-
-        tokens, lora = self.tokens.pop(job.job, ([], None))
-        with self.lock:
-            for i, pos in enumerate(job.positions):
-                if pos in failed:
-                    continue
-                # A save lands in DRAM (or was there already: then its tiers are a guess).
-                self.announced.setdefault(job.hashes[i], set()).add("dram")
-                self.out.append(
-                    BlockStored(
-                        block_hashes=[bytes.fromhex(job.hashes[i])],
-                        parent_block_hash=bytes.fromhex(job.parents[i]) if job.parents[i] else None,
-                        token_ids=tokens[i] if i < len(tokens) else [],
-                        block_size=self.sched.block_size,
-                        lora_id=None,
-                        medium=self.medium,
-                        lora_name=lora,
-                    )
-                )
-
-    def cleared(self) -> None:
-        from vllm.distributed.kv_events import AllBlocksCleared
-
-        with self.lock:
-            self.announced.clear()
-            self.out.append(AllBlocksCleared())
-
-    def take(self) -> list[Any]:
-        with self.lock:
-            out = list(self.out)
-            self.out.clear()
-        return out
-
-    def _follow(self) -> None:
-        from vllm.distributed.kv_events import BlockRemoved
-
-        backoff = 0.2
-        while not self.stop.is_set():
-            client = None
-            try:
-                client = self.sched.cfg.client("kvpool-vllm-events")
-                sub = client.subscribe()
-                backoff = 0.2
-                while not self.stop.is_set():
-                    batch = sub.next(0.5)
-                    if not batch:
-                        continue
-                    for e in batch["events"]:
-                        key = bytes(e["key"]).decode("utf-8", "replace")
-                        if not key.startswith(self.watch):
-                            continue
-                        h = key[len(self.watch) :]
-                        with self.lock:
-                            tiers = self.announced.get(h)
-                            if tiers is None:
-                                continue
-                            if e["kind"] == "stored":
-                                tiers.add(e["tier"])
-                                continue
-                            tiers.discard(e["tier"])
-                            if e["kind"] == "removed" or not tiers:
-                                del self.announced[h]
-                                self.out.append(BlockRemoved(block_hashes=[bytes.fromhex(h)], medium=self.medium))
-            except KvpoolError as e:
-                log.debug("kvpool events: %s; following again in %.1f s", e, backoff)
-                self.stop.wait(backoff)
-                backoff = min(backoff * 2, 5.0)
-            finally:
-                if client is not None:
-                    client.close()
-
-    def close(self) -> None:
-        self.stop.set()
+        self.store.close()

@@ -212,12 +212,15 @@ class StagedMover(Mover):
             # Memory shared with a same-host server: it copies straight into the area.
             self.buffer = client.alloc_buffer(size)
             flat = torch.frombuffer(self.buffer, dtype=torch.uint8)
+            pinned = False
         except KvpoolError:
-            flat = torch.empty(size, dtype=torch.uint8)
+            # A server on another host: ordinary memory, page-locked by torch where it can.
+            pinned = self.device.type == "cuda"
+            flat = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
         self.host = flat.view(2 * self.half, len(pieces), self.piece)
         self.base = self.host.data_ptr()
         self.client.register(self.base, size)
-        self.pinned = self.ops.pin(self.base, size)
+        self.pinned = pinned or self.ops.pin(self.base, size)
         self.xfer = ThreadPoolExecutor(1, thread_name_prefix="kvpool-stage")
         log.info("kvpool: staging %d blocks of %d bytes through %s host memory (%s)", 2 * self.half,
                  self.block_bytes, "pinned" if self.pinned else "pageable", self.device)
