@@ -5,7 +5,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use kvpool_client::proto::{EventScope, PolicyInfo, PolicyKind};
 use kvpool_client::{
     read_key_file, Client, ClientConfig, ClientError, ClusterClient, EndpointInfo, ErrorCode, PinSpec, PutEntry,
-    PutMode, PutOptions, StatsReport, SubscribeOptions, Trust,
+    PutMode, PutOptions, ServerRole, StatsReport, SubscribeOptions, Trust,
 };
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -49,7 +49,8 @@ struct Cli {
     #[arg(long, env = "KVPOOL_TIMEOUT", default_value_t = 30, global = true)]
     timeout: u64,
     /// The server is a cluster master: put, get, lookup, exists and rm go to the storage nodes it
-    /// names
+    /// names. Not needed: the CLI asks the server what it is (one round trip) and routes through
+    /// a master by itself; kept so that scripts that pass it keep working
     #[arg(long, global = true)]
     cluster: bool,
     /// Find the cluster's leading master in etcd (http://host:port, comma-separated); implies
@@ -422,28 +423,31 @@ async fn run(cli: Cli) -> Outcome {
         Cmd::Stats { .. } | Cmd::Ping { .. } | Cmd::Policy { .. } | Cmd::Events { .. } | Cmd::Nodes { .. } => {}
     }
     let cfg = client_config(&cli)?;
-    if cli.cluster || cli.etcd.is_some() {
-        let cc = match &cli.etcd {
-            Some(e) => ClusterClient::connect_etcd(e, &cli.etcd_prefix, cfg).await?,
-            None => ClusterClient::connect(cfg).await?,
-        };
-        let result = match &cli.cmd {
-            Cmd::Put { .. }
-            | Cmd::Get { .. }
-            | Cmd::Lookup { .. }
-            | Cmd::Exists { .. }
-            | Cmd::Rm { all: false, .. } => cluster_command(&cli, &cc).await,
-            Cmd::Rm { all: true, .. } => Err(Failure::usage("rm --all is not offered on a cluster; name the keys")),
-            Cmd::Policy { cmd } => cluster_policy(cmd, &cc).await,
-            Cmd::Stats { json } => cluster_stats(*json, &cc).await,
-            _ => command(&cli, &cc.master()).await,
-        };
-        cc.master().close().await;
-        return result;
-    }
-    let client = Client::connect(cfg).await?;
-    let result = command(&cli, &client).await;
-    client.close().await;
+    let cc = match &cli.etcd {
+        Some(e) => ClusterClient::connect_etcd(e, &cli.etcd_prefix, cfg).await?,
+        None if cli.cluster => ClusterClient::connect(cfg).await?,
+        None => {
+            let client = Client::connect(cfg).await?;
+            // Only the block, policy and stats commands differ on a cluster.
+            let differs = !matches!(cli.cmd, Cmd::Ping { .. } | Cmd::Events { .. } | Cmd::Nodes { .. });
+            if !differs || client.role().await? == ServerRole::Server {
+                let result = command(&cli, &client).await;
+                client.close().await;
+                return result;
+            }
+            ClusterClient::from_master(client)
+        }
+    };
+    let result = match &cli.cmd {
+        Cmd::Put { .. } | Cmd::Get { .. } | Cmd::Lookup { .. } | Cmd::Exists { .. } | Cmd::Rm { all: false, .. } => {
+            cluster_command(&cli, &cc).await
+        }
+        Cmd::Rm { all: true, .. } => Err(Failure::usage("rm --all is not offered on a cluster; name the keys")),
+        Cmd::Policy { cmd } => cluster_policy(cmd, &cc).await,
+        Cmd::Stats { json } => cluster_stats(*json, &cc).await,
+        _ => command(&cli, &cc.master()).await,
+    };
+    cc.master().close().await;
     result
 }
 

@@ -11,12 +11,29 @@ use std::future::Future;
 use std::sync::Arc;
 use std::time::Duration;
 
-/// A blocking connection to a kvpool server. Cheap to clone; clones share the connection.
+/// A blocking connection to a kvpool pool: a server that holds blocks, or a cluster master
+/// (found out at connect, [`crate::Client::role`]; then the block calls go through the master
+/// to the storage nodes, as [`crate::ClusterClient`]'s). Cheap to clone; clones share the
+/// connection.
 #[derive(Clone)]
 pub struct Client {
     // Dropped before the runtime it runs on.
     inner: crate::Client,
+    cluster: Option<crate::ClusterClient>,
     rt: Arc<tokio::runtime::Runtime>,
+}
+
+/// A call on the cluster when there is one, else on the server.
+macro_rules! routed {
+    ($self:ident, $cc:ident => $on_cluster:expr, $c:ident => $on_server:expr) => {
+        match &$self.cluster {
+            Some($cc) => $self.run($on_cluster),
+            None => {
+                let $c = &$self.inner;
+                $self.run($on_server)
+            }
+        }
+    };
 }
 
 impl std::fmt::Debug for Client {
@@ -26,16 +43,38 @@ impl std::fmt::Debug for Client {
 }
 
 impl Client {
-    /// Connect (see [`crate::Client::connect`]). Must not be called from inside an async runtime.
+    /// Connect (see [`crate::Client::connect`]), and ask the server what it is: a cluster
+    /// master is routed through. Must not be called from inside an async runtime.
     pub fn connect(cfg: ClientConfig) -> Result<Client> {
-        let rt = tokio::runtime::Builder::new_multi_thread()
-            .worker_threads(2)
-            .thread_name("kvpool-client")
-            .enable_all()
-            .build()
-            .map_err(|e| crate::ClientError::Io(format!("cannot start the client runtime: {e}")))?;
-        let inner = rt.block_on(crate::Client::connect(cfg))?;
-        Ok(Client { inner, rt: Arc::new(rt) })
+        let rt = runtime()?;
+        let (inner, cluster) = rt.block_on(async {
+            let inner = crate::Client::connect(cfg).await?;
+            let cluster = match inner.role().await? {
+                crate::ServerRole::Master => Some(crate::ClusterClient::from_master(inner.clone())),
+                crate::ServerRole::Server => None,
+            };
+            Ok::<_, crate::ClientError>((inner, cluster))
+        })?;
+        Ok(Client { inner, cluster, rt: Arc::new(rt) })
+    }
+
+    /// Connect to the cluster whose leading master etcd names (see
+    /// [`crate::ClusterClient::connect_etcd`]).
+    pub fn connect_etcd(endpoints: &str, prefix: &str, template: ClientConfig) -> Result<Client> {
+        let rt = runtime()?;
+        let cc = rt.block_on(crate::ClusterClient::connect_etcd(endpoints, prefix, template))?;
+        Ok(Client { inner: cc.master(), cluster: Some(cc), rt: Arc::new(rt) })
+    }
+
+    /// Whether block calls go through a cluster master.
+    pub fn is_cluster(&self) -> bool {
+        self.cluster.is_some()
+    }
+
+    /// The connection requests that are not about blocks go to: the server, or the master
+    /// (with etcd, the current leader).
+    fn control(&self) -> crate::Client {
+        self.cluster.as_ref().map_or_else(|| self.inner.clone(), |c| c.master())
     }
 
     fn run<T>(&self, fut: impl Future<Output = T>) -> T {
@@ -73,52 +112,82 @@ impl Client {
     }
 
     pub fn put(&self, key: impl AsRef<[u8]>, value: &[u8]) -> Result<()> {
-        self.run(self.inner.put(key, value))
+        self.put_with(key, value, PutOptions::default())
     }
     pub fn put_with(&self, key: impl AsRef<[u8]>, value: &[u8], opts: PutOptions) -> Result<()> {
-        self.run(self.inner.put_with(key, value, opts))
+        self.put_one(key.as_ref(), value, opts, PutMode::Insert)
     }
     pub fn upsert(&self, key: impl AsRef<[u8]>, value: &[u8]) -> Result<()> {
-        self.run(self.inner.upsert(key, value))
+        self.upsert_with(key, value, PutOptions::default())
     }
     pub fn upsert_with(&self, key: impl AsRef<[u8]>, value: &[u8], opts: PutOptions) -> Result<()> {
-        self.run(self.inner.upsert_with(key, value, opts))
+        self.put_one(key.as_ref(), value, opts, PutMode::Upsert)
     }
+    fn put_one(&self, key: &[u8], value: &[u8], opts: PutOptions, mode: PutMode) -> Result<()> {
+        let Some(cc) = &self.cluster else {
+            return match mode {
+                PutMode::Insert => self.run(self.inner.put_with(key, value, opts)),
+                PutMode::Upsert => self.run(self.inner.upsert_with(key, value, opts)),
+            };
+        };
+        let codes = self.run(cc.put_batch(&[PutEntry { key, value, opts }], mode, 1))?;
+        match codes.first() {
+            Some(ErrorCode::Ok) => Ok(()),
+            Some(&code) => Err(crate::ClientError::status(code, "put")),
+            None => Err(crate::ClientError::Protocol("a put of one block answered nothing".into())),
+        }
+    }
+    /// Put blocks; on a cluster, one copy each on the node the master places it on.
     pub fn put_batch(&self, entries: &[PutEntry<'_>], mode: PutMode) -> Result<Vec<ErrorCode>> {
-        self.run(self.inner.put_batch(entries, mode))
+        routed!(self, cc => cc.put_batch(entries, mode, 1), c => c.put_batch(entries, mode))
     }
     pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
-        self.run(self.inner.get(key))
+        routed!(self, cc => cc.get(key), c => c.get(key))
     }
     pub fn get_batch<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<GetResult>> {
-        self.run(self.inner.get_batch(keys))
+        routed!(self, cc => cc.get_batch(keys), c => c.get_batch(keys))
     }
     pub fn get_into(&self, key: impl AsRef<[u8]>, buf: &mut [u8]) -> Result<Option<usize>> {
-        self.run(self.inner.get_into(key, buf))
+        let Some(cc) = &self.cluster else { return self.run(self.inner.get_into(key, buf)) };
+        let r = self.run(cc.get_batch_into(&[key.as_ref()], &mut [buf]))?.pop();
+        match r.map(|r| (r.status, r.size)) {
+            Some((ErrorCode::Ok, n)) => Ok(Some(n as usize)),
+            Some((ErrorCode::NotFound, _)) => Ok(None),
+            Some((code, _)) => Err(crate::ClientError::status(code, "get")),
+            None => Err(crate::ClientError::Protocol("a get of one block answered nothing".into())),
+        }
     }
     pub fn get_batch_into<K: AsRef<[u8]>>(&self, keys: &[K], bufs: &mut [&mut [u8]]) -> Result<Vec<GetIntoResult>> {
-        self.run(self.inner.get_batch_into(keys, bufs))
+        routed!(self, cc => cc.get_batch_into(keys, bufs), c => c.get_batch_into(keys, bufs))
     }
     pub fn lookup<K: AsRef<[u8]>>(&self, chain: &[K]) -> Result<usize> {
-        self.run(self.inner.lookup(chain))
+        routed!(self, cc => cc.lookup(chain), c => c.lookup(chain))
     }
     pub fn exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>> {
-        self.run(self.inner.exists(keys))
+        routed!(self, cc => cc.exists(keys), c => c.exists(keys))
     }
     pub fn remove(&self, key: impl AsRef<[u8]>, force: bool) -> Result<()> {
-        self.run(self.inner.remove(key, force))
+        let Some(cc) = &self.cluster else { return self.run(self.inner.remove(key, force)) };
+        match self.run(cc.remove_batch(&[key.as_ref()], force))?.first() {
+            Some(ErrorCode::Ok) => Ok(()),
+            Some(&code) => Err(crate::ClientError::status(code, "remove")),
+            None => Err(crate::ClientError::Protocol("a remove of one block answered nothing".into())),
+        }
     }
     pub fn remove_batch<K: AsRef<[u8]>>(&self, keys: &[K], force: bool) -> Result<Vec<ErrorCode>> {
-        self.run(self.inner.remove_batch(keys, force))
+        routed!(self, cc => cc.remove_batch(keys, force), c => c.remove_batch(keys, force))
     }
+    /// Remove every block of this tenant (on a cluster: on every live storage node, summed).
     pub fn remove_all(&self, force: bool) -> Result<RemoveAllResponse> {
-        self.run(self.inner.remove_all(force))
+        routed!(self, cc => cc.remove_all(force), c => c.remove_all(force))
     }
+    /// The server's statistics (on a cluster: the master's, which holds no blocks; per node
+    /// statistics come from [`crate::ClusterClient::stats`]).
     pub fn stats(&self) -> Result<StatsReport> {
-        self.run(self.inner.stats())
+        self.run(self.control().stats())
     }
     pub fn ping(&self) -> Result<Duration> {
-        self.run(self.inner.ping())
+        self.run(self.control().ping())
     }
 
     pub fn alloc_buffer(&self, len: usize) -> Result<Buffer> {
@@ -126,37 +195,60 @@ impl Client {
         let _guard = self.rt.enter();
         self.inner.alloc_buffer(len)
     }
+    /// Put blocks whose values are in buffers (on a cluster their bytes go to the nodes over
+    /// the network).
     pub fn put_from_batch<K: AsRef<[u8]>>(
         &self,
         entries: &[(K, BufSlice<'_>, PutOptions)],
         mode: PutMode,
     ) -> Result<Vec<ErrorCode>> {
-        self.run(self.inner.put_from_batch(entries, mode))
+        let Some(cc) = &self.cluster else { return self.run(self.inner.put_from_batch(entries, mode)) };
+        let puts: Vec<PutEntry<'_>> =
+            entries.iter().map(|(k, s, o)| PutEntry { key: k.as_ref(), value: s.bytes(), opts: o.clone() }).collect();
+        self.run(cc.put_batch(&puts, mode, 1))
     }
     pub fn get_into_batch<K: AsRef<[u8]>>(&self, keys: &[K], dests: &[BufSlice<'_>]) -> Result<Vec<GetIntoResult>> {
-        self.run(self.inner.get_into_batch(keys, dests))
+        let Some(cc) = &self.cluster else { return self.run(self.inner.get_into_batch(keys, dests)) };
+        if keys.len() != dests.len() {
+            return Err(crate::ClientError::Config(format!("{} keys but {} destinations", keys.len(), dests.len())));
+        }
+        // SAFETY: as in `crate::Client::get_into_batch`: distinct parts of buffers this call
+        // borrows, which nothing else touches while it runs.
+        let mut bufs: Vec<&mut [u8]> = dests.iter().map(|d| unsafe { d.bytes_mut() }).collect();
+        self.run(cc.get_batch_into(keys, &mut bufs))
     }
 
     /// Locate blocks and lease them in place (sizes, tiers, checksums); end with [`Self::release`].
+    /// Not offered through a cluster master (`unsupported`).
     pub fn get_locate<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Located> {
+        if self.cluster.is_some() {
+            return Err(crate::ClientError::status(
+                ErrorCode::Unsupported,
+                "locating blocks in place is not offered through a cluster master",
+            ));
+        }
         self.run(self.inner.get_locate(keys))
     }
     /// End a lease of [`Self::get_locate`] or [`Self::lookup_lease`].
     pub fn release(&self, lease: u64) -> Result<()> {
         self.run(self.inner.release(lease))
     }
-    /// See [`crate::Client::lookup_lease`].
+    /// See [`crate::Client::lookup_lease`]. On a cluster it counts as [`Self::lookup`] does
+    /// and holds nothing (lease 0): a block that goes before it is read is a miss, which a
+    /// connector recovers from by computing it.
     pub fn lookup_lease<K: AsRef<[u8]>>(&self, chain: &[K], ttl: Duration) -> Result<crate::LookupLease> {
-        self.run(self.inner.lookup_lease(chain, ttl))
+        let Some(cc) = &self.cluster else { return self.run(self.inner.lookup_lease(chain, ttl)) };
+        let resident = self.run(cc.lookup(chain))?;
+        Ok(crate::LookupLease { resident, lease: 0, lease_ms: 0 })
     }
-    /// See [`crate::Client::remove_matching`].
+    /// See [`crate::Client::remove_matching`] (on a cluster: on every live storage node).
     pub fn remove_matching(
         &self,
         prefix: impl AsRef<[u8]>,
         pattern: Option<&str>,
         force: bool,
     ) -> Result<RemoveAllResponse> {
-        self.run(self.inner.remove_matching(prefix, pattern, force))
+        routed!(self, cc => cc.remove_matching(prefix, pattern, force), c => c.remove_matching(prefix, pattern, force))
     }
 
     pub fn policy_load(
@@ -166,20 +258,29 @@ impl Client {
         params: &[(String, String)],
         wasm: &[u8],
     ) -> Result<PolicyInfo> {
-        self.run(self.inner.policy_load(kind, name, params, wasm))
+        self.run(self.control().policy_load(kind, name, params, wasm))
     }
     /// Follow the pool's KV events (see [`crate::Client::subscribe`]).
     pub fn subscribe(&self, opts: crate::SubscribeOptions) -> Result<Subscription> {
-        let inner = self.run(self.inner.subscribe(opts))?;
+        let inner = self.run(self.control().subscribe(opts))?;
         Ok(Subscription { inner, rt: self.rt.clone() })
     }
 
     pub fn policy_list(&self) -> Result<Vec<PolicyInfo>> {
-        self.run(self.inner.policy_list())
+        self.run(self.control().policy_list())
     }
     pub fn policy_rollback(&self, kind: PolicyKind) -> Result<PolicyInfo> {
-        self.run(self.inner.policy_rollback(kind))
+        self.run(self.control().policy_rollback(kind))
     }
+}
+
+fn runtime() -> Result<tokio::runtime::Runtime> {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .thread_name("kvpool-client")
+        .enable_all()
+        .build()
+        .map_err(|e| crate::ClientError::Io(format!("cannot start the client runtime: {e}")))
 }
 
 /// A blocking [`crate::Subscription`].

@@ -6,7 +6,7 @@ use crate::{unexpected, Client, ClientConfig, GetResult, PutEntry, Result, Trust
 use futures_util::future::join_all;
 use kvpool_proto::{
     ErrorCode, KeysRequest, NodeAddr, NodeInfo, NodeJoinRequest, NodeJoined, NodeReportRequest, PlaceRequest,
-    PolicyInfo, PolicyKind, PutItem, PutMode, Request, Response, Routes,
+    PolicyInfo, PolicyKind, PutItem, PutMode, RemoveAllResponse, Request, Response, Routes,
 };
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
@@ -40,6 +40,18 @@ impl Client {
         }
     }
 
+    /// What this server is: a cluster master answers `Nodes` (a standby master answers
+    /// `not-leader`); a standalone server or a storage node answers `unsupported`, as does
+    /// any server on a version 1 connection. One round trip.
+    pub async fn role(&self) -> Result<ServerRole> {
+        match self.nodes().await {
+            Ok(_) => Ok(ServerRole::Master),
+            Err(e) if e.code() == ErrorCode::NotLeader => Ok(ServerRole::Master),
+            Err(e) if e.code() == ErrorCode::Unsupported => Ok(ServerRole::Server),
+            Err(e) => Err(e),
+        }
+    }
+
     /// Which live storage nodes hold each key (best first).
     pub async fn route<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Routes> {
         self.check_keys(keys.iter().map(|k| k.as_ref()))?;
@@ -62,6 +74,15 @@ fn routes(resp: Response, n: usize) -> Result<Routes> {
         }
         other => Err(unexpected("Routes", &other)),
     }
+}
+
+/// What a server is to its clients (see [`Client::role`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerRole {
+    /// It holds blocks and serves them itself.
+    Server,
+    /// A cluster master: blocks are on the storage nodes it names ([`ClusterClient`]).
+    Master,
 }
 
 // ---- the cluster client ----------------------------------------------------------------------
@@ -111,6 +132,19 @@ impl ClusterClient {
             nodes: Arc::default(),
             template,
         })
+    }
+
+    /// A cluster client over an open connection to a master (say, one [`Client::role`] found
+    /// to be a master); storage nodes are reached with the settings that connection was made
+    /// with.
+    pub fn from_master(master: Client) -> ClusterClient {
+        let template = master.config().clone();
+        ClusterClient {
+            master: Arc::new(std::sync::RwLock::new(master)),
+            at: MasterAt::Fixed,
+            nodes: Arc::default(),
+            template,
+        }
     }
 
     /// Connect to the leading master of the cluster under `prefix` in etcd (`endpoints`:
@@ -415,6 +449,54 @@ impl ClusterClient {
         Ok(self.route(keys).await?.items.iter().map(|n| !n.is_empty()).collect())
     }
 
+    /// [`ClusterClient::get_batch`] into the caller's buffers (`bufs[i]` for `keys[i]`); a value
+    /// larger than its buffer is `ValueTooLarge`, as with [`Client::get_batch_into`].
+    pub async fn get_batch_into<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<crate::GetIntoResult>> {
+        if keys.len() != bufs.len() {
+            return Err(crate::ClientError::Config(format!("{} keys but {} buffers", keys.len(), bufs.len())));
+        }
+        let got = self.get_batch(keys).await?;
+        Ok(got
+            .into_iter()
+            .zip(bufs.iter_mut())
+            .map(|(r, buf)| {
+                let size = r.value.as_ref().map_or(0, |v| v.len() as u64);
+                let status = match r.value {
+                    Some(v) if r.status == ErrorCode::Ok && v.len() <= buf.len() => {
+                        buf[..v.len()].copy_from_slice(&v);
+                        ErrorCode::Ok
+                    }
+                    Some(_) if r.status == ErrorCode::Ok => ErrorCode::ValueTooLarge,
+                    _ => r.status,
+                };
+                crate::GetIntoResult { status, size, tier: r.tier, lease_ms: r.lease_ms }
+            })
+            .collect())
+    }
+
+    /// Remove every block of this tenant on every live storage node: the sums of what each
+    /// removed and kept (leased). A node that fails fails the call (what others removed stays
+    /// removed).
+    pub async fn remove_all(&self, force: bool) -> Result<RemoveAllResponse> {
+        sum(self.on_every_node(|c| async move { c.remove_all(force).await }).await?)
+    }
+
+    /// [`Client::remove_matching`] on every live storage node, summed as
+    /// [`ClusterClient::remove_all`].
+    pub async fn remove_matching(
+        &self,
+        prefix: impl AsRef<[u8]>,
+        pattern: Option<&str>,
+        force: bool,
+    ) -> Result<RemoveAllResponse> {
+        let prefix = prefix.as_ref();
+        sum(self.on_every_node(|c| async move { c.remove_matching(prefix, pattern, force).await }).await?)
+    }
+
     /// Remove blocks from every node that holds them. Per key: the first refusal (`Leased`, ...)
     /// when a copy stays, else `Ok` when a copy was removed, else `NotFound`.
     pub async fn remove_batch<K: AsRef<[u8]>>(&self, keys: &[K], force: bool) -> Result<Vec<ErrorCode>> {
@@ -437,6 +519,16 @@ impl ClusterClient {
         }
         Ok(status)
     }
+}
+
+fn sum(per_node: Vec<(String, Result<RemoveAllResponse>)>) -> Result<RemoveAllResponse> {
+    let mut out = RemoveAllResponse { removed: 0, skipped: 0 };
+    for (_, r) in per_node {
+        let r = r?;
+        out.removed += r.removed;
+        out.skipped += r.skipped;
+    }
+    Ok(out)
 }
 
 /// Item positions grouped by each node that `items` names for them.

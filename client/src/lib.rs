@@ -26,7 +26,7 @@ mod shm;
 mod testing;
 pub mod tls;
 
-pub use cluster::ClusterClient;
+pub use cluster::{ClusterClient, ServerRole};
 pub use config::{parse_fingerprint, read_key_file, ClientConfig, EndpointInfo, TransportChoice, Trust};
 pub use connector::LookupLease;
 pub use error::{ClientError, Result};

@@ -86,6 +86,19 @@ def load() -> dict[str, Any]:
     return cfg
 
 
+def etcd_endpoints(metadata_server: Optional[str]) -> Optional[str]:
+    """An address of Mooncake's that names etcd (``etcd://host:port[,host:port]``) -> kvpool's
+    etcd endpoints; None for ``P2PHANDSHAKE``, Mooncake's HTTP metadata server (``http://...``)
+    and plain addresses."""
+    m = (metadata_server or "").strip()
+    if not m.lower().startswith("etcd://"):
+        return None
+    hosts = [h.strip() for h in m[len("etcd://") :].split(",") if h.strip()]
+    if not hosts:
+        raise ValueError(f"metadata_server {metadata_server!r} names no etcd endpoint")
+    return ",".join(f"http://{h}" for h in hosts)
+
+
 def transport(protocol: Optional[str]) -> str:
     """Mooncake ``protocol`` -> kvpool transport. ``tcp`` serves remote and same-host clients
     alike, which in kvpool is QUIC plus shared memory on the same host; kvpool has no RDMA or
@@ -109,3 +122,18 @@ def tenant_namespace(tenant_id: Optional[str]) -> str:
     if "/" in t:
         raise ValueError(f"tenant_id {tenant_id!r} may not contain '/'")
     return f"tenant:{t}/"
+
+
+def pool_address(server: Optional[str], metadata_server: Optional[str], etcd: Optional[str]) -> tuple[Optional[str], Optional[str]]:
+    """(server, etcd endpoints) to connect to. ``etcd`` (kvpool's own setting) wins; a
+    ``master_server_address`` of ``etcd://...`` (Mooncake's HA masters) is etcd; else a plain
+    server address; and without one, a ``metadata_server`` of ``etcd://...`` names the etcd where
+    the cluster's leading master is found."""
+    if etcd:
+        return (None if server and server.lower().startswith("etcd://") else server), etcd
+    from_server = etcd_endpoints(server)
+    if from_server:
+        return None, from_server
+    if server:
+        return server, None
+    return None, etcd_endpoints(metadata_server)

@@ -45,7 +45,11 @@ class Client:
         client_name: Optional[str] = None,
         verify_shm_gets: bool = False,
         dead_after: Optional[float] = None,
+        etcd: Optional[str] = None,
+        etcd_prefix: str = "/kvpool/",
     ) -> None: ...
+    @property
+    def cluster(self) -> bool: ...
     @property
     def transport(self) -> str: ...
     @property

@@ -209,6 +209,11 @@ class MooncakeDistributedStore:
             return INVALID_PARAMS
         server = cfg.get("master_server_addr") or cfg.get("master_server_address") or None
         server = os.environ.get("KVPOOL_SERVER") or server
+        try:
+            server, etcd = mooncake_config.pool_address(server, cfg.get("metadata_server"), os.environ.get("KVPOOL_ETCD"))
+        except ValueError as e:
+            log.error("setup: %s", e)
+            return INVALID_PARAMS
         data_dir = data_dir or os.environ.get("KVPOOL_DATA_DIR")
         api_key = api_key or os.environ.get("KVPOOL_API_KEY")
         key_file = os.environ.get("KVPOOL_API_KEY_FILE")
@@ -227,6 +232,8 @@ class MooncakeDistributedStore:
                 transport=mooncake_config.transport(cfg.get("protocol", "tcp")),
                 timeout=timeout,
                 client_name="kvpool-mooncake",
+                etcd=etcd,
+                etcd_prefix=os.environ.get("KVPOOL_ETCD_PREFIX") or "/kvpool/",
             )
         except KvpoolError as e:
             log.error("setup: %s", e)

@@ -461,10 +461,13 @@ impl Client {
     /// The server verifies every block it copies into a registered buffer against the checksum
     /// taken at put; `verify_shm_gets=True` has the client hash those bytes again too, a guard
     /// against a faulty server that costs one more pass over the data.
+    /// A server that is a cluster master is routed through to its storage nodes (`cluster`);
+    /// `etcd` (`http://host:port`, comma-separated) finds the cluster's leading master there
+    /// under `etcd_prefix` instead of `server`, trusting the fingerprint it published.
     #[new]
     #[pyo3(signature = (server=None, api_key=None, *, fingerprint=None, ca_file=None, data_dir=None,
                         server_name=None, transport="auto", timeout=30.0, client_name=None,
-                        verify_shm_gets=false, dead_after=None))]
+                        verify_shm_gets=false, dead_after=None, etcd=None, etcd_prefix="/kvpool/"))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -479,6 +482,8 @@ impl Client {
         client_name: Option<String>,
         verify_shm_gets: bool,
         dead_after: Option<f64>,
+        etcd: Option<String>,
+        etcd_prefix: &str,
     ) -> PyResult<Self> {
         let trust = match (fingerprint, ca_file) {
             (Some(f), _) => Some(Trust::Fingerprint(kvpool_client::parse_fingerprint(&f).map_err(Error::from)?)),
@@ -487,6 +492,13 @@ impl Client {
         };
         let mut cfg = match data_dir {
             Some(d) => ClientConfig::from_data_dir(d).map_err(Error::from)?,
+            // The leader's address and fingerprint come from etcd.
+            None if etcd.is_some() => {
+                let Some(k) = api_key.clone() else {
+                    return Err(Error::Argument("etcd needs an api_key".into()).into());
+                };
+                ClientConfig::new(String::new(), k, Trust::Fingerprint([0; 32]))
+            }
             None => {
                 let (Some(s), Some(k), Some(t)) = (server.clone(), api_key.clone(), trust.clone()) else {
                     return Err(Error::Argument(
@@ -524,7 +536,11 @@ impl Client {
             }
             cfg.dead_after = Duration::from_secs_f64(d);
         }
-        let inner = py.detach(|| Blocking::connect(cfg)).map_err(Error::from)?;
+        let inner = match etcd {
+            Some(e) => py.detach(|| Blocking::connect_etcd(&e, etcd_prefix, cfg)),
+            None => py.detach(|| Blocking::connect(cfg)),
+        }
+        .map_err(Error::from)?;
         tracing::debug!(transport = inner.transport_in_use(), "kvpool python client connected");
         Ok(Client {
             inner,
@@ -546,6 +562,13 @@ impl Client {
     #[getter]
     fn control(&self) -> &'static str {
         self.inner.control_in_use()
+    }
+
+    /// Whether this client routes through a cluster master to its storage nodes (found out at
+    /// connect: the server was a master).
+    #[getter]
+    fn cluster(&self) -> bool {
+        self.inner.is_cluster()
     }
 
     /// The tenant the API key belongs to.
@@ -642,6 +665,18 @@ impl Client {
         Ok(py.detach(|| -> Res<Vec<_>> {
             let client = self.live()?;
             let mut out = Vec::with_capacity(ks.len());
+            if client.is_cluster() {
+                // No in-place locate through a master: the sizes of the values read.
+                for chunk in ks.chunks(self.max_batch()) {
+                    out.extend(
+                        client
+                            .get_batch(chunk)?
+                            .into_iter()
+                            .map(|r| (r.status.name(), r.value.map_or(0, |v| v.len() as u64))),
+                    );
+                }
+                return Ok(out);
+            }
             for chunk in ks.chunks(self.max_batch()) {
                 let located = client.get_locate(chunk)?;
                 if located.lease != 0 {

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -11,6 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Optional
 
 import pytest
 
@@ -45,8 +48,9 @@ def server_binary() -> Path:
 class Server:
     """A kvpool server on loopback with its own data directory."""
 
-    def __init__(self, dram: str = "256MiB", extra: tuple[str, ...] = ()) -> None:
+    def __init__(self, dram: str = "256MiB", extra: tuple[str, ...] = (), api_key: Optional[str] = None) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvpool-pytest-"))
+        self.given_key = api_key
         self.args = ["--data-dir", str(self.dir), "--metrics-listen", "off", "--dram-size", dram,
                      "--ssd-capacity", "0", *extra]
         self._spawn("127.0.0.1:0")
@@ -66,7 +70,7 @@ class Server:
         ep = json.loads((self.dir / "endpoint.json").read_text())
         self.addr: str = ep["quic_addr"]
         self.fingerprint: str = ep["fingerprint"]
-        self.api_key = (self.dir / "api-key").read_text().strip()
+        self.api_key = self.given_key or (self.dir / "api-key").read_text().strip()
 
     def kill(self) -> None:
         """SIGKILL: no close reaches the clients (a crashed or unplugged server)."""
@@ -90,6 +94,37 @@ class Server:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
+class Cluster:
+    """A cluster pool on loopback: a master and storage nodes that join it, one API key (admin)
+    accepted by all of them. Clients connect to ``master``."""
+
+    def __init__(self, nodes: int = 2, dram: str = "64MiB", etcd: Optional[str] = None) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="kvpool-pytest-cluster-"))
+        self.api_key = secrets.token_hex(16)
+        (self.dir / "cluster.key").write_text(self.api_key + "\n")
+        digest = hashlib.sha256(self.api_key.encode()).hexdigest()
+        (self.dir / "cluster.toml").write_text(
+            f'[[auth.keys]]\ntenant = "default"\nsha256 = "{digest}"\nadmin = true\n'
+            "[cluster]\nreport_ms = 50\nnode_timeout_ms = 1000\n"
+            + (f'etcd = "{etcd}"\n' if etcd else "")
+        )
+        conf = ("--config", str(self.dir / "cluster.toml"))
+        self.master = Server(dram=dram, extra=(*conf, "--role", "master", "--node-name", "m0"), api_key=self.api_key)
+        # With etcd, nodes find the leading master there.
+        find = () if etcd else ("--master", self.master.addr, "--master-fingerprint", self.master.fingerprint)
+        self.nodes = [
+            Server(dram=dram, api_key=self.api_key, extra=(
+                *conf, "--role", "storage", *find,
+                "--master-key-file", str(self.dir / "cluster.key"), "--node-name", f"s{i}"))
+            for i in range(nodes)
+        ]
+
+    def stop(self) -> None:
+        for s in (*self.nodes, self.master):
+            s.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
 def server() -> Iterator[Server]:
     s = Server()
@@ -103,3 +138,64 @@ def small_server() -> Iterator[Server]:
     s = Server(dram="4MiB")
     yield s
     s.stop()
+
+
+@pytest.fixture(scope="module")
+def cluster() -> Iterator[Cluster]:
+    c = Cluster()
+    yield c
+    c.stop()
+
+
+class Etcd:
+    """A real etcd (Debian's etcd-server, installed by ``bench/peers/setup.sh etcd``) on free
+    loopback ports."""
+
+    def __init__(self) -> None:
+        import socket
+        import urllib.request
+
+        def free() -> int:
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                return int(s.getsockname()[1])
+
+        self.dir = Path(tempfile.mkdtemp(prefix="kvpool-pytest-etcd-"))
+        client, peer = free(), free()
+        self.url = f"http://127.0.0.1:{client}"
+        peer_url = f"http://127.0.0.1:{peer}"
+        self.log = open(self.dir / "etcd.log", "ab")
+        self.proc = subprocess.Popen(
+            ["etcd", "--data-dir", str(self.dir / "data"), "--listen-client-urls", self.url,
+             "--advertise-client-urls", self.url, "--listen-peer-urls", peer_url,
+             "--initial-advertise-peer-urls", peer_url, "--initial-cluster", f"default={peer_url}"],
+            stdout=subprocess.DEVNULL, stderr=self.log,
+        )
+        deadline = time.monotonic() + 20
+        while True:
+            try:
+                with urllib.request.urlopen(self.url + "/health", timeout=1) as r:
+                    if b'"health":"true"' in r.read():
+                        return
+            except OSError:
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"etcd did not become healthy: {(self.dir / 'etcd.log').read_text()[-2000:]}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+        self.log.close()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def etcd() -> Iterator[Etcd]:
+    """A running etcd; skipped where none is installed unless ``KVPOOL_REQUIRE_PEERS`` is set
+    (CI sets it: there a missing etcd fails)."""
+    if shutil.which("etcd") is None and os.environ.get("KVPOOL_REQUIRE_PEERS", "") in ("", "0"):
+        pytest.skip("etcd not installed (bench/peers/setup.sh etcd) and KVPOOL_REQUIRE_PEERS unset")
+    e = Etcd()
+    yield e
+    e.stop()

@@ -18,7 +18,7 @@ from typing import Any, Iterator
 
 import pytest
 import vllm_sim
-from conftest import REPO, Server
+from conftest import REPO, Cluster, Server
 from vllm_sim import SimEngine, audit
 
 from kvpool import Client
@@ -125,6 +125,67 @@ def test_preempted_requests_resume_with_their_blocks_loaded(model: str, pool: Se
     assert bool(resumed_as_new) == (runner == "v2")
     assert e.worker.connector_stats()["loaded_blocks"] > 0
     check_right(e, model, ps, 40, pool)
+
+
+@pytest.mark.parametrize("load", ["sync", "async"])
+def test_engines_share_a_cluster_pool_through_its_master(model: str, cluster: Cluster, load: str) -> None:
+    """The connector pointed at a cluster master (nothing else set): one engine's saves land on
+    the storage nodes, a second engine, preempted on a small cache, loads them back through the
+    master, and every answer and every stored block is right."""
+    ps = prompts(8, seed=21 if load == "sync" else 22)
+    ex = extra_for(cluster.master, load_async=load == "async")
+    first = run(SimEngine(model, ex, num_blocks=400), dict(list(ps.items())[:2]), 20)
+    assert first.sched_connector._scheduler.store.client.cluster
+    saved = worker_counters(first)["saved_blocks"]
+    assert saved > 0
+    c = client_of(cluster.master)
+    chain = [f"{prefix_of(first)}@{bytes(h).hex()}" for h in first.requests["r0"].block_hashes]
+    deadline = time.monotonic() + 10
+    while c.lookup(chain) < len(ps["r0"]) // vllm_sim.BLOCK:  # the nodes report to the master
+        assert time.monotonic() < deadline, "saved blocks never became visible through the master"
+        time.sleep(0.02)
+    e = SimEngine(model, ex, num_blocks=36, max_batched=64)
+    run(e, ps, 20)
+    assert e.preemptions > 0
+    assert worker_counters(e)["loaded_blocks"] > 0
+    check_right(e, model, ps, 20, cluster.master)
+    # A reset drops this model's blocks on every node.
+    assert e.sched_connector.reset_cache() is not False
+    deadline = time.monotonic() + 10
+    while c.lookup(chain) != 0:
+        assert time.monotonic() < deadline, "the reset left blocks on the nodes"
+        time.sleep(0.02)
+
+
+def test_a_killed_storage_node_costs_only_its_blocks(model: str) -> None:
+    """A storage node is killed (no close) under a two-node cluster: its blocks become misses that
+    vLLM computes, the other node's blocks still load, and the pool is never marked down."""
+    c = Cluster(nodes=2)
+    try:
+        ps = prompts(6, seed=23)
+        ex = extra_for(c.master, kvpool_dead_after_s=0.5)
+        run(SimEngine(model, ex, num_blocks=400), ps, 4)
+        probe = client_of(c.master)
+        per_node = []
+        for n in c.nodes:
+            nc = Client(n.addr, c.api_key, fingerprint=n.fingerprint, transport="quic")
+            per_node.append(int(nc.stats()["blocks"]))
+            nc.close()
+        # The node holding more of them dies.
+        dead = per_node.index(max(per_node))
+        assert per_node[dead] > 0
+        c.nodes[dead].kill()
+        e = SimEngine(model, ex, num_blocks=400)
+        run(e, ps, 4)
+        check_right(e, model, ps, 4, c.master)
+        w = worker_counters(e)
+        sched = e.sched_connector._scheduler
+        assert sched.store.up and sched.store.counters["pool_down_events"] == 0
+        if per_node[1 - dead]:
+            assert w["loaded_blocks"] > 0, "the live node's blocks were not loaded"
+        probe.close()
+    finally:
+        c.stop()
 
 
 def test_saves_slower_than_steps_never_store_another_requests_kv(model: str, pool: Server) -> None:
@@ -416,8 +477,10 @@ def test_connector_stats_reach_vllms_metrics(model: str, pool: Server) -> None:
 
 
 def test_staged_transfers_never_register_the_kv_cache(model: str, pool: Server) -> None:
-    """The device path on CPU: blocks move through a staging area of four blocks (two per
-    half, so a batch takes several rounds); the KV tensors are never registered."""
+    """The device path on CPU: blocks move through a staging area of four blocks (one per half
+    of the loads' part and of the saves' part, so a batch takes several rounds, and loads run
+    while saves do); the KV tensors are never registered, and no stored block holds another's
+    KV."""
     ps = prompts(10, seed=14)
     ex = extra_for(pool, kvpool_staging="always", kvpool_staging_bytes=4 * 2 * vllm_sim.BLOCK * vllm_sim.DIM * 4)
     run(SimEngine(model, ex, num_blocks=400), dict(list(ps.items())[:3]), 20)

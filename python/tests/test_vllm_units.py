@@ -256,7 +256,8 @@ def test_staged_moves_wait_for_the_forward_and_finish_before_reuse() -> None:
     from kvpool.vllm.transfer import block_pieces
 
     pieces = block_pieces(kv, 10)
-    m = StagedMover(pool, pieces, staging_bytes=4 * 2 * 24, ops=_Ops(log))  # type: ignore[arg-type]
+    # Eight blocks of 48 bytes: two halves of two for saves, two for loads.
+    m = StagedMover(pool, pieces, staging_bytes=8 * 48, ops=_Ops(log))  # type: ignore[arg-type]
     assert m.half == 2
     keys = [f"k{b}" for b in range(5)]
     st = m.save(keys, [1, 3, 5, 7, 9], [None] * 5, [16] * 5, 16, fence="F")
@@ -284,3 +285,35 @@ def test_staged_moves_wait_for_the_forward_and_finish_before_reuse() -> None:
     assert len(gets) == 3
     assert gets[1] < log.index("sync:e4") < gets[2]
     assert log[-2:] == ["sync:e6", "sync:e5"] or {"sync:e5", "sync:e6"} <= set(log[gets[2]:])
+
+
+def test_a_load_during_a_save_never_lands_in_the_saves_slots() -> None:
+    """Loads and saves run on threads of their own: a load while a save's transfer is under way
+    (its blocks staged, not yet sent) must not write where the save reads."""
+    import threading
+
+    log: list[str] = []
+    pool = _Pool(log)
+    kv = {f"l{i}": torch.arange(10 * 6, dtype=torch.float32).reshape(10, 6) + 100 * i for i in range(2)}
+    from kvpool.vllm.transfer import block_pieces
+
+    pieces = block_pieces(kv, 10)
+    pool.store.update({f"other{b}": bytes([200 + b]) * 48 for b in range(2)})
+    m = StagedMover(pool, pieces, staging_bytes=4 * 48, ops=_Ops(log))  # type: ignore[arg-type]
+    staged, go = threading.Event(), threading.Event()
+    put = pool.put_from
+
+    def slow_put(*a: Any, **k: Any) -> list[str]:
+        staged.set()  # the save's blocks sit in the staging area now
+        assert go.wait(10)
+        return put(*a, **k)
+
+    pool.put_from = slow_put  # type: ignore[method-assign]
+    saver = threading.Thread(target=m.save, args=(["s0"], [1], [None], [16], 16, "F"))
+    saver.start()
+    assert staged.wait(10)
+    assert m.load(["other0"], [4]) == [True]  # lands while the save waits to send
+    go.set()
+    saver.join(10)
+    want = torch.cat([pieces[0][1], pieces[1][1]]).numpy().tobytes()
+    assert pool.store["s0"] == want, "the save sent what the load brought in"

@@ -18,7 +18,7 @@ log = logging.getLogger("kvpool.vllm")
 
 # Keys of kv_connector_extra_config this connector reads (kvpool's and Mooncake's).
 KNOWN = {
-    "kvpool_server", "kvpool_api_key", "kvpool_api_key_file", "kvpool_fingerprint", "kvpool_ca",
+    "kvpool_server", "kvpool_etcd", "kvpool_etcd_prefix", "kvpool_api_key", "kvpool_api_key_file", "kvpool_fingerprint", "kvpool_ca",
     "kvpool_data_dir", "kvpool_transport", "kvpool_timeout_s", "kvpool_lookup_lease_s",
     "kvpool_lookup_deadline_ms", "kvpool_dead_after_s",
     "kvpool_staging", "kvpool_staging_bytes", "kvpool_load_failure_policy", "kvpool_full_backoff_s",
@@ -43,6 +43,8 @@ class ConnectorConfig:
     """Everything the scheduler and worker sides read from the configuration."""
 
     server: Optional[str] = None
+    etcd: Optional[str] = None
+    etcd_prefix: str = "/kvpool/"
     api_key: Optional[str] = None
     fingerprint: Optional[str] = None
     ca: Optional[str] = None
@@ -75,6 +77,11 @@ class ConnectorConfig:
         mc = mooncake.load()
         env = os.environ.get
         c.server = extra.get("kvpool_server") or env("KVPOOL_SERVER") or mc.get("master_server_address") or None
+        # A cluster's leading master found in etcd (then kvpool_server is not needed).
+        c.server, c.etcd = mooncake.pool_address(
+            c.server, mc.get("metadata_server"), extra.get("kvpool_etcd") or env("KVPOOL_ETCD")
+        )
+        c.etcd_prefix = str(extra.get("kvpool_etcd_prefix") or env("KVPOOL_ETCD_PREFIX") or "/kvpool/")
         c.api_key = extra.get("kvpool_api_key") or env("KVPOOL_API_KEY")
         key_file = extra.get("kvpool_api_key_file") or env("KVPOOL_API_KEY_FILE")
         if c.api_key is None and key_file:
@@ -145,4 +152,6 @@ class ConnectorConfig:
             timeout=self.timeout_s,
             client_name=name,
             dead_after=self.dead_after_s,
+            etcd=self.etcd,
+            etcd_prefix=self.etcd_prefix,
         )

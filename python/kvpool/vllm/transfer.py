@@ -8,8 +8,8 @@
   server copies straight into it; pinned for the device's DMA) holds blocks on their way; the
   device copies run on a stream of the connector's, ordered after the forward pass that wrote the
   KV (saves) and before the one that reads it (loads, which complete before the step's first
-  attention layer). The area is used in two halves, so one half's device copies overlap the
-  other half's transfer with the pool.
+  attention layer). Loads and saves each have a part of the area, used in two halves, so one
+  half's device copies overlap the other half's transfer with the pool.
 
 Nothing GPU or NPU ran here: the device parts of :class:`StagedMover` are torch's stream and
 event calls (``torch.cuda`` / ``torch.npu``) and host registration (``cudaHostRegister``,
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Optional, Sequence
 
@@ -29,6 +30,9 @@ import torch
 from kvpool._native import Client, KvpoolError
 
 log = logging.getLogger("kvpool.vllm")
+
+# The staging area's two parts.
+SAVE, LOAD = 0, 1
 
 # Statuses of a save that leave the block in the pool.
 STORED = ("ok", "already-exists")
@@ -204,9 +208,12 @@ class StagedMover(Mover):
         self.ops = ops if ops is not None else ops_for(self.device)
         self.piece = pieces[0].shape[1]
         self.block_bytes = self.piece * len(pieces)
-        slots = max(2, staging_bytes // self.block_bytes)
-        self.half = slots // 2
-        size = 2 * self.half * self.block_bytes
+        # Loads and saves run on threads of their own, at once: each has its own part of the
+        # area (two halves each), else a load could land in slots a save has yet to send.
+        slots = max(4, staging_bytes // self.block_bytes)
+        self.half = slots // 4
+        size = 4 * self.half * self.block_bytes
+        self.locks = {SAVE: threading.Lock(), LOAD: threading.Lock()}
         self.buffer: Any = None
         try:
             # Memory shared with a same-host server: it copies straight into the area.
@@ -217,16 +224,16 @@ class StagedMover(Mover):
             # A server on another host: ordinary memory, page-locked by torch where it can.
             pinned = self.device.type == "cuda"
             flat = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        self.host = flat.view(2 * self.half, len(pieces), self.piece)
+        self.host = flat.view(4 * self.half, len(pieces), self.piece)
         self.base = self.host.data_ptr()
         self.client.register(self.base, size)
         self.pinned = pinned or self.ops.pin(self.base, size)
         self.xfer = ThreadPoolExecutor(1, thread_name_prefix="kvpool-stage")
-        log.info("kvpool: staging %d blocks of %d bytes through %s host memory (%s)", 2 * self.half,
+        log.info("kvpool: staging %d blocks of %d bytes through %s host memory (%s)", 4 * self.half,
                  self.block_bytes, "pinned" if self.pinned else "pageable", self.device)
 
-    def _slots(self, half: int, n: int) -> tuple[torch.Tensor, list[int]]:
-        lo = half * self.half
+    def _slots(self, part: int, half: int, n: int) -> tuple[torch.Tensor, list[int]]:
+        lo = (2 * part + half) * self.half
         return self.host[lo : lo + n], [self.base + (lo + i) * self.block_bytes for i in range(n)]
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
@@ -236,6 +243,10 @@ class StagedMover(Mover):
         return [range(lo, min(lo + self.half, n)) for lo in range(0, n, self.half)]
 
     def save(self, keys, block_ids, parents, seq_tokens, tokens, fence):  # type: ignore[no-untyped-def]
+        with self.locks[SAVE]:
+            return self._save(keys, block_ids, parents, seq_tokens, tokens, fence)
+
+    def _save(self, keys, block_ids, parents, seq_tokens, tokens, fence):  # type: ignore[no-untyped-def]
         out: list[str] = ["internal"] * len(keys)
         busy: list[Optional[Future[None]]] = [None, None]
 
@@ -253,7 +264,7 @@ class StagedMover(Mover):
                 h = c % 2
                 if busy[h] is not None:
                     busy[h].result()  # that half's transfer is done: it may be written again
-                slots, addrs = self._slots(h, len(chunk))
+                slots, addrs = self._slots(SAVE, h, len(chunk))
                 with self.ops.stream():
                     self.ops.wait(fence)
                     idx = self._index([block_ids[i] for i in chunk])
@@ -269,12 +280,16 @@ class StagedMover(Mover):
         return out
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
+        with self.locks[LOAD]:
+            return self._load(keys, block_ids)
+
+    def _load(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
         ok = [False] * len(keys)
         copying: list[Any] = [None, None]
         for c, chunk in enumerate(self._chunks(len(keys))):
             h = c % 2
             self.ops.sync(copying[h])  # the device has taken what this half held
-            slots, addrs = self._slots(h, len(chunk))
+            slots, addrs = self._slots(LOAD, h, len(chunk))
             got = self.client.get_into([keys[i] for i in chunk], addrs, [self.block_bytes] * len(chunk))
             good = [j for j, (st, n) in enumerate(got) if st == "ok" and n == self.block_bytes]
             for j in good:
