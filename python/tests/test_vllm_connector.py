@@ -81,6 +81,19 @@ def run(e: SimEngine, ps: dict[str, list[int]], max_tokens: int) -> SimEngine:
     return e
 
 
+def finish_with_saves_held(e: SimEngine, ps: dict[str, list[int]]) -> threading.Event:
+    """Run the requests to their end while every save waits for the returned gate."""
+    gate = threading.Event()
+    mover = e.worker._worker.mover
+    inner = mover.save
+    mover.save = lambda *a, **k: (gate.wait(30), inner(*a, **k))[1]
+    for r, p in ps.items():
+        e.add(r, p, 4)
+    while e.scheduler.has_unfinished_requests():
+        e.step()
+    return gate
+
+
 def prefix_of(e: SimEngine) -> str:
     return e.sched_connector._scheduler.prefixes[0]
 
@@ -220,14 +233,7 @@ def test_saves_slower_than_steps_never_store_another_requests_kv(model: str, poo
 def test_a_request_that_finishes_with_saves_pending(model: str, pool: Server) -> None:
     ps = prompts(1, shared=64, seed=3)
     e = SimEngine(model, extra_for(pool), num_blocks=100)
-    gate = threading.Event()
-    mover = e.worker._worker.mover
-    inner = mover.save
-    mover.save = lambda *a, **k: (gate.wait(30), inner(*a, **k))[1]
-    for r, p in ps.items():
-        e.add(r, p, 4)
-    while e.scheduler.has_unfinished_requests():
-        e.step()
+    gate = finish_with_saves_held(e, ps)
     # The request is gone from vLLM; its save is not done and still holds its blocks.
     sched = e.sched_connector._scheduler
     assert sched.jobs and e.sched_connector.has_pending_push_work()
@@ -366,14 +372,7 @@ def test_reset_cache_drops_this_models_blocks_even_those_saved_meanwhile(model: 
     c = client_of(pool)
     m2 = run(SimEngine(model, extra_for(pool, model_name="other-model"), num_blocks=400), ps, 4)
     e = SimEngine(model, extra_for(pool), num_blocks=400, kv_events=True)
-    gate = threading.Event()
-    mover = e.worker._worker.mover
-    inner = mover.save
-    mover.save = lambda *a, **k: (gate.wait(30), inner(*a, **k))[1]
-    for r, p in ps.items():
-        e.add(r, p, 4)
-    while e.scheduler.has_unfinished_requests():
-        e.step()
+    gate = finish_with_saves_held(e, ps)
     # A save is in flight when vLLM resets its prefix cache.
     assert e.sched_connector.has_pending_push_work()
     assert e.sched_connector.reset_cache() is True

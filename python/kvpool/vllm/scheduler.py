@@ -34,7 +34,7 @@ from kvpool.vllm.events import KvEvents
 from kvpool.vllm.health import Pool, PoolDown
 from kvpool.vllm.keys import KeyLayout, hash_hex
 from kvpool.vllm.metadata import KVPoolConnectorMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
-from kvpool.vllm.stats import KVPoolConnectorStats, dump
+from kvpool.vllm.stats import KVPoolConnectorStats, dump, take
 
 if TYPE_CHECKING:
     from vllm.v1.core.block_pool import BlockPool
@@ -466,11 +466,7 @@ class Scheduler:
         return {**self.totals, **self.store.counters}
 
     def take_stats(self) -> Optional[KVPoolConnectorStats]:
-        with self.lock:
-            if self.stats.is_empty():
-                return None
-            s, self.stats = self.stats, KVPoolConnectorStats()
-        return s
+        return take(self)
 
     def take_events(self) -> list[Any]:
         return self.events.take() if self.events is not None else []

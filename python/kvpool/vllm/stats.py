@@ -133,6 +133,16 @@ class KVPoolPromMetrics(KVConnectorPromMetrics):
                     self._hit.labels(*self.per_engine_labelvalues[engine_idx]).inc(int(r["hit"]))
 
 
+def take(side: Any) -> Optional[KVPoolConnectorStats]:
+    """A side's (scheduler's or worker's) figures since the last call, under its lock; a fresh
+    collection takes their place."""
+    with side.lock:
+        if side.stats.is_empty():
+            return None
+        s, side.stats = side.stats, KVPoolConnectorStats()
+    return s
+
+
 def dump(path: Optional[str], side: str, counters: dict[str, Any]) -> None:
     """Write a side's cumulative counters to ``<path>.<side>.json`` (atomically), when asked to."""
     if not path:

@@ -17,7 +17,7 @@ from kvpool.vllm.config import ConnectorConfig
 from kvpool.vllm.health import Pool, PoolDown
 from kvpool.vllm.keys import RankKeys
 from kvpool.vllm.metadata import KVPoolConnectorMetadata, KVPoolWorkerMetadata, LoadJob, SaveJob
-from kvpool.vllm.stats import KVPoolConnectorStats, dump
+from kvpool.vllm.stats import KVPoolConnectorStats, dump, take
 from kvpool.vllm.transfer import STORED, DirectMover, Mover, StagedMover, block_pieces
 
 log = logging.getLogger("kvpool.vllm")
@@ -234,11 +234,7 @@ class Worker:
         return KVPoolWorkerMetadata(done={j: 1 for j in done}, failed={j: f for j, f in done.items() if f})
 
     def take_stats(self) -> Optional[KVPoolConnectorStats]:
-        with self.lock:
-            if self.stats.is_empty():
-                return None
-            s, self.stats = self.stats, KVPoolConnectorStats()
-        return s
+        return take(self)
 
     def counters(self) -> dict[str, Any]:
         with self.lock:
