@@ -14,7 +14,7 @@ from conftest import Cluster, Etcd, Server
 
 
 def until(what: str, ok: Callable[[], bool], within: float = 10.0) -> None:
-    """A put reaches the master's map with the node's next report (``report_ms``)."""
+    """A put reaches the master's map when its node reports it, a moment later."""
     deadline = time.monotonic() + within
     while not ok():
         assert time.monotonic() < deadline, what
