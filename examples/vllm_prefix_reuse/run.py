@@ -64,10 +64,10 @@ def server_binary(explicit: Optional[str]) -> Path:
 class Pool:
     """A kvpool server process."""
 
-    def __init__(self, binary: Path, data_dir: Path, dram: str = "1GiB") -> None:
+    def __init__(self, binary: Path, data_dir: Path, dram: str = "1GiB", extra: Sequence[str] = ()) -> None:
         self.dir = data_dir
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.binary, self.dram = binary, dram
+        self.binary, self.dram, self.extra = binary, dram, list(extra)
         self.start("127.0.0.1:0")
 
     def start(self, listen: str) -> None:
@@ -75,7 +75,7 @@ class Pool:
         (self.dir / "endpoint.json").unlink(missing_ok=True)
         self.proc = subprocess.Popen(
             [str(self.binary), "--data-dir", str(self.dir), "--listen", listen, "--metrics-listen",
-             "127.0.0.1:0", "--dram-size", self.dram, "--ssd-capacity", "0"],
+             "127.0.0.1:0", "--dram-size", self.dram, "--ssd-capacity", "0", *self.extra],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60
