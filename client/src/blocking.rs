@@ -130,12 +130,7 @@ impl Client {
                 PutMode::Upsert => self.run(self.inner.upsert_with(key, value, opts)),
             };
         };
-        let codes = self.run(cc.put_batch(&[PutEntry { key, value, opts }], mode, 1))?;
-        match codes.first() {
-            Some(ErrorCode::Ok) => Ok(()),
-            Some(&code) => Err(crate::ClientError::status(code, "put")),
-            None => Err(crate::ClientError::Protocol("a put of one block answered nothing".into())),
-        }
+        only_status(self.run(cc.put_batch(&[PutEntry { key, value, opts }], mode, 1))?.first(), "put")
     }
     /// Put blocks; on a cluster, one copy each on the node the master places it on.
     pub fn put_batch(&self, entries: &[PutEntry<'_>], mode: PutMode) -> Result<Vec<ErrorCode>> {
@@ -150,11 +145,9 @@ impl Client {
     pub fn get_into(&self, key: impl AsRef<[u8]>, buf: &mut [u8]) -> Result<Option<usize>> {
         let Some(cc) = &self.cluster else { return self.run(self.inner.get_into(key, buf)) };
         let r = self.run(cc.get_batch_into(&[key.as_ref()], &mut [buf]))?.pop();
-        match r.map(|r| (r.status, r.size)) {
-            Some((ErrorCode::Ok, n)) => Ok(Some(n as usize)),
-            Some((ErrorCode::NotFound, _)) => Ok(None),
-            Some((code, _)) => Err(crate::ClientError::status(code, "get")),
-            None => Err(crate::ClientError::Protocol("a get of one block answered nothing".into())),
+        match r {
+            Some(r) if r.status == ErrorCode::NotFound => Ok(None),
+            r => only_status(r.as_ref().map(|r| &r.status), "get").map(|()| r.map(|r| r.size as usize)),
         }
     }
     pub fn get_batch_into<K: AsRef<[u8]>>(&self, keys: &[K], bufs: &mut [&mut [u8]]) -> Result<Vec<GetIntoResult>> {
@@ -168,11 +161,7 @@ impl Client {
     }
     pub fn remove(&self, key: impl AsRef<[u8]>, force: bool) -> Result<()> {
         let Some(cc) = &self.cluster else { return self.run(self.inner.remove(key, force)) };
-        match self.run(cc.remove_batch(&[key.as_ref()], force))?.first() {
-            Some(ErrorCode::Ok) => Ok(()),
-            Some(&code) => Err(crate::ClientError::status(code, "remove")),
-            None => Err(crate::ClientError::Protocol("a remove of one block answered nothing".into())),
-        }
+        only_status(self.run(cc.remove_batch(&[key.as_ref()], force))?.first(), "remove")
     }
     pub fn remove_batch<K: AsRef<[u8]>>(&self, keys: &[K], force: bool) -> Result<Vec<ErrorCode>> {
         routed!(self, cc => cc.remove_batch(keys, force), c => c.remove_batch(keys, force))
@@ -271,6 +260,15 @@ impl Client {
     }
     pub fn policy_rollback(&self, kind: PolicyKind) -> Result<PolicyInfo> {
         self.run(self.control().policy_rollback(kind))
+    }
+}
+
+/// The one status of a one-key batch through a cluster, as a single-key call answers it.
+fn only_status(code: Option<&ErrorCode>, what: &str) -> Result<()> {
+    match code {
+        Some(ErrorCode::Ok) => Ok(()),
+        Some(&code) => Err(crate::ClientError::status(code, what)),
+        None => Err(crate::ClientError::Protocol(format!("a {what} of one block answered nothing"))),
     }
 }
 
