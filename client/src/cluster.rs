@@ -2,6 +2,7 @@
 //! should these new blocks go), block bytes go straight to and from the storage nodes, which
 //! the client reaches with the same API key, pinning the certificate the master vouches for.
 
+use crate::nodes::Nodes;
 use crate::{unexpected, Client, ClientConfig, GetResult, PutEntry, Result, Trust};
 use futures_util::future::join_all;
 use kvpool_proto::{
@@ -10,7 +11,6 @@ use kvpool_proto::{
 };
 use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
-use tokio::sync::Mutex;
 
 // ---- the cluster requests on a plain connection (to the master) -------------------------------
 
@@ -105,9 +105,9 @@ enum MasterAt {
 pub struct ClusterClient {
     master: Arc<std::sync::RwLock<Client>>,
     at: MasterAt,
-    /// Connections to storage nodes, by node id, with the address they were made to.
-    nodes: Arc<Mutex<HashMap<u32, (NodeAddr, Client)>>>,
-    /// How to connect to a node (server, name and trust are replaced per node).
+    /// Connections to storage nodes, and which are down.
+    nodes: Nodes,
+    /// How to connect to a master or a node (server, name and trust are replaced).
     template: ClientConfig,
 }
 
@@ -129,7 +129,7 @@ impl ClusterClient {
         Ok(ClusterClient {
             master: Arc::new(std::sync::RwLock::new(master)),
             at: MasterAt::Fixed,
-            nodes: Arc::default(),
+            nodes: Nodes::new(template.clone()),
             template,
         })
     }
@@ -142,7 +142,7 @@ impl ClusterClient {
         ClusterClient {
             master: Arc::new(std::sync::RwLock::new(master)),
             at: MasterAt::Fixed,
-            nodes: Arc::default(),
+            nodes: Nodes::new(template.clone()),
             template,
         }
     }
@@ -155,7 +155,12 @@ impl ClusterClient {
         let etcd = kvpool_etcd::Etcd::new(endpoints).map_err(|e| crate::ClientError::Config(e.to_string()))?;
         let at = MasterAt::Etcd { etcd, prefix: prefix.to_string() };
         let master = leader(&at, &template).await?;
-        Ok(ClusterClient { master: Arc::new(std::sync::RwLock::new(master)), at, nodes: Arc::default(), template })
+        Ok(ClusterClient {
+            master: Arc::new(std::sync::RwLock::new(master)),
+            at,
+            nodes: Nodes::new(template.clone()),
+            template,
+        })
     }
 
     /// The connection to the master (the current leader).
@@ -206,31 +211,6 @@ impl ClusterClient {
         self.on_master(|m| async move { m.route(keys).await }).await
     }
 
-    async fn node(&self, a: &NodeAddr) -> Result<Client> {
-        let mut nodes = self.nodes.lock().await;
-        if let Some((known, c)) = nodes.get(&a.node) {
-            // A client reconnects by itself; a new address (the node moved) needs a new one.
-            if known == a {
-                return Ok(c.clone());
-            }
-        }
-        let fp: [u8; 32] = a.fingerprint.as_slice().try_into().map_err(|_| {
-            crate::ClientError::Protocol(format!("node {} has a fingerprint of {} bytes", a.node, a.fingerprint.len()))
-        })?;
-        let mut cfg = self.template.clone();
-        cfg.server = a.addr.clone();
-        cfg.server_name = a.server_name.clone();
-        cfg.trust = Trust::Fingerprint(fp);
-        let c = Client::connect(cfg).await?;
-        nodes.insert(a.node, (a.clone(), c.clone()));
-        Ok(c)
-    }
-
-    /// Forget a node's connection after it failed (the next use connects again).
-    async fn drop_node(&self, id: u32) {
-        self.nodes.lock().await.remove(&id);
-    }
-
     /// Number of leading blocks of `chain` that some live storage node holds.
     pub async fn lookup<K: AsRef<[u8]>>(&self, chain: &[K]) -> Result<usize> {
         if chain.is_empty() {
@@ -266,13 +246,7 @@ impl ClusterClient {
                     return (idx, Err(crate::ClientError::Protocol(format!("node {n} is routed to but not named"))));
                 };
                 let batch: Vec<PutEntry<'_>> = idx.iter().map(|&i| entries[i].clone()).collect();
-                let r = match self.node(&addr).await {
-                    Ok(c) => c.put_batch(&batch, mode).await,
-                    Err(e) => Err(e),
-                };
-                if r.is_err() {
-                    self.drop_node(n).await;
-                }
+                let r = self.nodes.call(&addr, |c| async move { c.put_batch(&batch, mode).await }).await;
                 (idx, r)
             }
         });
@@ -348,15 +322,11 @@ impl ClusterClient {
                 async move {
                     let Some(addr) = addr else { return (idx, None) };
                     let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
-                    let r = match self.node(&addr).await {
-                        Ok(c) => c.get_batch(&ks).await,
-                        Err(e) => Err(e),
-                    };
-                    match r {
+                    let ks = &ks;
+                    match self.nodes.call(&addr, |c| async move { c.get_batch(ks).await }).await {
                         Ok(items) => (idx, Some(items)),
                         Err(e) => {
                             tracing::debug!(node = n, error = %e, "storage node failed a get: trying other holders");
-                            self.drop_node(n).await;
                             (idx, None)
                         }
                     }
@@ -396,10 +366,7 @@ impl ClusterClient {
         let mut out = Vec::new();
         for n in self.nodes().await?.into_iter().filter(|n| n.live) {
             let addr = NodeAddr { node: n.node, addr: n.addr, server_name: n.server_name, fingerprint: n.fingerprint };
-            let r = match self.node(&addr).await {
-                Ok(c) => f(c).await,
-                Err(e) => Err(e),
-            };
+            let r = self.nodes.call(&addr, &f).await;
             out.push((n.name, r));
         }
         Ok(out)
@@ -506,7 +473,8 @@ impl ClusterClient {
         for (n, idx) in by_node(&routes.items) {
             let Some(addr) = addrs.get(&n) else { continue };
             let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
-            let codes = self.node(addr).await?.remove_batch(&ks, force).await?;
+            let ks = &ks;
+            let codes = self.nodes.call(addr, |c| async move { c.remove_batch(ks, force).await }).await?;
             for (&i, c) in idx.iter().zip(codes) {
                 // A copy left behind (leased, ...) is the answer; else removed anywhere is `Ok`.
                 status[i] = match (status[i], c) {

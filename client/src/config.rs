@@ -68,6 +68,12 @@ pub struct ClientConfig {
     /// sends no close): requests on it fail, and the next one connects again. Keep-alives go
     /// out at a third of it, so a live but idle server is never taken for dead.
     pub dead_after: Duration,
+    /// Through a cluster master: a storage node that answers neither a call nor a ping within
+    /// this long is taken for down. The call fails over to another holder (or misses), and the
+    /// node is skipped, with no network round trip, until a background reconnect succeeds.
+    /// Bounds what a killed node costs a read, where `dead_after` would cost a whole idle
+    /// timeout.
+    pub node_answer_within: Duration,
 }
 
 impl ClientConfig {
@@ -84,6 +90,7 @@ impl ClientConfig {
             local_control: true,
             verify_shm_gets: false,
             dead_after: Duration::from_secs(60),
+            node_answer_within: Duration::from_millis(250),
         }
     }
 

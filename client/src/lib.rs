@@ -20,6 +20,7 @@ mod connector;
 mod error;
 mod events;
 mod local;
+mod nodes;
 mod onesided;
 mod shm;
 #[cfg(feature = "test-hooks")]
@@ -428,6 +429,11 @@ impl Client {
 
     pub fn config(&self) -> &ClientConfig {
         &self.inner.cfg
+    }
+
+    /// Whether `other` is a clone of this client (the same connection).
+    pub(crate) fn same_connection(&self, other: &Client) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
     }
 
     /// What the QUIC path of the current connection looks like: MTU reached, losses,

@@ -47,6 +47,7 @@ class Client:
         dead_after: Optional[float] = None,
         etcd: Optional[str] = None,
         etcd_prefix: str = "/kvpool/",
+        node_answer_within: Optional[float] = None,
     ) -> None: ...
     @property
     def cluster(self) -> bool: ...

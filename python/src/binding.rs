@@ -462,12 +462,15 @@ impl Client {
     /// taken at put; `verify_shm_gets=True` has the client hash those bytes again too, a guard
     /// against a faulty server that costs one more pass over the data.
     /// A server that is a cluster master is routed through to its storage nodes (`cluster`);
+    /// a storage node that answers neither a call nor a ping within `node_answer_within`
+    /// (seconds, default 0.25) is skipped until it answers again (its blocks miss);
     /// `etcd` (`http://host:port`, comma-separated) finds the cluster's leading master there
     /// under `etcd_prefix` instead of `server`, trusting the fingerprint it published.
     #[new]
     #[pyo3(signature = (server=None, api_key=None, *, fingerprint=None, ca_file=None, data_dir=None,
                         server_name=None, transport="auto", timeout=30.0, client_name=None,
-                        verify_shm_gets=false, dead_after=None, etcd=None, etcd_prefix="/kvpool/"))]
+                        verify_shm_gets=false, dead_after=None, etcd=None, etcd_prefix="/kvpool/",
+                        node_answer_within=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -484,6 +487,7 @@ impl Client {
         dead_after: Option<f64>,
         etcd: Option<String>,
         etcd_prefix: &str,
+        node_answer_within: Option<f64>,
     ) -> PyResult<Self> {
         let trust = match (fingerprint, ca_file) {
             (Some(f), _) => Some(Trust::Fingerprint(kvpool_client::parse_fingerprint(&f).map_err(Error::from)?)),
@@ -535,6 +539,12 @@ impl Client {
                 return Err(Error::Argument(format!("dead_after must be 0.1 to 3600 seconds, not {d}")).into());
             }
             cfg.dead_after = Duration::from_secs_f64(d);
+        }
+        if let Some(d) = node_answer_within {
+            if !(d.is_finite() && (0.01..=3600.0).contains(&d)) {
+                return Err(Error::Argument(format!("node_answer_within must be 0.01 to 3600 seconds, not {d}")).into());
+            }
+            cfg.node_answer_within = Duration::from_secs_f64(d);
         }
         let inner = match etcd {
             Some(e) => py.detach(|| Blocking::connect_etcd(&e, etcd_prefix, cfg)),

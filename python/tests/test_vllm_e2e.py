@@ -81,14 +81,18 @@ def test_the_connector_under_the_schedulers_real_life(tmp_path: Path) -> None:
     assert s["D_save_failed_blocks"] > 0 and s["S_loaded_blocks"] > 0
 
 
-@pytest.mark.parametrize("transport", ["auto", "quic"])
-def test_a_dead_pool_costs_an_engine_almost_nothing(tmp_path: Path, transport: str) -> None:
+@pytest.mark.parametrize("transport,cluster", [("auto", False), ("quic", False), ("quic", True)],
+                         ids=["server-auto", "server-quic", "cluster-quic"])
+def test_a_dead_pool_costs_an_engine_almost_nothing(tmp_path: Path, transport: str, cluster: bool) -> None:
     """The pool killed under a running engine: each request within 100 ms of an engine without
-    the connector; the pool back: hits again within 5 s, without restarting the engine."""
+    the connector; the pool back: hits again within 5 s, without restarting the engine. On a
+    cluster (a master and two storage nodes, all killed, then one storage node alone): the same
+    bound, over QUIC, where a killed node is silent."""
     out = tmp_path / "dead.json"
     r = subprocess.run(
         [PY, str(EXAMPLE / "dead_pool.py"), "--check", "--transport", transport, "--json", str(out),
-         "--workdir", str(tmp_path / "work"), "--server-bin", str(server_binary())],
+         "--workdir", str(tmp_path / "work"), "--server-bin", str(server_binary()),
+         *(["--cluster"] if cluster else [])],
         capture_output=True, text=True, timeout=1200,
     )
     print(r.stdout[-4000:])
@@ -98,3 +102,6 @@ def test_a_dead_pool_costs_an_engine_almost_nothing(tmp_path: Path, transport: s
     assert s["extra_max_killed_s"] <= 0.1 and s["hits_back_after_s"] <= 5.0
     c = s["connector"]
     assert c["lookups_skipped"] > 0 and c["scheduler_pool_reconnects"] >= 1 and c["worker_pool_reconnects"] >= 1
+    if cluster:
+        assert s["extra_max_node_killed_s"] <= 0.1
+        assert all(r["same_token"] for r in s["node_killed"])

@@ -27,6 +27,9 @@ Select it with::
                              answers a ping again
 ``kvpool_dead_after_s``      a connection that hears nothing from the pool for this long is dead
                              (default 1 s; a killed server sends no close)
+``kvpool_node_answer_ms``    on a cluster, a storage node that answers neither a load nor a
+                             ping within this long is skipped until it answers again (default
+                             60): its blocks are computed here
 ``kvpool_staging``           ``auto`` (device KV caches go through a host staging area, host
                              caches are registered directly) or ``always`` (stage host caches
                              too)

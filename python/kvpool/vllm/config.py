@@ -20,7 +20,7 @@ log = logging.getLogger("kvpool.vllm")
 KNOWN = {
     "kvpool_server", "kvpool_etcd", "kvpool_etcd_prefix", "kvpool_api_key", "kvpool_api_key_file", "kvpool_fingerprint", "kvpool_ca",
     "kvpool_data_dir", "kvpool_transport", "kvpool_timeout_s", "kvpool_lookup_lease_s",
-    "kvpool_lookup_deadline_ms", "kvpool_dead_after_s",
+    "kvpool_lookup_deadline_ms", "kvpool_dead_after_s", "kvpool_node_answer_ms",
     "kvpool_staging", "kvpool_staging_bytes", "kvpool_load_failure_policy", "kvpool_full_backoff_s",
     "store_threshold",
     "key_prefix", "model_name", "async_save", "stats_path",
@@ -68,6 +68,7 @@ class ConnectorConfig:
     full_backoff_s: float = 1.0
     lookup_deadline_s: float = 0.05
     dead_after_s: float = 1.0
+    node_answer_s: float = 0.06
     ignored: list[str] = field(default_factory=list)
 
     @staticmethod
@@ -132,6 +133,9 @@ class ConnectorConfig:
         c.dead_after_s = float(extra.get("kvpool_dead_after_s", 1.0))
         if not 0.1 <= c.dead_after_s <= 3600:
             raise ValueError("kvpool_dead_after_s must be in [0.1, 3600]")
+        c.node_answer_s = float(extra.get("kvpool_node_answer_ms", 60)) / 1e3
+        if not 0.01 <= c.node_answer_s <= 3600:
+            raise ValueError("kvpool_node_answer_ms must be in [10, 3600000]")
         c.full_backoff_s = float(extra.get("kvpool_full_backoff_s", 1.0))
         if c.full_backoff_s < 0:
             raise ValueError("kvpool_full_backoff_s must not be negative")
@@ -152,6 +156,7 @@ class ConnectorConfig:
             timeout=self.timeout_s,
             client_name=name,
             dead_after=self.dead_after_s,
+            node_answer_within=self.node_answer_s,
             etcd=self.etcd,
             etcd_prefix=self.etcd_prefix,
         )

@@ -78,6 +78,38 @@ class _Req:
     loading: bool = False
 
 
+# How long a block whose load failed is not offered to vLLM again: long enough for a master to
+# forget a dead node (its `node_timeout_ms`, 3 s by default), short enough that hits on a block
+# that comes back resume soon.
+UNLOADABLE_S = 5.0
+
+
+class _Unloadable:
+    """Block hashes whose load failed, each forgotten ``ttl`` seconds later."""
+
+    def __init__(self, ttl: float) -> None:
+        self.ttl = ttl
+        self.until: dict[str, float] = {}  # insertion order is expiry order
+
+    def add(self, hashes: Iterable[str]) -> None:
+        now = time.monotonic()
+        for h in hashes:
+            self.until.pop(h, None)
+            self.until[h] = now + self.ttl
+
+    def first(self, hashes: list[str]) -> Optional[int]:
+        """Position of the first of ``hashes`` that failed lately, if any."""
+        if not self.until:
+            return None
+        now = time.monotonic()
+        while self.until:
+            h, t = next(iter(self.until.items()))
+            if t > now:
+                break
+            del self.until[h]
+        return next((i for i, h in enumerate(hashes) if h in self.until), None)
+
+
 @dataclass
 class _Job:
     """A load or save the workers run; done when every worker reported it."""
@@ -87,6 +119,7 @@ class _Job:
     leases: list[int] = field(default_factory=list)
     save: Optional[SaveJob] = None
     failed: set[int] = field(default_factory=set)
+    loads: Optional[dict[int, str]] = None  # a load's block hashes, by position
     reset_after: bool = False  # a save in flight across reset_cache: its keys go again at the end
     tokens: Optional[list[list[int]]] = None  # per block, for BlockStored events
     lora_name: Optional[str] = None
@@ -120,12 +153,15 @@ class Scheduler:
         self.reqs: dict[str, _Req] = {}
         self.jobs: dict[int, _Job] = {}
         self.next_job = 0
+        # Blocks a load just failed on: not counted again for a while, or vLLM, which asks
+        # again for the request it now recomputes, would be told to load them again.
+        self.unloadable = _Unloadable(UNLOADABLE_S)
         # Async lookups run here.
         self.bg = ThreadPoolExecutor(2, thread_name_prefix="kvpool-sched")
         self.stats = KVPoolConnectorStats()
         self.lock = threading.Lock()
         self.totals = {"lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "lookup_errors": 0,
-                       "lookups_skipped": 0}
+                       "lookups_skipped": 0, "hits_dropped_unloadable": 0}
         self.events = (
             KvEvents(lambda: self.cfg.client("kvpool-vllm-events"), self.prefixes[0], self.block_size)
             if kv_events
@@ -196,6 +232,10 @@ class Scheduler:
             self.totals["lookup_errors"] += 1
             log.warning("kvpool lookup failed, computing request %s locally: %s", rid, e)
             return 0, False
+        failed_at = self.unloadable.first(hashes[:resident])
+        if failed_at is not None:
+            resident = failed_at
+            self.totals["hits_dropped_unloadable"] += 1
         self.totals["lookups"] += 1
         self.totals["lookup_blocks"] += n_blocks
         self.totals["hit_blocks"] += resident
@@ -317,7 +357,7 @@ class Scheduler:
         hashes = [hash_hex(t.request.block_hashes[b]) for b in positions]
         job = LoadJob(self._job_id(), rid, positions, hashes, [t.block_ids[b] for b in positions], asynchronous)
         meta.loads.append(job)
-        self.jobs[job.job] = _Job(self.num_workers, leases=load.leases)
+        self.jobs[job.job] = _Job(self.num_workers, leases=load.leases, loads=dict(zip(positions, hashes)))
 
     def _schedule_save(self, meta: KVPoolConnectorMetadata, t: _Req, computed_after: int) -> None:
         """Save the full blocks this step completes (within the prefill, unless
@@ -388,6 +428,8 @@ class Scheduler:
                 # Tail first, as vLLM frees, so a shared prefix is reused last.
                 self.pool.free_blocks(self.pool.blocks[b] for b in reversed(job.refs))
             self._release(job.leases)
+            if job.loads and job.failed:
+                self.unloadable.add(job.loads[p] for p in job.failed if p in job.loads)
             if job.save is not None:
                 if job.reset_after:
                     self._drop_keys(job.save.hashes)
