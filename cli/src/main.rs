@@ -5,7 +5,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use kvpool_client::proto::{EventScope, PolicyInfo, PolicyKind};
 use kvpool_client::{
     read_key_file, Client, ClientConfig, ClientError, ClusterClient, EndpointInfo, ErrorCode, PinSpec, PutEntry,
-    PutMode, PutOptions, ServerRole, StatsReport, SubscribeOptions, Trust,
+    PutMode, PutOptions, StatsReport, SubscribeOptions, Trust,
 };
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
@@ -430,7 +430,7 @@ async fn run(cli: Cli) -> Outcome {
             let client = Client::connect(cfg).await?;
             // Only the block, policy and stats commands differ on a cluster.
             let differs = !matches!(cli.cmd, Cmd::Ping { .. } | Cmd::Events { .. } | Cmd::Nodes { .. });
-            if !differs || client.role().await? == ServerRole::Server {
+            if !differs || !client.is_cluster() {
                 let result = command(&cli, &client).await;
                 client.close().await;
                 return result;

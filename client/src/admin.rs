@@ -13,6 +13,8 @@ impl Client {
         params: &[(String, String)],
         wasm: &[u8],
     ) -> Result<PolicyInfo> {
+        // On a cluster: the master's (per node: `ClusterClient::policy_load`).
+        let c = self.control();
         let req = Request::PolicyLoad(PolicyLoadRequest {
             kind,
             name: name.to_string(),
@@ -20,8 +22,8 @@ impl Client {
             module_size: wasm.len() as u64,
         });
         let frame = frame::encode_frame(&req)?;
-        self.timed(async {
-            let (conn, mut tx, mut rx) = self.open().await?;
+        c.timed(async {
+            let (conn, mut tx, mut rx) = c.open().await?;
             tx.write_all(&frame).await?;
             tx.write_all(wasm).await?;
             tx.finish()?;
@@ -35,7 +37,7 @@ impl Client {
 
     /// Active module of each kind, then each kind's history (newest first).
     pub async fn policy_list(&self) -> Result<Vec<PolicyInfo>> {
-        match self.call(Request::PolicyList).await? {
+        match self.control().call(Request::PolicyList).await? {
             Response::PolicyList(l) => Ok(l.policies),
             other => Err(unexpected("PolicyList", &other)),
         }
@@ -43,7 +45,7 @@ impl Client {
 
     /// Re-activate the module loaded before the current one (the built-in when none).
     pub async fn policy_rollback(&self, kind: PolicyKind) -> Result<PolicyInfo> {
-        match self.call(Request::PolicyRollback(PolicyRollbackRequest { kind })).await? {
+        match self.control().call(Request::PolicyRollback(PolicyRollbackRequest { kind })).await? {
             Response::Policy(info) => Ok(info),
             other => Err(unexpected("Policy", &other)),
         }

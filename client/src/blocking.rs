@@ -12,28 +12,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 /// A blocking connection to a kvpool pool: a server that holds blocks, or a cluster master
-/// (found out at connect, [`crate::Client::role`]; then the block calls go through the master
-/// to the storage nodes, as [`crate::ClusterClient`]'s). Cheap to clone; clones share the
-/// connection.
+/// (then the block calls go through the master to the storage nodes, as [`crate::Client`]'s
+/// do). Cheap to clone; clones share the connection.
 #[derive(Clone)]
 pub struct Client {
     // Dropped before the runtime it runs on.
     inner: crate::Client,
-    cluster: Option<crate::ClusterClient>,
     rt: Arc<tokio::runtime::Runtime>,
-}
-
-/// A call on the cluster when there is one, else on the server.
-macro_rules! routed {
-    ($self:ident, $cc:ident => $on_cluster:expr, $c:ident => $on_server:expr) => {
-        match &$self.cluster {
-            Some($cc) => $self.run($on_cluster),
-            None => {
-                let $c = &$self.inner;
-                $self.run($on_server)
-            }
-        }
-    };
 }
 
 impl std::fmt::Debug for Client {
@@ -43,38 +28,25 @@ impl std::fmt::Debug for Client {
 }
 
 impl Client {
-    /// Connect (see [`crate::Client::connect`]), and ask the server what it is: a cluster
-    /// master is routed through. Must not be called from inside an async runtime.
+    /// Connect (see [`crate::Client::connect`]: a cluster master is routed through). Must not
+    /// be called from inside an async runtime.
     pub fn connect(cfg: ClientConfig) -> Result<Client> {
         let rt = runtime()?;
-        let (inner, cluster) = rt.block_on(async {
-            let inner = crate::Client::connect(cfg).await?;
-            let cluster = match inner.role().await? {
-                crate::ServerRole::Master => Some(crate::ClusterClient::from_master(inner.clone())),
-                crate::ServerRole::Server => None,
-            };
-            Ok::<_, crate::ClientError>((inner, cluster))
-        })?;
-        Ok(Client { inner, cluster, rt: Arc::new(rt) })
+        let inner = rt.block_on(crate::Client::connect(cfg))?;
+        Ok(Client { inner, rt: Arc::new(rt) })
     }
 
     /// Connect to the cluster whose leading master etcd names (see
-    /// [`crate::ClusterClient::connect_etcd`]).
+    /// [`crate::Client::connect_etcd`]).
     pub fn connect_etcd(endpoints: &str, prefix: &str, template: ClientConfig) -> Result<Client> {
         let rt = runtime()?;
-        let cc = rt.block_on(crate::ClusterClient::connect_etcd(endpoints, prefix, template))?;
-        Ok(Client { inner: cc.master(), cluster: Some(cc), rt: Arc::new(rt) })
+        let inner = rt.block_on(crate::Client::connect_etcd(endpoints, prefix, template))?;
+        Ok(Client { inner, rt: Arc::new(rt) })
     }
 
     /// Whether block calls go through a cluster master.
     pub fn is_cluster(&self) -> bool {
-        self.cluster.is_some()
-    }
-
-    /// The connection requests that are not about blocks go to: the server, or the master
-    /// (with etcd, the current leader).
-    fn control(&self) -> crate::Client {
-        self.cluster.as_ref().map_or_else(|| self.inner.clone(), |c| c.master())
+        self.inner.is_cluster()
     }
 
     fn run<T>(&self, fut: impl Future<Output = T>) -> T {
@@ -124,59 +96,50 @@ impl Client {
         self.put_one(key.as_ref(), value, opts, PutMode::Upsert)
     }
     fn put_one(&self, key: &[u8], value: &[u8], opts: PutOptions, mode: PutMode) -> Result<()> {
-        let Some(cc) = &self.cluster else {
-            return match mode {
-                PutMode::Insert => self.run(self.inner.put_with(key, value, opts)),
-                PutMode::Upsert => self.run(self.inner.upsert_with(key, value, opts)),
-            };
-        };
-        only_status(self.run(cc.put_batch(&[PutEntry { key, value, opts }], mode, 1))?.first(), "put")
+        match mode {
+            PutMode::Insert => self.run(self.inner.put_with(key, value, opts)),
+            PutMode::Upsert => self.run(self.inner.upsert_with(key, value, opts)),
+        }
     }
     /// Put blocks; on a cluster, one copy each on the node the master places it on.
     pub fn put_batch(&self, entries: &[PutEntry<'_>], mode: PutMode) -> Result<Vec<ErrorCode>> {
-        routed!(self, cc => cc.put_batch(entries, mode, 1), c => c.put_batch(entries, mode))
+        self.run(self.inner.put_batch(entries, mode))
     }
     pub fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
-        routed!(self, cc => cc.get(key), c => c.get(key))
+        self.run(self.inner.get(key))
     }
     pub fn get_batch<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<GetResult>> {
-        routed!(self, cc => cc.get_batch(keys), c => c.get_batch(keys))
+        self.run(self.inner.get_batch(keys))
     }
     pub fn get_into(&self, key: impl AsRef<[u8]>, buf: &mut [u8]) -> Result<Option<usize>> {
-        let Some(cc) = &self.cluster else { return self.run(self.inner.get_into(key, buf)) };
-        let r = self.run(cc.get_batch_into(&[key.as_ref()], &mut [buf]))?.pop();
-        match r {
-            Some(r) if r.status == ErrorCode::NotFound => Ok(None),
-            r => only_status(r.as_ref().map(|r| &r.status), "get").map(|()| r.map(|r| r.size as usize)),
-        }
+        self.run(self.inner.get_into(key, buf))
     }
     pub fn get_batch_into<K: AsRef<[u8]>>(&self, keys: &[K], bufs: &mut [&mut [u8]]) -> Result<Vec<GetIntoResult>> {
-        routed!(self, cc => cc.get_batch_into(keys, bufs), c => c.get_batch_into(keys, bufs))
+        self.run(self.inner.get_batch_into(keys, bufs))
     }
     pub fn lookup<K: AsRef<[u8]>>(&self, chain: &[K]) -> Result<usize> {
-        routed!(self, cc => cc.lookup(chain), c => c.lookup(chain))
+        self.run(self.inner.lookup(chain))
     }
     pub fn exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>> {
-        routed!(self, cc => cc.exists(keys), c => c.exists(keys))
+        self.run(self.inner.exists(keys))
     }
     pub fn remove(&self, key: impl AsRef<[u8]>, force: bool) -> Result<()> {
-        let Some(cc) = &self.cluster else { return self.run(self.inner.remove(key, force)) };
-        only_status(self.run(cc.remove_batch(&[key.as_ref()], force))?.first(), "remove")
+        self.run(self.inner.remove(key, force))
     }
     pub fn remove_batch<K: AsRef<[u8]>>(&self, keys: &[K], force: bool) -> Result<Vec<ErrorCode>> {
-        routed!(self, cc => cc.remove_batch(keys, force), c => c.remove_batch(keys, force))
+        self.run(self.inner.remove_batch(keys, force))
     }
     /// Remove every block of this tenant (on a cluster: on every live storage node, summed).
     pub fn remove_all(&self, force: bool) -> Result<RemoveAllResponse> {
-        routed!(self, cc => cc.remove_all(force), c => c.remove_all(force))
+        self.run(self.inner.remove_all(force))
     }
     /// The server's statistics (on a cluster: the master's, which holds no blocks; per node
     /// statistics come from [`crate::ClusterClient::stats`]).
     pub fn stats(&self) -> Result<StatsReport> {
-        self.run(self.control().stats())
+        self.run(self.inner.stats())
     }
     pub fn ping(&self) -> Result<Duration> {
-        self.run(self.control().ping())
+        self.run(self.inner.ping())
     }
 
     pub fn alloc_buffer(&self, len: usize) -> Result<Buffer> {
@@ -191,31 +154,15 @@ impl Client {
         entries: &[(K, BufSlice<'_>, PutOptions)],
         mode: PutMode,
     ) -> Result<Vec<ErrorCode>> {
-        let Some(cc) = &self.cluster else { return self.run(self.inner.put_from_batch(entries, mode)) };
-        let puts: Vec<PutEntry<'_>> =
-            entries.iter().map(|(k, s, o)| PutEntry { key: k.as_ref(), value: s.bytes(), opts: o.clone() }).collect();
-        self.run(cc.put_batch(&puts, mode, 1))
+        self.run(self.inner.put_from_batch(entries, mode))
     }
     pub fn get_into_batch<K: AsRef<[u8]>>(&self, keys: &[K], dests: &[BufSlice<'_>]) -> Result<Vec<GetIntoResult>> {
-        let Some(cc) = &self.cluster else { return self.run(self.inner.get_into_batch(keys, dests)) };
-        if keys.len() != dests.len() {
-            return Err(crate::ClientError::Config(format!("{} keys but {} destinations", keys.len(), dests.len())));
-        }
-        // SAFETY: as in `crate::Client::get_into_batch`: distinct parts of buffers this call
-        // borrows, which nothing else touches while it runs.
-        let mut bufs: Vec<&mut [u8]> = dests.iter().map(|d| unsafe { d.bytes_mut() }).collect();
-        self.run(cc.get_batch_into(keys, &mut bufs))
+        self.run(self.inner.get_into_batch(keys, dests))
     }
 
     /// Locate blocks and lease them in place (sizes, tiers, checksums); end with [`Self::release`].
     /// Not offered through a cluster master (`unsupported`).
     pub fn get_locate<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Located> {
-        if self.cluster.is_some() {
-            return Err(crate::ClientError::status(
-                ErrorCode::Unsupported,
-                "locating blocks in place is not offered through a cluster master",
-            ));
-        }
         self.run(self.inner.get_locate(keys))
     }
     /// End a lease of [`Self::get_locate`] or [`Self::lookup_lease`].
@@ -226,9 +173,7 @@ impl Client {
     /// and holds nothing (lease 0): a block that goes before it is read is a miss, which a
     /// connector recovers from by computing it.
     pub fn lookup_lease<K: AsRef<[u8]>>(&self, chain: &[K], ttl: Duration) -> Result<crate::LookupLease> {
-        let Some(cc) = &self.cluster else { return self.run(self.inner.lookup_lease(chain, ttl)) };
-        let resident = self.run(cc.lookup(chain))?;
-        Ok(crate::LookupLease { resident, lease: 0, lease_ms: 0 })
+        self.run(self.inner.lookup_lease(chain, ttl))
     }
     /// See [`crate::Client::remove_matching`] (on a cluster: on every live storage node).
     pub fn remove_matching(
@@ -237,7 +182,7 @@ impl Client {
         pattern: Option<&str>,
         force: bool,
     ) -> Result<RemoveAllResponse> {
-        routed!(self, cc => cc.remove_matching(prefix, pattern, force), c => c.remove_matching(prefix, pattern, force))
+        self.run(self.inner.remove_matching(prefix, pattern, force))
     }
 
     pub fn policy_load(
@@ -247,28 +192,19 @@ impl Client {
         params: &[(String, String)],
         wasm: &[u8],
     ) -> Result<PolicyInfo> {
-        self.run(self.control().policy_load(kind, name, params, wasm))
+        self.run(self.inner.policy_load(kind, name, params, wasm))
     }
     /// Follow the pool's KV events (see [`crate::Client::subscribe`]).
     pub fn subscribe(&self, opts: crate::SubscribeOptions) -> Result<Subscription> {
-        let inner = self.run(self.control().subscribe(opts))?;
+        let inner = self.run(self.inner.subscribe(opts))?;
         Ok(Subscription { inner, rt: self.rt.clone() })
     }
 
     pub fn policy_list(&self) -> Result<Vec<PolicyInfo>> {
-        self.run(self.control().policy_list())
+        self.run(self.inner.policy_list())
     }
     pub fn policy_rollback(&self, kind: PolicyKind) -> Result<PolicyInfo> {
-        self.run(self.control().policy_rollback(kind))
-    }
-}
-
-/// The one status of a one-key batch through a cluster, as a single-key call answers it.
-fn only_status(code: Option<&ErrorCode>, what: &str) -> Result<()> {
-    match code {
-        Some(ErrorCode::Ok) => Ok(()),
-        Some(&code) => Err(crate::ClientError::status(code, what)),
-        None => Err(crate::ClientError::Protocol(format!("a {what} of one block answered nothing"))),
+        self.run(self.inner.policy_rollback(kind))
     }
 }
 

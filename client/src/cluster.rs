@@ -42,12 +42,15 @@ impl Client {
 
     /// What this server is: a cluster master answers `Nodes` (a standby master answers
     /// `not-leader`); a standalone server or a storage node answers `unsupported`, as does
-    /// any server on a version 1 connection. One round trip.
+    /// any server on a version 1 connection (any other refusal also means a server). One
+    /// round trip.
     pub async fn role(&self) -> Result<ServerRole> {
         match self.nodes().await {
             Ok(_) => Ok(ServerRole::Master),
             Err(e) if e.code() == ErrorCode::NotLeader => Ok(ServerRole::Master),
-            Err(e) if e.code() == ErrorCode::Unsupported => Ok(ServerRole::Server),
+            // Any other answer (`unsupported`, or an older server's `unknown-message`): a server
+            // that does not list nodes holds its blocks itself.
+            Err(crate::ClientError::Status { .. }) => Ok(ServerRole::Server),
             Err(e) => Err(e),
         }
     }
@@ -125,7 +128,7 @@ impl ClusterClient {
         // The master holds no blocks, so it offers no shared memory: control goes over QUIC.
         let mut master = master;
         master.transport = crate::TransportChoice::Quic;
-        let master = Client::connect(master).await?;
+        let master = Client::connect_direct(master).await?;
         Ok(ClusterClient {
             master: Arc::new(std::sync::RwLock::new(master)),
             at: MasterAt::Fixed,
@@ -138,6 +141,10 @@ impl ClusterClient {
     /// to be a master); storage nodes are reached with the settings that connection was made
     /// with.
     pub fn from_master(master: Client) -> ClusterClient {
+        // A client that already routes (`Client::connect` found the master) has one.
+        if let Some(cc) = master.cluster() {
+            return cc.clone();
+        }
         let template = master.config().clone();
         ClusterClient {
             master: Arc::new(std::sync::RwLock::new(master)),
@@ -246,7 +253,7 @@ impl ClusterClient {
                     return (idx, Err(crate::ClientError::Protocol(format!("node {n} is routed to but not named"))));
                 };
                 let batch: Vec<PutEntry<'_>> = idx.iter().map(|&i| entries[i].clone()).collect();
-                let r = self.nodes.call(&addr, |c| async move { c.put_batch(&batch, mode).await }).await;
+                let r = self.nodes.call(&addr, |c| async move { c.put_batch_direct(&batch, mode).await }).await;
                 (idx, r)
             }
         });
@@ -323,7 +330,7 @@ impl ClusterClient {
                     let Some(addr) = addr else { return (idx, None) };
                     let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
                     let ks = &ks;
-                    match self.nodes.call(&addr, |c| async move { c.get_batch(ks).await }).await {
+                    match self.nodes.call(&addr, |c| async move { c.get_batch_direct(ks).await }).await {
                         Ok(items) => (idx, Some(items)),
                         Err(e) => {
                             tracing::debug!(node = n, error = %e, "storage node failed a get: trying other holders");
@@ -449,7 +456,7 @@ impl ClusterClient {
     /// removed and kept (leased). A node that fails fails the call (what others removed stays
     /// removed).
     pub async fn remove_all(&self, force: bool) -> Result<RemoveAllResponse> {
-        sum(self.on_every_node(|c| async move { c.remove_all(force).await }).await?)
+        sum(self.on_every_node(|c| async move { c.remove_all_direct(force).await }).await?)
     }
 
     /// [`Client::remove_matching`] on every live storage node, summed as
@@ -461,7 +468,7 @@ impl ClusterClient {
         force: bool,
     ) -> Result<RemoveAllResponse> {
         let prefix = prefix.as_ref();
-        sum(self.on_every_node(|c| async move { c.remove_matching(prefix, pattern, force).await }).await?)
+        sum(self.on_every_node(|c| async move { c.remove_matching_direct(prefix, pattern, force).await }).await?)
     }
 
     /// Remove blocks from every node that holds them. Per key: the first refusal (`Leased`, ...)
@@ -474,7 +481,7 @@ impl ClusterClient {
             let Some(addr) = addrs.get(&n) else { continue };
             let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
             let ks = &ks;
-            let codes = self.nodes.call(addr, |c| async move { c.remove_batch(ks, force).await }).await?;
+            let codes = self.nodes.call(addr, |c| async move { c.remove_batch_direct(ks, force).await }).await?;
             for (&i, c) in idx.iter().zip(codes) {
                 // A copy left behind (leased, ...) is the answer; else removed anywhere is `Ok`.
                 status[i] = match (status[i], c) {
@@ -527,5 +534,5 @@ async fn leader(at: &MasterAt, template: &ClientConfig) -> Result<Client> {
         cfg.server_name = l.server_name;
         cfg.trust = Trust::Fingerprint(crate::parse_fingerprint(&l.fingerprint)?);
     }
-    Client::connect(cfg).await
+    Client::connect_direct(cfg).await
 }

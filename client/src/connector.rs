@@ -23,8 +23,13 @@ pub struct LookupLease {
 impl Client {
     /// Like [`Client::lookup`], and the resident leading blocks stay (neither evicted nor removed
     /// without `force`) until [`Client::release`] of the lease, `ttl` (the server's lease time
-    /// when zero; at most 60 s), or the end of this connection.
+    /// when zero; at most 60 s), or the end of this connection. On a cluster it counts as
+    /// [`Client::lookup`] does and holds nothing (lease 0): a block that goes before it is read
+    /// is a miss, which a connector recovers from by computing it.
     pub async fn lookup_lease<K: AsRef<[u8]>>(&self, chain: &[K], ttl: Duration) -> Result<LookupLease> {
+        if let Some(cc) = self.cluster() {
+            return Ok(LookupLease { resident: cc.lookup(chain).await?, lease: 0, lease_ms: 0 });
+        }
         if chain.is_empty() {
             return Ok(LookupLease { resident: 0, lease: 0, lease_ms: 0 });
         }
@@ -50,8 +55,21 @@ impl Client {
 
     /// Remove this tenant's blocks whose keys start with `prefix` and, when given, match
     /// `pattern` (a regular expression over the key's bytes); held and leased ones only with
-    /// `force`.
+    /// `force` (on a cluster: on every live storage node, summed).
     pub async fn remove_matching(
+        &self,
+        prefix: impl AsRef<[u8]>,
+        pattern: Option<&str>,
+        force: bool,
+    ) -> Result<RemoveAllResponse> {
+        if let Some(cc) = &self.cluster {
+            return cc.remove_matching(prefix, pattern, force).await;
+        }
+        self.remove_matching_direct(prefix, pattern, force).await
+    }
+
+    /// [`Client::remove_matching`] on this server itself.
+    pub(crate) async fn remove_matching_direct(
         &self,
         prefix: impl AsRef<[u8]>,
         pattern: Option<&str>,

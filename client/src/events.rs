@@ -116,11 +116,13 @@ impl Client {
     /// Follow the pool's KV events. Returns once the server has accepted the subscription (its
     /// first batch, possibly empty, is the first [`Subscription::next`]).
     pub async fn subscribe(&self, opts: SubscribeOptions) -> Result<Subscription> {
+        // On a cluster: the master's stream, which covers the whole pool.
+        let c = self.control();
         let req =
             Request::Subscribe(SubscribeRequest { from: opts.from, scope: opts.scope, max_batch: opts.max_batch });
         let frame = frame::encode_frame(&req)?;
-        let (conn, mut tx, mut rx) = self.open().await?;
-        let first = self
+        let (conn, mut tx, mut rx) = c.open().await?;
+        let first = c
             .timed(async {
                 tx.write_all(&frame).await?;
                 tx.finish()?;

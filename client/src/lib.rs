@@ -16,9 +16,11 @@ mod admin;
 pub mod blocking;
 mod cluster;
 mod config;
+mod connect;
 mod connector;
 mod error;
 mod events;
+mod get;
 mod local;
 mod nodes;
 mod onesided;
@@ -42,9 +44,10 @@ pub use shm::{BufSlice, Buffer};
 #[cfg(feature = "test-hooks")]
 pub use testing::{parse_reply, RawConnection};
 
+use connect::{attach_shm, client_endpoint, establish, quic_config, resolve};
 use kvpool_proto::{
-    frame, Hello, KeysRequest, LookupRequest, Ping, PutItem, PutRequest, RemoveAllRequest, RemoveRequest, Request,
-    Response, CLIENT_MAX_FRAME, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+    frame, KeysRequest, LookupRequest, Ping, PutItem, PutRequest, RemoveAllRequest, RemoveRequest, Request, Response,
+    CLIENT_MAX_FRAME,
 };
 use quinn::{RecvStream, SendStream};
 use std::future::Future;
@@ -140,198 +143,23 @@ impl Drop for Inner {
     }
 }
 
-/// A connection to a kvpool server. Cheap to clone; clones share the connection.
+/// A connection to a kvpool pool: a server that holds blocks, or a cluster master (found out
+/// at connect, [`Client::role`]), through which block calls go to the storage nodes
+/// ([`ClusterClient`]'s logic). Cheap to clone; clones share the connection.
 #[derive(Clone)]
 pub struct Client {
     inner: Arc<Inner>,
+    /// Set when the server is a cluster master: block calls go through it.
+    cluster: Option<ClusterClient>,
 }
 
 impl std::fmt::Debug for Client {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Client").field("server", &self.inner.cfg.server).field("tenant", &self.tenant()).finish()
-    }
-}
-
-async fn resolve(server: &str) -> Result<SocketAddr> {
-    let mut addrs = tokio::net::lookup_host(server)
-        .await
-        .map_err(|e| ClientError::Connect { addr: server.to_string(), message: format!("cannot resolve: {e}") })?;
-    addrs.next().ok_or_else(|| ClientError::Connect { addr: server.to_string(), message: "no address".into() })
-}
-
-fn quic_config(cfg: &ClientConfig, addr: &SocketAddr, bufs: &kvpool_net::SocketBuffers) -> Result<quinn::ClientConfig> {
-    let tls = tls::rustls_config(&cfg.trust)?;
-    let crypto = quinn::crypto::rustls::QuicClientConfig::try_from(tls).map_err(|e| ClientError::Tls(e.to_string()))?;
-    let mut qc = quinn::ClientConfig::new(Arc::new(crypto));
-    let mut t = kvpool_net::transport_config(kvpool_net::path_kind(addr.ip()), bufs, &cfg.quic);
-    t.max_concurrent_bidi_streams(0u8.into());
-    t.max_concurrent_uni_streams(0u8.into());
-    let dead_after = cfg.dead_after.clamp(Duration::from_millis(100), Duration::from_secs(3600));
-    t.keep_alive_interval(Some((dead_after / 3).min(Duration::from_secs(5))));
-    t.max_idle_timeout(Some(quinn::IdleTimeout::try_from(dead_after).expect("an hour fits")));
-    qc.transport_config(Arc::new(t));
-    Ok(qc)
-}
-
-fn client_endpoint(
-    addr: &SocketAddr,
-    tuning: &kvpool_net::QuicTuning,
-) -> Result<(quinn::Endpoint, kvpool_net::SocketBuffers)> {
-    let bind: SocketAddr = if addr.is_ipv6() { "[::]:0".parse() } else { "0.0.0.0:0".parse() }.expect("literal");
-    kvpool_net::endpoint(bind, None, tuning).map_err(|e| ClientError::Io(e.to_string()))
-}
-
-async fn handshake(
-    endpoint: &quinn::Endpoint,
-    quic: &quinn::ClientConfig,
-    addr: SocketAddr,
-    cfg: &ClientConfig,
-) -> Result<quinn::Connection> {
-    let connect_err = |message: String| ClientError::Connect { addr: cfg.server.clone(), message };
-    let connecting =
-        endpoint.connect_with(quic.clone(), addr, &cfg.server_name).map_err(|e| connect_err(e.to_string()))?;
-    match tokio::time::timeout(cfg.request_timeout, connecting).await {
-        Err(_) => Err(connect_err(format!("no QUIC handshake within {:?}", cfg.request_timeout))),
-        Ok(Ok(c)) => Ok(c),
-        Ok(Err(e)) => match ClientError::from(e) {
-            // The pinned verifier's refusal reads as a bare enum name; say what it means.
-            ClientError::Tls(m) if m.contains("ApplicationVerificationFailure") => Err(ClientError::Tls(format!(
-                "the server certificate does not match the pinned SHA-256 fingerprint ({m})"
-            ))),
-            t @ ClientError::Tls(_) => Err(t),
-            other => Err(connect_err(other.to_string())),
-        },
-    }
-}
-
-async fn hello(conn: &quinn::Connection, cfg: &ClientConfig, version: u16) -> Result<HelloOk> {
-    let req = Request::Hello(Hello { version, api_key: cfg.api_key.clone(), client_name: cfg.client_name.clone() });
-    let resp = timed(cfg.request_timeout, async {
-        let (mut tx, mut rx) = conn.open_bi().await?;
-        write_request(&mut tx, &req).await?;
-        tx.finish()?;
-        read_response(conn, &mut rx).await
-    })
-    .await;
-    match resp {
-        Ok(Response::Hello(h)) if (MIN_PROTOCOL_VERSION..=version).contains(&h.version) => Ok(h),
-        Ok(Response::Hello(h)) => {
-            Err(ClientError::Protocol(format!("server answered version {} to a version {version} hello", h.version)))
-        }
-        Ok(other) => Err(unexpected("Hello", &other)),
-        Err(e) => Err(e),
-    }
-}
-
-async fn establish(
-    endpoint: &quinn::Endpoint,
-    quic: &quinn::ClientConfig,
-    addr: SocketAddr,
-    cfg: &ClientConfig,
-) -> Result<Session> {
-    let conn = handshake(endpoint, quic, addr, cfg).await?;
-    let hello = match hello(&conn, cfg, PROTOCOL_VERSION).await {
-        // A server older than this client: speak its version (it closed that connection).
-        Err(ClientError::Status { code: ErrorCode::UnsupportedVersion, .. }) if PROTOCOL_VERSION > 1 => {
-            conn.close(kvpool_proto::close::OK.into(), b"retry with version 1");
-            let conn = handshake(endpoint, quic, addr, cfg).await?;
-            let h = hello(&conn, cfg, 1).await;
-            return finish_session(conn, h);
-        }
-        h => h,
-    };
-    finish_session(conn, hello)
-}
-
-fn finish_session(conn: quinn::Connection, hello: Result<HelloOk>) -> Result<Session> {
-    match hello {
-        Ok(hello) => {
-            tracing::debug!(tenant = %hello.tenant, server = %hello.server, version = hello.version, "connected to kvpool");
-            Ok(Session { conn, hello, local: None })
-        }
-        Err(e) => {
-            conn.close(kvpool_proto::close::OK.into(), b"hello failed");
-            Err(e)
-        }
-    }
-}
-
-/// Set up the same-host transport on a fresh connection when the configuration allows it and the
-/// server offers it: ask for a token, attach on the shm socket, share every live buffer.
-async fn attach_shm(
-    session: &mut Session,
-    cfg: &ClientConfig,
-    addr: SocketAddr,
-    registry: &Arc<shm::Registry>,
-) -> Result<()> {
-    let wanted = match cfg.transport {
-        TransportChoice::Quic => false,
-        TransportChoice::Shm => true,
-        TransportChoice::Auto => kvpool_net::path_kind(addr.ip()) == kvpool_net::PathKind::SameHost,
-    };
-    let attempt = async {
-        if !wanted {
-            return Ok(None);
-        }
-        if session.hello.version < 2 {
-            return Err(ClientError::status(ErrorCode::Unsupported, "the server speaks protocol version 1 only"));
-        }
-        let offer = timed(cfg.request_timeout, async {
-            let (mut tx, mut rx) = session.conn.open_bi().await?;
-            write_request(&mut tx, &Request::ShmAttach).await?;
-            tx.finish()?;
-            match read_response(&session.conn, &mut rx).await? {
-                Response::ShmOffer(o) => Ok(o),
-                other => Err(unexpected("ShmOffer", &other)),
-            }
-        })
-        .await?;
-        let link = tokio::task::spawn_blocking(move || {
-            kvpool_transport::shm::ShmClient::connect(std::path::Path::new(&offer.socket_path), &offer.token)
-        })
-        .await
-        .map_err(|e| ClientError::Io(e.to_string()))?
-        .map_err(|e| ClientError::Io(format!("attaching to the shm socket: {e}")))?;
-        Ok(Some(link))
-    };
-    let attached = match attempt.await {
-        Ok(link) => {
-            let on = link.is_some();
-            registry.relink(link)?;
-            on
-        }
-        Err(e) if cfg.transport == TransportChoice::Shm => return Err(e),
-        Err(e) => {
-            tracing::debug!(error = %e, "same-host transport not available; using QUIC");
-            return registry.relink(None);
-        }
-    };
-    if attached && cfg.local_control {
-        session.local = attach_local(session, cfg).await;
-    }
-    Ok(())
-}
-
-/// The same-host control channel, or `None` (requests then go over QUIC) when the server does
-/// not offer it or it cannot be bound.
-async fn attach_local(session: &Session, cfg: &ClientConfig) -> Option<Arc<local::LocalLink>> {
-    let attempt = timed(cfg.request_timeout, async {
-        let (mut tx, mut rx) = session.conn.open_bi().await?;
-        write_request(&mut tx, &Request::LocalAttach).await?;
-        tx.finish()?;
-        let offer = match read_response(&session.conn, &mut rx).await? {
-            Response::LocalOffer(o) => o,
-            other => return Err(unexpected("LocalOffer", &other)),
-        };
-        local::LocalLink::open(offer).await
-    });
-    match attempt.await {
-        Ok(link) => Some(Arc::new(link)),
-        Err(e) if local::not_offered(&e) => None,
-        Err(e) => {
-            tracing::warn!(error = %e, "same-host control channel not available; requests go over QUIC");
-            None
-        }
+        f.debug_struct("Client")
+            .field("server", &self.inner.cfg.server)
+            .field("tenant", &self.tenant())
+            .field("cluster", &self.cluster.is_some())
+            .finish()
     }
 }
 
@@ -381,8 +209,47 @@ fn key_text(key: &[u8]) -> String {
 }
 
 impl Client {
-    /// Connect, verify the server certificate, and say hello with the API key.
+    /// Connect, verify the server certificate, say hello with the API key, and ask the server
+    /// what it is (one round trip more): on a cluster master, block calls are routed through
+    /// it to the storage nodes.
     pub async fn connect(cfg: ClientConfig) -> Result<Client> {
+        let c = Client::connect_direct(cfg).await?;
+        match c.role().await? {
+            ServerRole::Server => Ok(c),
+            ServerRole::Master => Ok(Client { inner: c.inner.clone(), cluster: Some(ClusterClient::from_master(c)) }),
+        }
+    }
+
+    /// Connect to the cluster whose leading master etcd names (see
+    /// [`ClusterClient::connect_etcd`]); block calls are routed through it.
+    pub async fn connect_etcd(endpoints: &str, prefix: &str, template: ClientConfig) -> Result<Client> {
+        let cc = ClusterClient::connect_etcd(endpoints, prefix, template).await?;
+        Ok(Client { inner: cc.master().inner, cluster: Some(cc) })
+    }
+
+    /// The cluster block calls go through, when the server is a master.
+    pub fn cluster(&self) -> Option<&ClusterClient> {
+        self.cluster.as_ref()
+    }
+
+    /// Whether block calls go through a cluster master.
+    pub fn is_cluster(&self) -> bool {
+        self.cluster.is_some()
+    }
+
+    /// Where requests that are not about blocks go: this server, or on a cluster the master
+    /// (with etcd, the current leader).
+    fn control(&self) -> std::borrow::Cow<'_, Client> {
+        match &self.cluster {
+            Some(cc) => std::borrow::Cow::Owned(cc.master()),
+            None => std::borrow::Cow::Borrowed(self),
+        }
+    }
+
+    /// Connect as [`Client::connect`] does, without asking the server's role: every call goes
+    /// to this server as it is (a master then refuses block calls with `unsupported`). For
+    /// storage nodes and cluster clients, which know what they talk to.
+    pub async fn connect_direct(cfg: ClientConfig) -> Result<Client> {
         let addr = resolve(&cfg.server).await?;
         let (endpoint, bufs) = client_endpoint(&addr, &cfg.quic)?;
         let quic = quic_config(&cfg, &addr, &bufs)?;
@@ -401,6 +268,7 @@ impl Client {
                 registry,
                 staging: shm::Staging::default(),
             }),
+            cluster: None,
         })
     }
 
@@ -607,6 +475,14 @@ impl Client {
     /// On a same-host connection the values are staged through shared buffers (one copy here,
     /// one in the server), otherwise sent over QUIC.
     pub async fn put_batch(&self, entries: &[PutEntry<'_>], mode: PutMode) -> Result<Vec<ErrorCode>> {
+        if let Some(cc) = &self.cluster {
+            return cc.put_batch(entries, mode, 1).await;
+        }
+        self.put_batch_direct(entries, mode).await
+    }
+
+    /// [`Client::put_batch`] on this server itself.
+    pub(crate) async fn put_batch_direct(&self, entries: &[PutEntry<'_>], mode: PutMode) -> Result<Vec<ErrorCode>> {
         if entries.is_empty() {
             return Ok(Vec::new());
         }
@@ -676,145 +552,14 @@ impl Client {
         }
     }
 
-    // ---- get ----------------------------------------------------------------------------
-
-    /// Read one block; `None` when it is not in the pool. A `Corrupt` answer is an error.
-    pub async fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
-        let key = key.as_ref();
-        let mut r = self.get_batch(&[key]).await?;
-        let r = r.pop().expect("one item checked by get_batch");
-        match r.status {
-            ErrorCode::Ok => Ok(r.value),
-            ErrorCode::NotFound => Ok(None),
-            code => Err(ClientError::status(code, format!("get of key {}", key_text(key)))),
-        }
-    }
-
-    /// Read many blocks on one stream. Every value is checked against the server's xxh3-64;
-    /// a mismatch fails the whole call with `ClientError::Checksum`.
-    pub async fn get_batch<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<GetResult>> {
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        let max_value = self.limits().max_value_size;
-        let frame = self.get_frame(keys)?;
-        self.timed(async {
-            let (items, mut rx) = self.get_open(&frame, keys.len()).await?;
-            let mut out = Vec::with_capacity(items.len());
-            for (i, item) in items.into_iter().enumerate() {
-                let mut value = None;
-                if item.status == ErrorCode::Ok {
-                    if item.size > max_value {
-                        return Err(ClientError::Protocol(format!(
-                            "server announced a value of {} bytes, above its own limit of {max_value}",
-                            item.size
-                        )));
-                    }
-                    let mut buf = vec![0u8; item.size as usize];
-                    read_verified(&mut rx, keys[i].as_ref(), item.checksum, &mut buf).await?;
-                    value = Some(buf);
-                }
-                out.push(GetResult { status: item.status, value, tier: item.tier, lease_ms: item.lease_ms });
-            }
-            expect_end(&mut rx).await?;
-            Ok(out)
-        })
-        .await
-    }
-
-    /// Read one block into `buf`; `Some(len)` when found, `None` when not in the pool. A value
-    /// larger than `buf` fails with `ValueTooLarge`.
-    pub async fn get_into(&self, key: impl AsRef<[u8]>, buf: &mut [u8]) -> Result<Option<usize>> {
-        let key = key.as_ref();
-        let have = buf.len();
-        let r = self.get_batch_into(&[key], &mut [buf]).await?[0];
-        match r.status {
-            ErrorCode::Ok => Ok(Some(r.size as usize)),
-            ErrorCode::NotFound => Ok(None),
-            ErrorCode::ValueTooLarge => Err(ClientError::status(
-                ErrorCode::ValueTooLarge,
-                format!("value of key {} has {} bytes, the buffer only {have}", key_text(key), r.size),
-            )),
-            code => Err(ClientError::status(code, format!("get of key {}", key_text(key)))),
-        }
-    }
-
-    /// Read many blocks straight into caller buffers (`bufs[i]` for `keys[i]`), the way a
-    /// connector fills registered memory. Checksums are verified as for `get_batch`.
-    pub async fn get_batch_into<K: AsRef<[u8]>>(
-        &self,
-        keys: &[K],
-        bufs: &mut [&mut [u8]],
-    ) -> Result<Vec<GetIntoResult>> {
-        if keys.len() != bufs.len() {
-            return Err(ClientError::Config(format!("{} keys but {} buffers", keys.len(), bufs.len())));
-        }
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        if self.inner.registry.linked() {
-            return self.get_batch_into_staged(keys, bufs).await;
-        }
-        self.get_batch_into_inband(keys, bufs).await
-    }
-
-    /// `get_batch_into` over QUIC: values come back on the request's stream.
-    async fn get_batch_into_inband<K: AsRef<[u8]>>(
-        &self,
-        keys: &[K],
-        bufs: &mut [&mut [u8]],
-    ) -> Result<Vec<GetIntoResult>> {
-        if keys.is_empty() {
-            return Ok(Vec::new());
-        }
-        let frame = self.get_frame(keys)?;
-        self.timed(async {
-            let (items, mut rx) = self.get_open(&frame, keys.len()).await?;
-            let mut out = Vec::with_capacity(items.len());
-            for (i, item) in items.into_iter().enumerate() {
-                let buf: &mut [u8] = bufs[i];
-                let mut status = item.status;
-                if status == ErrorCode::Ok {
-                    if item.size > buf.len() as u64 {
-                        discard(&mut rx, item.size).await?;
-                        status = ErrorCode::ValueTooLarge;
-                    } else {
-                        let dst = &mut buf[..item.size as usize];
-                        read_verified(&mut rx, keys[i].as_ref(), item.checksum, dst).await?;
-                    }
-                }
-                out.push(GetIntoResult { status, size: item.size, tier: item.tier, lease_ms: item.lease_ms });
-            }
-            expect_end(&mut rx).await?;
-            Ok(out)
-        })
-        .await
-    }
-
-    fn get_frame<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<u8>> {
-        self.check_keys(keys.iter().map(|k| k.as_ref()))?;
-        self.encode_checked(&Request::Get(KeysRequest { keys: keys.iter().map(|k| k.as_ref().to_vec()).collect() }))
-    }
-
-    /// Send a Get frame; return the item headers with the stream positioned at the first value.
-    async fn get_open(&self, frame: &[u8], n: usize) -> Result<(Vec<kvpool_proto::GetItem>, RecvStream)> {
-        let (conn, mut tx, mut rx) = self.open().await?;
-        tx.write_all(frame).await?;
-        tx.finish()?;
-        match read_response(&conn, &mut rx).await? {
-            Response::Get(g) if g.items.len() == n => Ok((g.items, rx)),
-            Response::Get(g) => {
-                Err(ClientError::Protocol(format!("get of {n} keys answered with {} items", g.items.len())))
-            }
-            other => Err(unexpected("Get", &other)),
-        }
-    }
-
     // ---- queries and removal ------------------------------------------------------------
 
     /// Number of leading blocks of `chain` (root first) that are resident. Does not lease or
     /// touch recency.
     pub async fn lookup<K: AsRef<[u8]>>(&self, chain: &[K]) -> Result<usize> {
+        if let Some(cc) = &self.cluster {
+            return cc.lookup(chain).await;
+        }
         if chain.is_empty() {
             return Ok(0);
         }
@@ -831,6 +576,9 @@ impl Client {
 
     /// Presence of each key; does not lease or touch recency.
     pub async fn exists<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<bool>> {
+        if let Some(cc) = &self.cluster {
+            return cc.exists(keys).await;
+        }
         if keys.is_empty() {
             return Ok(Vec::new());
         }
@@ -856,6 +604,14 @@ impl Client {
 
     /// Remove many blocks; one status per key (`Ok`, `NotFound`, `Leased`).
     pub async fn remove_batch<K: AsRef<[u8]>>(&self, keys: &[K], force: bool) -> Result<Vec<ErrorCode>> {
+        if let Some(cc) = &self.cluster {
+            return cc.remove_batch(keys, force).await;
+        }
+        self.remove_batch_direct(keys, force).await
+    }
+
+    /// [`Client::remove_batch`] on this server itself.
+    pub(crate) async fn remove_batch_direct<K: AsRef<[u8]>>(&self, keys: &[K], force: bool) -> Result<Vec<ErrorCode>> {
         if keys.is_empty() {
             return Ok(Vec::new());
         }
@@ -872,16 +628,27 @@ impl Client {
         }
     }
 
-    /// Remove every block of this tenant (leased ones only with `force`).
+    /// Remove every block of this tenant (leased ones only with `force`; on a cluster: on every
+    /// live storage node, summed).
     pub async fn remove_all(&self, force: bool) -> Result<RemoveAllResponse> {
+        if let Some(cc) = &self.cluster {
+            return cc.remove_all(force).await;
+        }
+        self.remove_all_direct(force).await
+    }
+
+    /// [`Client::remove_all`] on this server itself.
+    pub(crate) async fn remove_all_direct(&self, force: bool) -> Result<RemoveAllResponse> {
         match self.call(Request::RemoveAll(RemoveAllRequest { force })).await? {
             Response::RemoveAll(r) => Ok(r),
             other => Err(unexpected("RemoveAll", &other)),
         }
     }
 
+    /// The server's statistics (on a cluster: the master's, which holds no blocks; per node
+    /// statistics come from [`ClusterClient::stats`]).
     pub async fn stats(&self) -> Result<StatsReport> {
-        match self.call(Request::Stats).await? {
+        match self.control().call(Request::Stats).await? {
             Response::Stats(s) => Ok(s),
             other => Err(unexpected("Stats", &other)),
         }
@@ -889,58 +656,13 @@ impl Client {
 
     /// Round-trip time of one request on its own stream.
     pub async fn ping(&self) -> Result<Duration> {
-        let nonce = self.inner.nonce.fetch_add(1, Ordering::Relaxed);
+        let c = self.control();
+        let nonce = c.inner.nonce.fetch_add(1, Ordering::Relaxed);
         let start = Instant::now();
-        match self.call(Request::Ping(Ping { nonce })).await? {
+        match c.call(Request::Ping(Ping { nonce })).await? {
             Response::Pong(p) if p.nonce == nonce => Ok(start.elapsed()),
             Response::Pong(p) => Err(ClientError::Protocol(format!("pong carries nonce {}, sent {nonce}", p.nonce))),
             other => Err(unexpected("Pong", &other)),
         }
     }
-}
-
-/// Read exactly `dst.len()` value bytes and check them against `expected`, hashing each piece
-/// as it lands (while it is still in cache) rather than in a second pass over the value.
-async fn read_verified(rx: &mut RecvStream, key: &[u8], expected: u64, dst: &mut [u8]) -> Result<()> {
-    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
-    let mut filled = 0;
-    while filled < dst.len() {
-        // Pieces small enough to be hashed from L2.
-        let end = dst.len().min(filled + (128 << 10));
-        match rx.read(&mut dst[filled..end]).await? {
-            Some(n) => {
-                h.update(&dst[filled..filled + n]);
-                filled += n;
-            }
-            None => {
-                return Err(ClientError::Protocol(format!(
-                    "stream ended early, {} bytes short of a declared value size",
-                    dst.len() - filled
-                )))
-            }
-        }
-    }
-    let actual = h.digest();
-    if actual != expected {
-        return Err(ClientError::Checksum { key: key_text(key), expected, actual });
-    }
-    Ok(())
-}
-
-fn verify(key: &[u8], expected: u64, bytes: &[u8]) -> Result<()> {
-    let actual = xxhash_rust::xxh3::xxh3_64(bytes);
-    if actual != expected {
-        return Err(ClientError::Checksum { key: key_text(key), expected, actual });
-    }
-    Ok(())
-}
-
-async fn discard(rx: &mut RecvStream, mut n: u64) -> Result<()> {
-    let mut scratch = vec![0u8; 64 << 10];
-    while n > 0 {
-        let take = n.min(scratch.len() as u64) as usize;
-        rx.read_exact(&mut scratch[..take]).await?;
-        n -= take as u64;
-    }
-    Ok(())
 }

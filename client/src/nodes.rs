@@ -166,7 +166,7 @@ async fn revive(cfg: ClientConfig, node: u32, tx: watch::Sender<Option<Client>>,
     let attempt = cfg.node_answer_within.max(Duration::from_millis(300));
     let mut backoff = BACKOFF_MIN;
     loop {
-        match tokio::time::timeout(attempt, Client::connect(cfg.clone())).await {
+        match tokio::time::timeout(attempt, Client::connect_direct(cfg.clone())).await {
             Ok(Ok(c)) => {
                 if tx.send(Some(c.clone())).is_ok() {
                     tracing::debug!(node, "storage node is up");

@@ -106,7 +106,14 @@ impl Client {
     }
 
     /// Locate blocks and lease them in place.
+    /// Not offered through a cluster master (`unsupported`).
     pub async fn get_locate<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Located> {
+        if self.is_cluster() {
+            return Err(crate::ClientError::status(
+                kvpool_proto::ErrorCode::Unsupported,
+                "locating blocks in place is not offered through a cluster master",
+            ));
+        }
         self.need_v2()?;
         self.check_keys(keys.iter().map(|k| k.as_ref()))?;
         let req = Request::GetLocate(KeysRequest { keys: keys.iter().map(|k| k.as_ref().to_vec()).collect() });

@@ -197,6 +197,14 @@ impl crate::Client {
         entries: &[(K, BufSlice<'_>, crate::PutOptions)],
         mode: kvpool_proto::PutMode,
     ) -> Result<Vec<kvpool_proto::ErrorCode>> {
+        if let Some(cc) = self.cluster() {
+            // Through a master the bytes go to the nodes over the network.
+            let puts: Vec<crate::PutEntry<'_>> = entries
+                .iter()
+                .map(|(k, s, o)| crate::PutEntry { key: k.as_ref(), value: s.bytes(), opts: o.clone() })
+                .collect();
+            return cc.put_batch(&puts, mode, 1).await;
+        }
         if entries.is_empty() {
             return Ok(Vec::new());
         }
@@ -242,6 +250,12 @@ impl crate::Client {
         if keys.len() != dests.len() {
             return Err(ClientError::Config(format!("{} keys but {} destinations", keys.len(), dests.len())));
         }
+        if let Some(cc) = self.cluster() {
+            // SAFETY: as below: distinct parts of buffers this call borrows, which nothing else
+            // touches while it runs.
+            let mut bufs: Vec<&mut [u8]> = dests.iter().map(|d| unsafe { d.bytes_mut() }).collect();
+            return cc.get_batch_into(keys, &mut bufs).await;
+        }
         if keys.is_empty() {
             return Ok(Vec::new());
         }
@@ -280,7 +294,7 @@ impl crate::Client {
                     return Err(ClientError::Protocol("server filled more than the destination holds".into()));
                 }
                 if self.inner.cfg.verify_shm_gets {
-                    crate::verify(k.as_ref(), item.checksum, &d.bytes()[..item.size as usize])?;
+                    crate::get::verify(k.as_ref(), item.checksum, &d.bytes()[..item.size as usize])?;
                 }
             }
             out.push(crate::GetIntoResult { status: item.status, size: item.size, tier: item.tier, lease_ms: 0 });

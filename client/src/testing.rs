@@ -1,8 +1,9 @@
 //! Hooks for protocol tests (feature `test-hooks`): raw streams on an authenticated connection,
 //! and a QUIC connection on which no hello has been sent. Not part of the client's API.
 
+use crate::connect::{client_endpoint, handshake, quic_config, resolve};
 use crate::error::{ClientError, Result};
-use crate::{client_endpoint, handshake, quic_config, resolve, timed, Client, ClientConfig};
+use crate::{timed, Client, ClientConfig};
 use kvpool_proto::{frame, Request, Response, CLIENT_MAX_FRAME};
 use std::time::Duration;
 

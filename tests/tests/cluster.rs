@@ -178,12 +178,22 @@ async fn capacity_is_the_sum_of_the_nodes_and_a_put_is_a_hit_for_every_client() 
     let bob = cl.client(BOB_KEY).await;
     assert_eq!(bob.lookup(&chains[0]).await.unwrap(), 0);
     assert_eq!(read_back(&bob, &chains[0], SIZE).await, vec![ErrorCode::NotFound; 4]);
-    // The master holds no blocks: a plain put to it is refused with a reason.
+    // The master holds no blocks: a put sent to it directly is refused with a reason...
     let mut cfg = cl.config(ALICE_KEY);
     cfg.transport = kvpool_client::TransportChoice::Quic;
-    let plain = kvpool_client::Client::connect(cfg).await.unwrap();
-    let e = plain.put("k", b"v").await.unwrap_err();
+    let direct = kvpool_client::Client::connect_direct(cfg.clone()).await.unwrap();
+    let e = direct.put("k", b"v").await.unwrap_err();
     assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");
+    // ...and a plain `Client::connect` finds out it is a master and routes through it.
+    let routed = kvpool_client::Client::connect(cfg).await.unwrap();
+    assert!(routed.is_cluster());
+    assert_eq!(routed.lookup(&chains[1]).await.unwrap(), 4);
+    assert_eq!(routed.get(&chains[1][0]).await.unwrap().as_deref(), Some(value_for(&chains[1][0], SIZE).as_slice()));
+    routed.put_with("via-connect", b"v", PutOptions::default()).await.unwrap();
+    visible(routed.cluster().unwrap(), &["via-connect".to_string()]).await;
+    assert_eq!(routed.get("via-connect").await.unwrap().as_deref(), Some(&b"v"[..]));
+    // (The get leased it: removing it at once takes `force`.)
+    assert_eq!(routed.remove_batch(&["via-connect"], true).await.unwrap(), vec![ErrorCode::Ok]);
     // Metrics: the master's per-node figures, each node's reports.
     let m = cl.master.scrape();
     assert_eq!(kvpool_tests::metric(&m, "kvpool_cluster_nodes{state=\"live\"}"), 3.0, "{m}");

@@ -151,7 +151,7 @@ async fn connect_master(link: &Link) -> Result<Client, LinkError> {
     // A master that died must not hold the node for long: it rejoins whoever leads next. A
     // report is at most half a MiB, which a second carries even between distant hosts.
     cfg.request_timeout = Duration::from_secs(1);
-    Ok(Client::connect(cfg).await?)
+    Ok(Client::connect_direct(cfg).await?)
 }
 
 async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
@@ -287,7 +287,7 @@ impl Offloader {
             cfg.client_name = format!("kvpool-storage/{}", self.link.name);
             cfg.transport = kvpool_client::TransportChoice::Quic;
             cfg.request_timeout = OFFLOAD_BUDGET;
-            conns.nodes.insert(id, (addr, Client::connect(cfg).await?));
+            conns.nodes.insert(id, (addr, Client::connect_direct(cfg).await?));
         }
         let peer = conns.nodes.get(&id).expect("just connected").1.clone();
         drop(conns);

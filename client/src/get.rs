@@ -1,0 +1,197 @@
+//! Reads: values over the QUIC stream (checked against the server's checksums as they land),
+//! or into caller buffers.
+
+use crate::{expect_end, key_text, read_response, unexpected, Client, ClientError, GetIntoResult, GetResult, Result};
+use kvpool_proto::{ErrorCode, KeysRequest, Request, Response};
+use quinn::RecvStream;
+
+impl Client {
+    /// Read one block; `None` when it is not in the pool. A `Corrupt` answer is an error.
+    pub async fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
+        let key = key.as_ref();
+        let mut r = self.get_batch(&[key]).await?;
+        let r = r.pop().expect("one item checked by get_batch");
+        match r.status {
+            ErrorCode::Ok => Ok(r.value),
+            ErrorCode::NotFound => Ok(None),
+            code => Err(ClientError::status(code, format!("get of key {}", key_text(key)))),
+        }
+    }
+
+    /// Read many blocks on one stream. Every value is checked against the server's xxh3-64;
+    /// a mismatch fails the whole call with `ClientError::Checksum`.
+    pub async fn get_batch<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<GetResult>> {
+        if let Some(cc) = &self.cluster {
+            return cc.get_batch(keys).await;
+        }
+        self.get_batch_direct(keys).await
+    }
+
+    /// [`Client::get_batch`] on this server itself.
+    pub(crate) async fn get_batch_direct<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<GetResult>> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let max_value = self.limits().max_value_size;
+        let frame = self.get_frame(keys)?;
+        self.timed(async {
+            let (items, mut rx) = self.get_open(&frame, keys.len()).await?;
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.into_iter().enumerate() {
+                let mut value = None;
+                if item.status == ErrorCode::Ok {
+                    if item.size > max_value {
+                        return Err(ClientError::Protocol(format!(
+                            "server announced a value of {} bytes, above its own limit of {max_value}",
+                            item.size
+                        )));
+                    }
+                    let mut buf = vec![0u8; item.size as usize];
+                    read_verified(&mut rx, keys[i].as_ref(), item.checksum, &mut buf).await?;
+                    value = Some(buf);
+                }
+                out.push(GetResult { status: item.status, value, tier: item.tier, lease_ms: item.lease_ms });
+            }
+            expect_end(&mut rx).await?;
+            Ok(out)
+        })
+        .await
+    }
+
+    /// Read one block into `buf`; `Some(len)` when found, `None` when not in the pool. A value
+    /// larger than `buf` fails with `ValueTooLarge`.
+    pub async fn get_into(&self, key: impl AsRef<[u8]>, buf: &mut [u8]) -> Result<Option<usize>> {
+        let key = key.as_ref();
+        let have = buf.len();
+        let r = self.get_batch_into(&[key], &mut [buf]).await?[0];
+        match r.status {
+            ErrorCode::Ok => Ok(Some(r.size as usize)),
+            ErrorCode::NotFound => Ok(None),
+            ErrorCode::ValueTooLarge => Err(ClientError::status(
+                ErrorCode::ValueTooLarge,
+                format!("value of key {} has {} bytes, the buffer only {have}", key_text(key), r.size),
+            )),
+            code => Err(ClientError::status(code, format!("get of key {}", key_text(key)))),
+        }
+    }
+
+    /// Read many blocks straight into caller buffers (`bufs[i]` for `keys[i]`), the way a
+    /// connector fills registered memory. Checksums are verified as for `get_batch`.
+    pub async fn get_batch_into<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<GetIntoResult>> {
+        if let Some(cc) = &self.cluster {
+            return cc.get_batch_into(keys, bufs).await;
+        }
+        if keys.len() != bufs.len() {
+            return Err(ClientError::Config(format!("{} keys but {} buffers", keys.len(), bufs.len())));
+        }
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        if self.inner.registry.linked() {
+            return self.get_batch_into_staged(keys, bufs).await;
+        }
+        self.get_batch_into_inband(keys, bufs).await
+    }
+
+    /// `get_batch_into` over QUIC: values come back on the request's stream.
+    pub(crate) async fn get_batch_into_inband<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<GetIntoResult>> {
+        if keys.is_empty() {
+            return Ok(Vec::new());
+        }
+        let frame = self.get_frame(keys)?;
+        self.timed(async {
+            let (items, mut rx) = self.get_open(&frame, keys.len()).await?;
+            let mut out = Vec::with_capacity(items.len());
+            for (i, item) in items.into_iter().enumerate() {
+                let buf: &mut [u8] = bufs[i];
+                let mut status = item.status;
+                if status == ErrorCode::Ok {
+                    if item.size > buf.len() as u64 {
+                        discard(&mut rx, item.size).await?;
+                        status = ErrorCode::ValueTooLarge;
+                    } else {
+                        let dst = &mut buf[..item.size as usize];
+                        read_verified(&mut rx, keys[i].as_ref(), item.checksum, dst).await?;
+                    }
+                }
+                out.push(GetIntoResult { status, size: item.size, tier: item.tier, lease_ms: item.lease_ms });
+            }
+            expect_end(&mut rx).await?;
+            Ok(out)
+        })
+        .await
+    }
+
+    fn get_frame<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<u8>> {
+        self.check_keys(keys.iter().map(|k| k.as_ref()))?;
+        self.encode_checked(&Request::Get(KeysRequest { keys: keys.iter().map(|k| k.as_ref().to_vec()).collect() }))
+    }
+
+    /// Send a Get frame; return the item headers with the stream positioned at the first value.
+    async fn get_open(&self, frame: &[u8], n: usize) -> Result<(Vec<kvpool_proto::GetItem>, RecvStream)> {
+        let (conn, mut tx, mut rx) = self.open().await?;
+        tx.write_all(frame).await?;
+        tx.finish()?;
+        match read_response(&conn, &mut rx).await? {
+            Response::Get(g) if g.items.len() == n => Ok((g.items, rx)),
+            Response::Get(g) => {
+                Err(ClientError::Protocol(format!("get of {n} keys answered with {} items", g.items.len())))
+            }
+            other => Err(unexpected("Get", &other)),
+        }
+    }
+}
+
+/// Read exactly `dst.len()` value bytes and check them against `expected`, hashing each piece
+/// as it lands (while it is still in cache) rather than in a second pass over the value.
+pub(crate) async fn read_verified(rx: &mut RecvStream, key: &[u8], expected: u64, dst: &mut [u8]) -> Result<()> {
+    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+    let mut filled = 0;
+    while filled < dst.len() {
+        // Pieces small enough to be hashed from L2.
+        let end = dst.len().min(filled + (128 << 10));
+        match rx.read(&mut dst[filled..end]).await? {
+            Some(n) => {
+                h.update(&dst[filled..filled + n]);
+                filled += n;
+            }
+            None => {
+                return Err(ClientError::Protocol(format!(
+                    "stream ended early, {} bytes short of a declared value size",
+                    dst.len() - filled
+                )))
+            }
+        }
+    }
+    let actual = h.digest();
+    if actual != expected {
+        return Err(ClientError::Checksum { key: key_text(key), expected, actual });
+    }
+    Ok(())
+}
+
+pub(crate) fn verify(key: &[u8], expected: u64, bytes: &[u8]) -> Result<()> {
+    let actual = xxhash_rust::xxh3::xxh3_64(bytes);
+    if actual != expected {
+        return Err(ClientError::Checksum { key: key_text(key), expected, actual });
+    }
+    Ok(())
+}
+
+pub(crate) async fn discard(rx: &mut RecvStream, mut n: u64) -> Result<()> {
+    let mut scratch = vec![0u8; 64 << 10];
+    while n > 0 {
+        let take = n.min(scratch.len() as u64) as usize;
+        rx.read_exact(&mut scratch[..take]).await?;
+        n -= take as u64;
+    }
+    Ok(())
+}
