@@ -141,11 +141,17 @@ impl ClusterClient {
     /// to be a master); storage nodes are reached with the settings that connection was made
     /// with.
     pub fn from_master(master: Client) -> ClusterClient {
+        let template = master.config().clone();
+        ClusterClient::from_master_as(master, template)
+    }
+
+    /// [`ClusterClient::from_master`], reaching the nodes with `template` (its server and trust
+    /// are replaced per node).
+    pub(crate) fn from_master_as(master: Client, template: ClientConfig) -> ClusterClient {
         // A client that already routes (`Client::connect` found the master) has one.
         if let Some(cc) = master.cluster() {
             return cc.clone();
         }
-        let template = master.config().clone();
         ClusterClient {
             master: Arc::new(std::sync::RwLock::new(master)),
             at: MasterAt::Fixed,
@@ -168,6 +174,12 @@ impl ClusterClient {
             nodes: Nodes::new(template.clone()),
             template,
         })
+    }
+
+    /// The data path to each storage node this client is connected to, by node id: `shm` for
+    /// a node on this host, else `quic`.
+    pub fn node_transports(&self) -> Vec<(u32, &'static str)> {
+        self.nodes.transports()
     }
 
     /// The connection to the master (the current leader).
@@ -284,9 +296,35 @@ impl ClusterClient {
     /// `Corrupt` when the last copy tried was). Bytes are checked
     /// against their checksums as with [`Client::get_batch`].
     pub async fn get_batch<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<GetResult>> {
-        let mut out: Vec<GetResult> = (0..keys.len())
-            .map(|_| GetResult { status: ErrorCode::NotFound, value: None, tier: 0, lease_ms: 0 })
-            .collect();
+        let miss = GetResult { status: ErrorCode::NotFound, value: None, tier: 0, lease_ms: 0 };
+        self.from_holders(
+            keys,
+            miss,
+            |r| r.status,
+            |c, idx| async move {
+                let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
+                c.get_batch_direct(&ks).await
+            },
+        )
+        .await
+    }
+
+    /// Run `fetch` for each key on its holders, best first, until one serves it (see
+    /// [`ClusterClient::get_batch`]); `miss` is the answer of a key no holder served.
+    async fn from_holders<K, T, F, Fut>(
+        &self,
+        keys: &[K],
+        miss: T,
+        status: impl Fn(&T) -> ErrorCode,
+        fetch: F,
+    ) -> Result<Vec<T>>
+    where
+        K: AsRef<[u8]>,
+        T: Clone,
+        F: Fn(Client, Vec<usize>) -> Fut,
+        Fut: std::future::Future<Output = Result<Vec<T>>>,
+    {
+        let mut out = vec![miss; keys.len()];
         if keys.is_empty() {
             return Ok(out);
         }
@@ -303,7 +341,7 @@ impl ClusterClient {
             let mut by_node: BTreeMap<u32, Vec<usize>> = BTreeMap::new();
             for (i, q) in left.iter_mut().enumerate() {
                 // A copy that failed its checksum was dropped by its node: try another.
-                if matches!(out[i].status, ErrorCode::NotFound | ErrorCode::Corrupt) {
+                if matches!(status(&out[i]), ErrorCode::NotFound | ErrorCode::Corrupt) {
                     if let Some(n) = q.pop_front() {
                         by_node.entry(n).or_default().push(i);
                     }
@@ -311,7 +349,7 @@ impl ClusterClient {
             }
             if by_node.is_empty() {
                 let missed: Vec<usize> =
-                    (0..keys.len()).filter(|&i| routed[i] && out[i].status == ErrorCode::NotFound).collect();
+                    (0..keys.len()).filter(|&i| routed[i] && status(&out[i]) == ErrorCode::NotFound).collect();
                 if missed.is_empty() || reroutes == 0 {
                     return Ok(out);
                 }
@@ -326,12 +364,16 @@ impl ClusterClient {
             }
             let gets = by_node.into_iter().map(|(n, idx)| {
                 let addr = addrs.get(&n).cloned();
+                let fetch = &fetch;
                 async move {
                     let Some(addr) = addr else { return (idx, None) };
-                    let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
-                    let ks = &ks;
-                    match self.nodes.call(&addr, |c| async move { c.get_batch_direct(ks).await }).await {
-                        Ok(items) => (idx, Some(items)),
+                    let mine = idx.clone();
+                    match self.nodes.call(&addr, |c| fetch(c, mine)).await {
+                        Ok(items) if items.len() == idx.len() => (idx, Some(items)),
+                        Ok(items) => {
+                            tracing::debug!(node = n, got = items.len(), "storage node answered the wrong count");
+                            (idx, None)
+                        }
                         Err(e) => {
                             tracing::debug!(node = n, error = %e, "storage node failed a get: trying other holders");
                             (idx, None)
@@ -424,7 +466,8 @@ impl ClusterClient {
     }
 
     /// [`ClusterClient::get_batch`] into the caller's buffers (`bufs[i]` for `keys[i]`); a value
-    /// larger than its buffer is `ValueTooLarge`, as with [`Client::get_batch_into`].
+    /// larger than its buffer is `ValueTooLarge`, as with [`Client::get_batch_into`]. A node on
+    /// this host copies its values through shared memory (no socket carries them).
     pub async fn get_batch_into<K: AsRef<[u8]>>(
         &self,
         keys: &[K],
@@ -433,23 +476,21 @@ impl ClusterClient {
         if keys.len() != bufs.len() {
             return Err(crate::ClientError::Config(format!("{} keys but {} buffers", keys.len(), bufs.len())));
         }
-        let got = self.get_batch(keys).await?;
-        Ok(got
-            .into_iter()
-            .zip(bufs.iter_mut())
-            .map(|(r, buf)| {
-                let size = r.value.as_ref().map_or(0, |v| v.len() as u64);
-                let status = match r.value {
-                    Some(v) if r.status == ErrorCode::Ok && v.len() <= buf.len() => {
-                        buf[..v.len()].copy_from_slice(&v);
-                        ErrorCode::Ok
-                    }
-                    Some(_) if r.status == ErrorCode::Ok => ErrorCode::ValueTooLarge,
-                    _ => r.status,
-                };
-                crate::GetIntoResult { status, size, tier: r.tier, lease_ms: r.lease_ms }
-            })
-            .collect())
+        // Each node's call borrows its keys' buffers for its duration, and gives them back.
+        let bufs = std::sync::Mutex::new(bufs);
+        let miss = crate::GetIntoResult { status: ErrorCode::NotFound, size: 0, tier: 0, lease_ms: 0 };
+        let bufs = &bufs;
+        self.from_holders(
+            keys,
+            miss,
+            |r| r.status,
+            |c, idx| async move {
+                let ks: Vec<&[u8]> = idx.iter().map(|&i| keys[i].as_ref()).collect();
+                let mut lent = Lent::take(bufs, idx);
+                c.get_batch_into_direct(&ks, &mut lent.mine).await
+            },
+        )
+        .await
     }
 
     /// Remove every block of this tenant on every live storage node: the sums of what each
@@ -504,6 +545,33 @@ fn sum(per_node: Vec<(String, Result<RemoveAllResponse>)>) -> Result<RemoveAllRe
         out.skipped += r.skipped;
     }
     Ok(out)
+}
+
+/// Buffers of some keys, taken from a batch's for one node's call and given back when it ends,
+/// also when a silent node's call is abandoned (so another holder can fill them).
+struct Lent<'m, 'b, 'c> {
+    all: &'m std::sync::Mutex<&'b mut [&'c mut [u8]]>,
+    idx: Vec<usize>,
+    mine: Vec<&'c mut [u8]>,
+}
+
+impl<'m, 'b, 'c> Lent<'m, 'b, 'c> {
+    fn take(all: &'m std::sync::Mutex<&'b mut [&'c mut [u8]]>, idx: Vec<usize>) -> Self {
+        let mine = {
+            let mut g = all.lock().unwrap_or_else(|p| p.into_inner());
+            idx.iter().map(|&i| std::mem::take(&mut g[i])).collect()
+        };
+        Lent { all, idx, mine }
+    }
+}
+
+impl Drop for Lent<'_, '_, '_> {
+    fn drop(&mut self) {
+        let mut g = self.all.lock().unwrap_or_else(|p| p.into_inner());
+        for (&i, b) in self.idx.iter().zip(self.mine.drain(..)) {
+            g[i] = b;
+        }
+    }
 }
 
 /// Item positions grouped by each node that `items` names for them.

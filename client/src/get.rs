@@ -85,6 +85,16 @@ impl Client {
         if let Some(cc) = &self.cluster {
             return cc.get_batch_into(keys, bufs).await;
         }
+        self.get_batch_into_direct(keys, bufs).await
+    }
+
+    /// [`Client::get_batch_into`] on this server itself: through shared memory when this
+    /// connection has it.
+    pub(crate) async fn get_batch_into_direct<K: AsRef<[u8]>>(
+        &self,
+        keys: &[K],
+        bufs: &mut [&mut [u8]],
+    ) -> Result<Vec<GetIntoResult>> {
         if keys.len() != bufs.len() {
             return Err(ClientError::Config(format!("{} keys but {} buffers", keys.len(), bufs.len())));
         }

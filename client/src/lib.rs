@@ -213,10 +213,23 @@ impl Client {
     /// what it is (one round trip more): on a cluster master, block calls are routed through
     /// it to the storage nodes.
     pub async fn connect(cfg: ClientConfig) -> Result<Client> {
-        let c = Client::connect_direct(cfg).await?;
+        // A master offers no shared memory (its nodes may): asked for shm, find out what the
+        // server is first.
+        let mut first = cfg.clone();
+        if cfg.transport == TransportChoice::Shm {
+            first.transport = TransportChoice::Auto;
+        }
+        let c = Client::connect_direct(first).await?;
         match c.role().await? {
+            ServerRole::Server if cfg.transport == TransportChoice::Shm && c.transport_in_use() != "shm" => {
+                // Again as asked, for the reason shm is refused.
+                c.close().await;
+                Client::connect_direct(cfg).await
+            }
             ServerRole::Server => Ok(c),
-            ServerRole::Master => Ok(Client { inner: c.inner.clone(), cluster: Some(ClusterClient::from_master(c)) }),
+            ServerRole::Master => {
+                Ok(Client { inner: c.inner.clone(), cluster: Some(ClusterClient::from_master_as(c, cfg)) })
+            }
         }
     }
 

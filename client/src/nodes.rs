@@ -117,6 +117,18 @@ impl Nodes {
     }
 }
 
+impl Nodes {
+    /// The data path of each node connection that is up, by node id: `shm` for a node on
+    /// this host (when the configuration allows it), else `quic`.
+    pub(crate) fn transports(&self) -> Vec<(u32, &'static str)> {
+        let slots = self.inner.slots.lock().unwrap_or_else(|p| p.into_inner());
+        let mut out: Vec<(u32, &'static str)> =
+            slots.iter().filter_map(|(&id, s)| s.up.borrow().as_ref().map(|c| (id, c.transport_in_use()))).collect();
+        out.sort_unstable();
+        out
+    }
+}
+
 fn down_err(a: &NodeAddr, within: Duration) -> ClientError {
     ClientError::Connect {
         addr: a.addr.clone(),

@@ -184,16 +184,6 @@ async fn capacity_is_the_sum_of_the_nodes_and_a_put_is_a_hit_for_every_client() 
     let direct = kvpool_client::Client::connect_direct(cfg.clone()).await.unwrap();
     let e = direct.put("k", b"v").await.unwrap_err();
     assert_eq!(e.code(), ErrorCode::Unsupported, "{e}");
-    // ...and a plain `Client::connect` finds out it is a master and routes through it.
-    let routed = kvpool_client::Client::connect(cfg).await.unwrap();
-    assert!(routed.is_cluster());
-    assert_eq!(routed.lookup(&chains[1]).await.unwrap(), 4);
-    assert_eq!(routed.get(&chains[1][0]).await.unwrap().as_deref(), Some(value_for(&chains[1][0], SIZE).as_slice()));
-    routed.put_with("via-connect", b"v", PutOptions::default()).await.unwrap();
-    visible(routed.cluster().unwrap(), &["via-connect".to_string()]).await;
-    assert_eq!(routed.get("via-connect").await.unwrap().as_deref(), Some(&b"v"[..]));
-    // (The get leased it: removing it at once takes `force`.)
-    assert_eq!(routed.remove_batch(&["via-connect"], true).await.unwrap(), vec![ErrorCode::Ok]);
     // Metrics: the master's per-node figures, each node's reports.
     let m = cl.master.scrape();
     assert_eq!(kvpool_tests::metric(&m, "kvpool_cluster_nodes{state=\"live\"}"), 3.0, "{m}");
@@ -241,6 +231,28 @@ async fn capacity_is_the_sum_of_the_nodes_and_a_put_is_a_hit_for_every_client() 
     assert_eq!(cli(&["rm", "--force", "cli-key"]).0, Some(0));
     let (code, _, err) = cli(&["rm", "cli-key"]);
     assert_eq!(code, Some(3), "{err}");
+    // ...and a plain `Client::connect` finds out it is a master and routes through it.
+    let routed = kvpool_client::Client::connect(cl.config(ALICE_KEY)).await.unwrap();
+    assert!(routed.is_cluster());
+    assert_eq!(routed.lookup(&chains[1]).await.unwrap(), 4);
+    assert_eq!(routed.get(&chains[1][0]).await.unwrap().as_deref(), Some(value_for(&chains[1][0], SIZE).as_slice()));
+    routed.put_with("via-connect", b"v", PutOptions::default()).await.unwrap();
+    visible(routed.cluster().unwrap(), &["via-connect".to_string()]).await;
+    assert_eq!(routed.get("via-connect").await.unwrap().as_deref(), Some(&b"v"[..]));
+    // Reads into buffers come from each holder; a node on this host is read through shared
+    // memory (the test transport allowing it), others over QUIC.
+    let mut bufs: Vec<Vec<u8>> = chains[2].iter().map(|_| vec![0u8; SIZE]).collect();
+    let mut slices: Vec<&mut [u8]> = bufs.iter_mut().map(|b| b.as_mut_slice()).collect();
+    let got = routed.get_batch_into(&chains[2], &mut slices).await.unwrap();
+    assert!(got.iter().all(|r| r.status == ErrorCode::Ok && r.size == SIZE as u64), "{got:?}");
+    for (k, b) in chains[2].iter().zip(&bufs) {
+        assert!(b == &value_for(k, SIZE), "{k}: wrong bytes");
+    }
+    let paths = routed.cluster().unwrap().node_transports();
+    let want = if kvpool_tests::test_transport() == kvpool_client::TransportChoice::Quic { "quic" } else { "shm" };
+    assert!(!paths.is_empty() && paths.iter().all(|(_, t)| *t == want), "{paths:?}");
+    // (The get leased it: removing it at once takes `force`.)
+    assert_eq!(routed.remove_batch(&["via-connect"], true).await.unwrap(), vec![ErrorCode::Ok]);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
