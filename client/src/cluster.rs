@@ -297,7 +297,7 @@ impl ClusterClient {
     /// against their checksums as with [`Client::get_batch`].
     pub async fn get_batch<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<GetResult>> {
         let miss = GetResult { status: ErrorCode::NotFound, value: None, tier: 0, lease_ms: 0 };
-        self.from_holders(
+        self.each_holder(
             keys,
             miss,
             |r| r.status,
@@ -311,7 +311,7 @@ impl ClusterClient {
 
     /// Run `fetch` for each key on its holders, best first, until one serves it (see
     /// [`ClusterClient::get_batch`]); `miss` is the answer of a key no holder served.
-    async fn from_holders<K, T, F, Fut>(
+    async fn each_holder<K, T, F, Fut>(
         &self,
         keys: &[K],
         miss: T,
@@ -480,7 +480,7 @@ impl ClusterClient {
         let bufs = std::sync::Mutex::new(bufs);
         let miss = crate::GetIntoResult { status: ErrorCode::NotFound, size: 0, tier: 0, lease_ms: 0 };
         let bufs = &bufs;
-        self.from_holders(
+        self.each_holder(
             keys,
             miss,
             |r| r.status,
