@@ -111,7 +111,7 @@ impl Worker {
     async fn reconnect(&mut self) -> Result<()> {
         self.sessions.clear();
         for p in self.principals.clone() {
-            let session = Session::new(p, kvpool_proto::PROTOCOL_VERSION);
+            let session = Session::new(p, kvpool_proto::PROTOCOL_VERSION, None);
             let (link, buffers) = attach(self, &session).await?;
             self.sessions.push(Conn { session, _link: Some(link), _buffers: buffers });
         }
@@ -154,7 +154,7 @@ async fn run(
         .iter()
         .find(|c| c.session.principal == *principal)
         .map(|c| c.session.clone())
-        .unwrap_or_else(|| Session::new(principal.clone(), kvpool_proto::PROTOCOL_VERSION));
+        .unwrap_or_else(|| Session::new(principal.clone(), kvpool_proto::PROTOCOL_VERSION, None));
     run_on(w, session, recv, send).await
 }
 
@@ -305,7 +305,7 @@ async fn fuzz_socket(w: &Worker, rng: &mut StdRng, n: u64) -> Result<u64> {
     for i in 0..n {
         // Half the time a genuine token, so that the messages after the attach are reached.
         let token: Vec<u8> = if rng.gen_bool(0.5) {
-            let throwaway = Session::new(w.principals[0].clone(), kvpool_proto::PROTOCOL_VERSION);
+            let throwaway = Session::new(w.principals[0].clone(), kvpool_proto::PROTOCOL_VERSION, None);
             match ask(w, &throwaway, &Request::ShmAttach).await? {
                 Response::ShmOffer(o) => o.token,
                 other => bail!("no offer: {other:?}"),
@@ -381,7 +381,7 @@ async fn fuzz_control(w: &Worker, rng: &mut StdRng, n: u64) -> Result<u64> {
     let mut last = Vec::new();
     for _ in 0..n {
         // A session that asked for the channel lives while its socket is fuzzed.
-        let session = Session::new(w.principals[rng.gen_range(0..w.principals.len())].clone(), 2);
+        let session = Session::new(w.principals[rng.gen_range(0..w.principals.len())].clone(), 2, None);
         let offer = match ask(w, &session, &Request::LocalAttach).await? {
             Response::LocalOffer(o) => o,
             other => bail!("no control offer: {other:?}"),

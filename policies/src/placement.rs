@@ -165,10 +165,12 @@ impl PlacementPolicy for LeastLoaded {
     }
 }
 
-/// Keep a prefix chain together: a block goes to its parent's node (the host's `parent_node`,
-/// or where this batch just put the parent) unless that node has no room for it in the
-/// preferred or a slower tier, or its load exceeds `spill_load`; chain roots and spilled blocks
-/// go to the least loaded node. Further replicas go to the least loaded other nodes.
+/// Keep an engine's blocks beside it and a prefix chain together: a block goes to the client's
+/// own node (`client_node`) while that node has room for it in the preferred tier, else to its
+/// parent's node (the host's `parent_node`, or where this batch just put the parent) unless that
+/// node has no room for it in the preferred or a slower tier; a node whose load exceeds
+/// `spill_load` is passed over for both. Chain roots and spilled blocks go to the least loaded
+/// node. Further replicas go to the least loaded other nodes.
 #[derive(Debug, Clone)]
 pub struct PrefixAffinity {
     pub spill_load: u32,
@@ -199,15 +201,20 @@ impl PlacementPolicy for PrefixAffinity {
         // Primary node chosen in this batch, for children that follow their parent in the batch.
         let mut primary: HashMap<u64, usize> = HashMap::new();
         let mut taken = Vec::with_capacity(r);
+        let client = if blocks.client_node != NO_NODE { index.get(&blocks.client_node).copied() } else { None };
         for b in blocks.iter() {
             taken.clear();
             if r == 0 {
                 continue;
             }
+            let near = client.filter(|&i| loads.free[b.tier as usize][i] >= b.size && nodes.load[i] <= self.spill_load);
             let parent_node = if b.parent_node != NO_NODE { index.get(&b.parent_node).copied() } else { None };
-            let affine = parent_node.or_else(|| primary.get(&b.parent).copied()).filter(|&i| {
-                let fits = Tier::ALL.into_iter().filter(|&t| t >= b.tier).any(|t| loads.free[t as usize][i] >= b.size);
-                fits && nodes.load[i] <= self.spill_load
+            let affine = near.or_else(|| {
+                parent_node.or_else(|| primary.get(&b.parent).copied()).filter(|&i| {
+                    let fits =
+                        Tier::ALL.into_iter().filter(|&t| t >= b.tier).any(|t| loads.free[t as usize][i] >= b.size);
+                    fits && nodes.load[i] <= self.spill_load
+                })
             });
             let first = match affine {
                 Some(i) => i,
@@ -300,5 +307,32 @@ mod tests {
         assert_eq!(a.tier[3], Tier::Ssd as u8);
         let spill = PrefixAffinity { spill_load: 5 }.place(&b, &n);
         assert_ne!(spill.node[0], 1);
+    }
+
+    #[test]
+    fn an_engines_blocks_go_to_its_own_node_while_it_has_room() {
+        // Node 3 is the client's: most loaded, yet it takes the chain while its DRAM has room;
+        // then the chain rule goes on (the parent's node, in a slower tier while one has room).
+        let n = nodes(&[(1, 100, 0), (2, 100, 5), (3, 25, 9)]);
+        let mut b = PlaceBatch { client_node: 3, ..PlaceBatch::default() };
+        for (id, parent) in [(1, NO_PARENT), (2, 1), (3, 2), (4, 3)] {
+            b.push(req(id, parent, NO_NODE));
+        }
+        let p = PrefixAffinity::default().place(&b, &n);
+        assert_eq!(p.node, vec![3, 3, 3, 3]);
+        assert_eq!(p.tier, vec![Tier::Dram as u8, Tier::Dram as u8, Tier::Ssd as u8, Tier::Ssd as u8]);
+        // Without SSD there, the chain moves on to the least loaded node once node 3 is full.
+        let mut small = NodeSet::default();
+        for (id, dram, ssd, load) in [(1, 100, 1000, 0), (2, 100, 1000, 5), (3, 25, 0, 9)] {
+            small.push(id, [0, dram, ssd], load);
+        }
+        assert_eq!(PrefixAffinity::default().place(&b, &small).node, vec![3, 3, 1, 1]);
+        // A client node that is not live, or none: as before.
+        for client in [7, NO_NODE] {
+            let b = PlaceBatch { client_node: client, ..b.clone() };
+            assert_eq!(PrefixAffinity::default().place(&b, &n).node, vec![1, 1, 1, 1]);
+        }
+        // Past spill_load it is passed over like any node.
+        assert_eq!(PrefixAffinity { spill_load: 8 }.place(&b, &n).node, vec![1, 1, 1, 1]);
     }
 }

@@ -269,6 +269,7 @@ impl WasmPlacement {
             parent_node: blocks.parent_node.clone(),
             tier: blocks.tier.clone(),
             replicas: blocks.replicas,
+            client_node: blocks.client_node,
         };
         let n = wit::Nodes {
             id: nodes.id.clone(),

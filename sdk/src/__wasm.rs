@@ -162,6 +162,7 @@ pub fn placement_place(b: placement::PlaceBatch, n: placement::Nodes) -> placeme
         parent_node: b.parent_node,
         tier: b.tier,
         replicas: b.replicas,
+        client_node: b.client_node,
     };
     let nodes = NodeSet { id: n.id, free: [n.free_device, n.free_dram, n.free_ssd], load: n.load };
     let out = PLACEMENT.with(|s| s.borrow_mut().as_mut().unwrap_or_else(|| not_initialized()).place(&blocks, &nodes));

@@ -596,6 +596,9 @@ pub struct PlaceBatch {
     pub tier: Vec<u8>,
     /// Copies per block, each on a distinct node; at least 1.
     pub replicas: u32,
+    /// The storage node on the host of the client that puts these blocks (an engine's own
+    /// node), or [`NO_NODE`] when it has none or the host cannot tell.
+    pub client_node: u64,
 }
 
 impl Default for PlaceBatch {
@@ -608,6 +611,7 @@ impl Default for PlaceBatch {
             parent_node: Vec::new(),
             tier: Vec::new(),
             replicas: 1,
+            client_node: NO_NODE,
         }
     }
 }

@@ -97,6 +97,17 @@ impl State {
         self.nodes.get((id as usize).checked_sub(1)?)
     }
 
+    /// The one live node whose address is `ip`: an engine's own node, when the engine connects
+    /// from its host's address. `None` when no node, or more than one (several nodes on one
+    /// host, as on a test machine), has that address.
+    fn node_at(&self, ip: std::net::IpAddr) -> Option<u32> {
+        let mut at = self.nodes.iter().enumerate().filter(|(_, n)| {
+            n.live && n.addr.parse::<std::net::SocketAddr>().is_ok_and(|a| a.ip().to_canonical() == ip.to_canonical())
+        });
+        let (i, _) = at.next()?;
+        at.next().is_none().then_some(i as u32 + 1)
+    }
+
     fn node_mut(&mut self, id: u32) -> Option<&mut NodeEntry> {
         self.nodes.get_mut((id as usize).checked_sub(1)?)
     }
@@ -413,6 +424,7 @@ impl Master {
         tenant: &str,
         items: &[PutItem],
         replicas: u32,
+        client: Option<std::net::IpAddr>,
         policy: impl FnOnce(&PlaceBatch, &NodeSet) -> Option<Placements>,
     ) -> Routes {
         let mut st = self.state.lock();
@@ -424,7 +436,8 @@ impl Master {
         if nodes.is_empty() {
             return Routes { nodes: Vec::new(), items: vec![Vec::new(); items.len()] };
         }
-        let batch = place_batch(&st, t, items, replicas);
+        let mut batch = place_batch(&st, t, items, replicas);
+        batch.client_node = client.and_then(|ip| st.node_at(ip)).map_or(NO_NODE, u64::from);
         let r = batch.effective_replicas(nodes.len());
         let valid = |p: &Placements| {
             p.node.len() == items.len() * r
@@ -572,22 +585,57 @@ mod tests {
         report(&m, b, true, vec![stored("root", 1)]).unwrap();
         // A chain continues where its parent is, and stays together within the batch.
         let items = vec![item("x1", Some("root")), item("x2", Some("x1"))];
-        let r = m.place("t", &items, 1, |_, _| None);
+        let r = m.place("t", &items, 1, None, |_, _| None);
         assert_eq!(r.items, vec![vec![b], vec![b]]);
         // Replicas land on distinct nodes.
-        let r = m.place("t", &[item("y", None)], 3, |_, _| None);
+        let r = m.place("t", &[item("y", None)], 3, None, |_, _| None);
         let mut got = r.items[0].clone();
         got.sort_unstable();
         assert_eq!(got, vec![a, b, c]);
         // A policy that names a node that does not exist is overruled.
-        let r = m.place("t", &[item("z", None)], 1, |_, _| Some(Placements { node: vec![99], tier: vec![1] }));
+        let r = m.place("t", &[item("z", None)], 1, None, |_, _| Some(Placements { node: vec![99], tier: vec![1] }));
         assert!(r.items[0].len() == 1 && r.items[0][0] != 99);
         // A valid answer is followed.
-        let r =
-            m.place("t", &[item("z", None)], 1, |_, _| Some(Placements { node: vec![u64::from(c)], tier: vec![1] }));
+        let r = m.place("t", &[item("z", None)], 1, None, |_, _| {
+            Some(Placements { node: vec![u64::from(c)], tier: vec![1] })
+        });
         assert_eq!(r.items, vec![vec![c]]);
         // With no live node nothing is placed.
         m.sweep(Instant::now() + Duration::from_secs(10));
-        assert_eq!(m.place("t", &[item("w", None)], 1, |_, _| None).items, vec![Vec::<u32>::new()]);
+        assert_eq!(m.place("t", &[item("w", None)], 1, None, |_, _| None).items, vec![Vec::<u32>::new()]);
+    }
+
+    #[test]
+    fn an_engines_blocks_go_to_the_node_at_its_address() {
+        let m = master(Duration::from_secs(3));
+        let at = |name: &str, addr: &str| {
+            m.join(NodeJoinRequest {
+                name: name.into(),
+                addr: addr.into(),
+                server_name: "localhost".into(),
+                fingerprint: vec![0; 32],
+                incarnation: 7,
+                tiers: vec![TierUse { tier: 1, capacity: 10_000, used: 0 }],
+            })
+            .node
+        };
+        let (_a, b) = (at("a", "10.0.0.1:7100"), at("b", "10.0.0.2:7100"));
+        let mut seen = None;
+        let r = m.place("t", &[item("k", None)], 1, Some("10.0.0.2".parse().unwrap()), |batch, _| {
+            seen = Some(batch.client_node);
+            None
+        });
+        assert_eq!(seen, Some(u64::from(b)), "the policy is told the client's node");
+        assert_eq!(r.items, vec![vec![b]], "the default placement puts it there");
+        // An address no node has, or that two nodes share, names none.
+        let _c = at("c", "10.0.0.2:7200");
+        for ip in ["10.0.0.9", "10.0.0.2"] {
+            let mut seen = None;
+            m.place("t", &[item("k2", None)], 1, Some(ip.parse().unwrap()), |batch, _| {
+                seen = Some(batch.client_node);
+                None
+            });
+            assert_eq!(seen, Some(NO_NODE), "{ip}");
+        }
     }
 }

@@ -66,7 +66,7 @@ pub(super) async fn dispatch<R: RequestRecv>(
             check_put(&r.items, &s.limits)?;
             expect_end(recv, deadline).await?;
             let store = &s.store;
-            Ok(Response::Routes(m.place(&p.tenant, &r.items, r.replicas, |b, n| store.place(b, n))))
+            Ok(Response::Routes(m.place(&p.tenant, &r.items, r.replicas, session.peer, |b, n| store.place(b, n))))
         }
         _ => Err(Fail::Reply(error(ErrorCode::Internal, "not a cluster request"))),
     }

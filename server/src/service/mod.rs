@@ -251,7 +251,7 @@ async fn handle_connection(connecting: quinn::Connecting, shared: Arc<Shared>) -
     let conn = connecting.await?;
     let _guard = ConnGuard::new(shared.clone(), &conn);
     let session = match tokio::time::timeout(HELLO_TIMEOUT, hello(&conn, &shared)).await {
-        Ok(Some((p, version))) => Session::new(p, version),
+        Ok(Some((p, version))) => Session::new(p, version, Some(conn.remote_address().ip())),
         Ok(None) => return Ok(()),
         Err(_) => {
             conn.close(close::UNAUTHORIZED.into(), b"no hello in time");

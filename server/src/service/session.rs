@@ -37,6 +37,9 @@ pub struct Session {
     pub principal: Principal,
     /// Negotiated protocol version.
     pub version: u16,
+    /// The client's address, where the front door has one (a master places an engine's blocks
+    /// on the storage node that shares it).
+    pub peer: Option<std::net::IpAddr>,
     shm: Mutex<Option<Ticket>>,
     /// Binding of same-host control sockets to this connection; dropping it closes them.
     local: Mutex<Option<super::local::LocalTicket>>,
@@ -48,10 +51,11 @@ pub struct Session {
 }
 
 impl Session {
-    pub fn new(principal: Principal, version: u16) -> Arc<Session> {
+    pub fn new(principal: Principal, version: u16, peer: Option<std::net::IpAddr>) -> Arc<Session> {
         Arc::new(Session {
             principal,
             version,
+            peer,
             shm: Mutex::new(None),
             local: Mutex::new(None),
             grants: Mutex::new(HashMap::new()),

@@ -38,7 +38,7 @@ async fn run(
     recv: MemRecv,
     send: MemSend,
 ) -> (Option<Response>, Vec<u8>, MemRecv, MemSend) {
-    let session = Session::new(principal(n, key), kvpool_proto::PROTOCOL_VERSION);
+    let session = Session::new(principal(n, key), kvpool_proto::PROTOCOL_VERSION, None);
     let (mut recv, mut send) = (recv, send);
     handle_stream(&mut recv, &mut send, &session, &n.shared).await;
     let parsed = (send.written.len() >= 4).then(|| {
