@@ -13,7 +13,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import pytest
 
@@ -46,19 +46,22 @@ def server_binary() -> Path:
 
 
 class Server:
-    """A kvpool server on loopback with its own data directory."""
+    """A kvpool server with its own data directory: on loopback, or at ``listen`` on the host
+    that the argv prefix ``host`` runs commands on (``netns.Hosts.prefix``)."""
 
-    def __init__(self, dram: str = "256MiB", extra: tuple[str, ...] = (), api_key: Optional[str] = None) -> None:
+    def __init__(self, dram: str = "256MiB", extra: tuple[str, ...] = (), api_key: Optional[str] = None,
+                 listen: str = "127.0.0.1:0", host: tuple[str, ...] = ()) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="kvpool-pytest-"))
         self.given_key = api_key
+        self.host = list(host)
         self.args = ["--data-dir", str(self.dir), "--metrics-listen", "off", "--dram-size", dram,
                      "--ssd-capacity", "0", *extra]
-        self._spawn("127.0.0.1:0")
+        self._spawn(listen)
 
     def _spawn(self, listen: str) -> None:
         self.log = open(self.dir / "server.log", "ab")
         (self.dir / "endpoint.json").unlink(missing_ok=True)
-        self.proc = subprocess.Popen([str(server_binary()), "--listen", listen, *self.args],
+        self.proc = subprocess.Popen([*self.host, str(server_binary()), "--listen", listen, *self.args],
                                      stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 60
         while not (self.dir / "endpoint.json").exists():
@@ -98,7 +101,10 @@ class Cluster:
     """A cluster pool on loopback: a master and storage nodes that join it, one API key (admin)
     accepted by all of them. Clients connect to ``master``."""
 
-    def __init__(self, nodes: int = 2, dram: str = "64MiB", etcd: Optional[str] = None) -> None:
+    def __init__(self, nodes: int = 2, dram: str = "64MiB", etcd: Optional[str] = None,
+                 hosts: Optional[Any] = None) -> None:
+        """With ``hosts`` (``netns.Hosts``): the master on the root namespace's address, storage
+        node i on host i+1."""
         self.dir = Path(tempfile.mkdtemp(prefix="kvpool-pytest-cluster-"))
         self.api_key = secrets.token_hex(16)
         (self.dir / "cluster.key").write_text(self.api_key + "\n")
@@ -109,13 +115,15 @@ class Cluster:
             + (f'etcd = "{etcd}"\n' if etcd else "")
         )
         conf = ("--config", str(self.dir / "cluster.toml"))
-        self.master = Server(dram=dram, extra=(*conf, "--role", "master", "--node-name", "m0"), api_key=self.api_key)
+        at = (lambda i: f"{hosts.ip(i)}:0") if hosts else (lambda i: "127.0.0.1:0")
+        self.master = Server(dram=dram, extra=(*conf, "--role", "master", "--node-name", "m0"), api_key=self.api_key,
+                             listen=f"{hosts.root_ip}:0" if hosts else "127.0.0.1:0")
         # With etcd, nodes find the leading master there.
         find = () if etcd else ("--master", self.master.addr, "--master-fingerprint", self.master.fingerprint)
         self.nodes = [
-            Server(dram=dram, api_key=self.api_key, extra=(
-                *conf, "--role", "storage", *find,
-                "--master-key-file", str(self.dir / "cluster.key"), "--node-name", f"s{i}"))
+            Server(dram=dram, api_key=self.api_key, listen=at(i + 1), host=tuple(hosts.prefix(i + 1)) if hosts else (),
+                   extra=(*conf, "--role", "storage", *find,
+                          "--master-key-file", str(self.dir / "cluster.key"), "--node-name", f"s{i}"))
             for i in range(nodes)
         ]
 
