@@ -334,6 +334,8 @@ impl ClusterClient {
         let mut left: Vec<std::collections::VecDeque<u32>> =
             routes.items.into_iter().map(|v| v.into_iter().collect()).collect();
         let routed: Vec<bool> = left.iter().map(|q| !q.is_empty()).collect();
+        // Keys whose last holder tried failed as a node (down, silent), not with an answer.
+        let mut unanswered = vec![false; keys.len()];
         // A block may move between nodes while it is read (a full node hands its DRAM victims
         // to another): keys that had holders but were served by none are routed again.
         let mut reroutes = 2;
@@ -348,8 +350,11 @@ impl ClusterClient {
                 }
             }
             if by_node.is_empty() {
-                let missed: Vec<usize> =
-                    (0..keys.len()).filter(|&i| routed[i] && status(&out[i]) == ErrorCode::NotFound).collect();
+                // Keys a holder answered for; a node that failed is not asked again (the master
+                // would name it again until it times the node out).
+                let missed: Vec<usize> = (0..keys.len())
+                    .filter(|&i| routed[i] && !unanswered[i] && status(&out[i]) == ErrorCode::NotFound)
+                    .collect();
                 if missed.is_empty() || reroutes == 0 {
                     return Ok(out);
                 }
@@ -382,8 +387,14 @@ impl ClusterClient {
                 }
             });
             for (idx, r) in join_all(gets).await {
-                let Some(items) = r else { continue };
+                let Some(items) = r else {
+                    for i in idx {
+                        unanswered[i] = true;
+                    }
+                    continue;
+                };
                 for (i, item) in idx.into_iter().zip(items) {
+                    unanswered[i] = false;
                     out[i] = item;
                 }
             }

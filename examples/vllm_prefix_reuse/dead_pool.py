@@ -47,7 +47,9 @@ class ClusterPool:
     """A master and storage nodes on loopback, one admin API key for all; ``dir`` is a client
     data directory (the master's endpoint and the key) for the engine."""
 
-    def __init__(self, binary: Path, workdir: Path, nodes: int = 2) -> None:
+    def __init__(self, binary: Path, workdir: Path, nodes: int = 2, hosts: Any = None) -> None:
+        """With ``hosts`` (``python/tests/netns.py``): the master on the root namespace's bridge
+        address, storage node i on host i+1."""
         import hashlib
         import secrets
 
@@ -59,12 +61,14 @@ class ClusterPool:
             "admin = true\n[cluster]\nreport_ms = 100\nnode_timeout_ms = 1000\n"
         )
         conf = ["--config", str(workdir / "cluster.toml")]
-        self.master = Pool(binary, workdir / "master", extra=[*conf, "--role", "master"])
+        self.master = Pool(binary, workdir / "master", extra=[*conf, "--role", "master"],
+                           listen=f"{hosts.root_ip}:0" if hosts else "127.0.0.1:0")
         fp = json.loads((workdir / "master" / "endpoint.json").read_text())["fingerprint"]
         self.nodes = [
             Pool(binary, workdir / f"s{i}", extra=[
                 *conf, "--role", "storage", "--master", self.master.addr, "--master-fingerprint", fp,
-                "--master-key-file", str(workdir / "cluster.key"), "--node-name", f"s{i}"])
+                "--master-key-file", str(workdir / "cluster.key"), "--node-name", f"s{i}"],
+                 listen=f"{hosts.ip(i + 1)}:0" if hosts else "127.0.0.1:0", host=hosts.prefix(i + 1) if hosts else ())
             for i in range(nodes)
         ]
         self.dir = workdir / "client"

@@ -62,20 +62,23 @@ def server_binary(explicit: Optional[str]) -> Path:
 
 
 class Pool:
-    """A kvpool server process."""
+    """A kvpool server process: on loopback, or at ``listen`` on the host the argv prefix
+    ``host`` runs commands on (a network namespace, ``python/tests/netns.py``)."""
 
-    def __init__(self, binary: Path, data_dir: Path, dram: str = "1GiB", extra: Sequence[str] = ()) -> None:
+    def __init__(self, binary: Path, data_dir: Path, dram: str = "1GiB", extra: Sequence[str] = (),
+                 listen: str = "127.0.0.1:0", host: Sequence[str] = ()) -> None:
         self.dir = data_dir
         self.dir.mkdir(parents=True, exist_ok=True)
-        self.binary, self.dram, self.extra = binary, dram, list(extra)
-        self.start("127.0.0.1:0")
+        self.binary, self.dram, self.extra, self.host = binary, dram, list(extra), list(host)
+        self.start(listen)
 
     def start(self, listen: str) -> None:
         self.log = open(self.dir / "server.log", "ab")
         (self.dir / "endpoint.json").unlink(missing_ok=True)
+        metrics = listen.rsplit(":", 1)[0] + ":0"
         self.proc = subprocess.Popen(
-            [str(self.binary), "--data-dir", str(self.dir), "--listen", listen, "--metrics-listen",
-             "127.0.0.1:0", "--dram-size", self.dram, "--ssd-capacity", "0", *self.extra],
+            [*self.host, str(self.binary), "--data-dir", str(self.dir), "--listen", listen, "--metrics-listen",
+             metrics, "--dram-size", self.dram, "--ssd-capacity", "0", *self.extra],
             stdout=self.log, stderr=subprocess.STDOUT,
         )
         deadline = time.monotonic() + 60
@@ -116,10 +119,10 @@ class Engine:
     """An ``engine.py`` process: one vLLM engine."""
 
     def __init__(self, name: str, model: Path, workdir: Path, pool_dir: Optional[Path], transport: str,
-                 sync_save: bool = False, extra_args: Sequence[str] = ()) -> None:
+                 sync_save: bool = False, extra_args: Sequence[str] = (), host: Sequence[str] = ()) -> None:
         self.name = name
         self.stats_path = workdir / f"connector-{name}" if pool_dir else None
-        cmd = [sys.executable, str(HERE / "engine.py"), "--model", str(model), "--transport", transport]
+        cmd = [*host, sys.executable, str(HERE / "engine.py"), "--model", str(model), "--transport", transport]
         if pool_dir:
             cmd += ["--kvpool-data-dir", str(pool_dir), "--stats-path", str(self.stats_path)]
             if sync_save:

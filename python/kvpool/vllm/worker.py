@@ -117,10 +117,18 @@ class Worker:
             at += len(j.hashes)
         seconds = time.perf_counter() - t0
         n_ok = len(keys) - len(failed_ids)
+        at = 0
+        job_failed: dict[int, set[int]] = {}
+        for j in loads:
+            job_failed[j.job] = {j.positions[i] for i in range(len(j.hashes)) if not ok[at + i]}
+            at += len(j.hashes)
         with self.lock:
-            # Failed blocks are reported no later than the request's end of loading.
+            # Failed blocks are reported no later than the request's end of loading, and in the
+            # same step as the job's end: the scheduler side learns which blocks failed before
+            # vLLM asks it again about the request it now recomputes.
             self.load_errors |= failed_ids
             self.received.update(j.req_id for j in loads if j.asynchronous)
+            self.done.update(job_failed)
             block_bytes = mover.block_bytes if mover is not None else 0
             self.stats.record("load", seconds, n_ok, n_ok * block_bytes, failed=len(failed_ids))
             self.totals["loaded_blocks"] += n_ok
@@ -128,13 +136,9 @@ class Worker:
             self.totals["load_failed_blocks"] += len(failed_ids)
             self.totals["load_seconds"] += seconds
             dump(self.cfg.stats_path, self.side, self.totals)
-        at = 0
-        for j in loads:
-            self._finish(j.job, {j.positions[i] for i in range(len(j.hashes)) if not ok[at + i]})
-            at += len(j.hashes)
         if failed_ids:
-            log.warning("kvpool: %d of %d blocks could not be loaded; vLLM recomputes them", len(failed_ids),
-                        len(keys))
+            log.warning("kvpool: %d of %d blocks could not be loaded (%.0f ms); vLLM recomputes them",
+                        len(failed_ids), len(keys), seconds * 1e3)
 
     def wait_for_layer_load(self) -> None:
         f = self.load_future
