@@ -14,7 +14,9 @@ engine without the connector gives the reference outputs.
    serves S + question 3: S's blocks are gone with the node, so engine 2 computes them; its
    outputs equal the cold engine's, and it takes at most 100 ms longer than the cold engine.
 
-``--json`` writes the figures; ``--check`` exits 1 unless every check holds. Run with the vLLM
+Outputs are compared on requests of ``--max-tokens`` tokens; times are TTFTs of one-token
+requests, each on an engine whose own prefix cache was dropped. ``--json`` writes the figures;
+``--check`` exits 1 unless every check holds. Run with the vLLM
 venv's Python, as root:
 
     $PY examples/vllm_prefix_reuse/cross_host.py --check
@@ -106,9 +108,11 @@ def main() -> int:
         reset(e1)
         reset(e2)
         n = args.max_tokens
+        # Outputs are compared on requests of n tokens; times are taken on requests of one
+        # token (the TTFT), each on an engine whose own prefix cache was dropped.
         for t in range(args.trials):
             s = tokens(1000 + t, BLOCK * args.prefix_blocks)
-            q = [tokens(2000 + 10 * t + k, 40) for k in range(3)]
+            q = [tokens(2000 + 10 * t + k, 40) for k in range(2)]
             row: dict[str, Any] = {"trial": t}
             before = node_blocks(pool)
             r1 = e1.call({"prompt_token_ids": s + q[0], "max_tokens": n})
@@ -116,26 +120,35 @@ def main() -> int:
             after = node_blocks(pool)
             row["stored_on_nodes"] = [a - b for a, b in zip(after, before)]
             reset(e1)
-            r1b = e1.call({"prompt_token_ids": s + q[0], "max_tokens": n})
-            c1 = cold.call({"prompt_token_ids": s + q[0], "max_tokens": n})
+            t1 = e1.call({"prompt_token_ids": s + q[0], "max_tokens": 1})
+            reset(e1)
             r2 = e2.call({"prompt_token_ids": s + q[1], "max_tokens": n})
+            reset(e2)
+            t2 = e2.call({"prompt_token_ids": s + q[1], "max_tokens": 1})
+            reset(e2)
+            c1 = cold.call({"prompt_token_ids": s + q[0], "max_tokens": n})
             c2 = cold.call({"prompt_token_ids": s + q[1], "max_tokens": n})
+            reset(cold)
+            tc = cold.call({"prompt_token_ids": s + q[1], "max_tokens": 1})
+            reset(cold)
             row.update({
-                "same_host_ttft_s": r1b["ttft_s"], "cross_host_ttft_s": r2["ttft_s"], "cold_ttft_s": c2["ttft_s"],
-                "same_host_cached": r1b["num_cached_tokens"], "cross_host_cached": r2["num_cached_tokens"],
-                "same_tokens": r1["tokens"] == c1["tokens"] and r1b["tokens"] == c1["tokens"]
-                and r2["tokens"] == c2["tokens"],
+                "same_host_ttft_s": t1["ttft_s"], "cross_host_ttft_s": t2["ttft_s"], "cold_ttft_s": tc["ttft_s"],
+                "same_host_cached": t1["num_cached_tokens"], "cross_host_cached": r2["num_cached_tokens"],
+                "same_tokens": r1["tokens"] == c1["tokens"] and r2["tokens"] == c2["tokens"],
             })
             rows["trials"].append(row)
-            reset(e2)
-        # Host 1's node dies; engine 2 asks for a prefix that was only there.
-        s = tokens(1000, BLOCK * args.prefix_blocks)
-        q = tokens(3000, 40)
+        # Host 1's node dies; engine 2 asks for prefixes that were only there.
         pool.nodes[0].kill()
-        r3 = e2.call({"prompt_token_ids": s + q, "max_tokens": n})
-        c3 = cold.call({"prompt_token_ids": s + q, "max_tokens": n})
-        rows["node_killed"] = {"ttft_s": r3["ttft_s"], "cold_ttft_s": c3["ttft_s"],
-                               "extra_s": r3["ttft_s"] - c3["ttft_s"], "same_tokens": r3["tokens"] == c3["tokens"]}
+        s = tokens(1000, BLOCK * args.prefix_blocks)
+        q = [tokens(3000 + k, 40) for k in range(2)]
+        k1 = e2.call({"prompt_token_ids": s + q[0], "max_tokens": 1})
+        kc = cold.call({"prompt_token_ids": s + q[0], "max_tokens": 1})
+        reset(cold)
+        s = tokens(1001, BLOCK * args.prefix_blocks)
+        k2 = e2.call({"prompt_token_ids": s + q[1], "max_tokens": n})
+        kc2 = cold.call({"prompt_token_ids": s + q[1], "max_tokens": n})
+        rows["node_killed"] = {"ttft_s": k1["ttft_s"], "cold_ttft_s": kc["ttft_s"], "extra_s": k1["ttft_s"] - kc["ttft_s"],
+                               "same_tokens": k1["tokens"] == kc["tokens"][:1] and k2["tokens"] == kc2["tokens"]}
         rows["E2_connector"] = e2.call({"connector": True})["stats"]
     finally:
         for e in engines:

@@ -1,7 +1,8 @@
 """End-to-end checks on real vLLM CPU engines (slow: engines take ~45 s each to start).
 
 Runs ``examples/vllm_prefix_reuse/run.py --check`` (three engines through the ``LLM`` class),
-``dead_pool.py --check`` (the pool killed under a running engine, then back),
+``dead_pool.py --check`` (the pool killed under a running engine, then back; also a cluster),
+``cross_host.py --check`` (two hosts as network namespaces, a node and an engine on each),
 ``scenarios.py --check`` (the connector under preemption, chunked prefill, lost blocks, a full
 pool, a sliding window, a reset; six engines) and ``openai_server.py --check`` (two
 OpenAI-compatible servers, requests sent with curl) with the
@@ -105,3 +106,23 @@ def test_a_dead_pool_costs_an_engine_almost_nothing(tmp_path: Path, transport: s
     if cluster:
         assert s["extra_max_node_killed_s"] <= 0.1
         assert all(r["same_token"] for r in s["node_killed"])
+
+
+def test_an_engine_on_another_host_loads_the_prefix_and_outlives_its_node(tmp_path: Path) -> None:
+    """Two hosts (network namespaces), a storage node and an engine on each: engine 1's blocks
+    land on its own node; engine 2 loads them over the network, every token equal to a cold
+    engine's; host 1's node killed, engine 2 computes them within 100 ms of the cold engine."""
+    out = tmp_path / "cross.json"
+    r = subprocess.run(
+        [PY, str(EXAMPLE / "cross_host.py"), "--check", "--trials", "2", "--json", str(out),
+         "--workdir", str(tmp_path / "work"), "--server-bin", str(server_binary())],
+        capture_output=True, text=True, timeout=1200,
+    )
+    print(r.stdout[-4000:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    s = json.loads(out.read_text())
+    assert not s["failures"]
+    for t in s["trials"]:
+        assert t["same_tokens"] and t["stored_on_nodes"][1] == 0 and t["stored_on_nodes"][0] > 0
+        assert t["cross_host_cached"] >= 128 * s["prefix_blocks"]
+    assert s["node_killed"]["same_tokens"] and s["node_killed"]["extra_s"] <= 0.1
