@@ -26,6 +26,13 @@ Where kvpool differs on purpose, the method's docstring says so. The main differ
 - Addresses given to ``put_from``/``get_into`` and their batch forms are checked against the
   registered buffers: an address range not entirely inside one ``register_buffer`` range answers
   ``-600`` (invalid params) and is never touched. Mooncake reads or writes it regardless.
+- ``put_from``/``upsert_from`` of 0 bytes answer ``-600`` and store nothing (as Mooncake's batch
+  forms); Mooncake's single-key forms answer 0 for a value they do not store.
+
+Where kvpool's blocks work otherwise, the codes are still Mooncake's (``tests/
+test_mooncake_parity.py`` compares them with real Mooncake): a second ``put`` of a key answers 0
+and keeps the first value; ``upsert`` of a value that a read has leased replaces it (the leased
+block is dropped, then the new one stored: a read in between misses the key).
 
 Error codes (kvpool code -> Mooncake code):
 
@@ -38,7 +45,8 @@ leased            -706 OBJECT_HAS_LEASE
 no-space          -200 NO_AVAILABLE_HANDLE
 rejected          -200 NO_AVAILABLE_HANDLE (the admission policy refused the block, e.g.
                   ``store_threshold``; Mooncake has no admission step)
-value-too-large   -10 BUFFER_OVERFLOW (a ``get_into`` buffer smaller than the value)
+value-too-large   -600 INVALID_PARAMS from ``get_into`` and its batch forms (a buffer smaller
+                  than the value), as Mooncake; -10 BUFFER_OVERFLOW elsewhere
 key-too-long      -400 INVALID_KEY
 invalid-argument  -600 INVALID_PARAMS (also unregistered addresses, batch-too-large)
 corrupt           -701 INVALID_READ (checksum mismatch; the server drops the block)
@@ -283,17 +291,18 @@ class MooncakeDistributedStore:
     # ---- bytes in, bytes out ----------------------------------------------------------
 
     def put(self, key: Key, value: Any, config: Any = None) -> int:
-        """Store ``value`` (bytes or any buffer). Blocks are immutable: a key that exists answers
-        -705 and keeps its value (use ``upsert`` to replace)."""
+        """Store ``value`` (bytes or any buffer). As Mooncake: a key that exists answers 0 and keeps
+        its first value (use ``upsert`` to replace); an empty value answers -600."""
         return self._put([key], [value], False, config)[0]
 
     def upsert(self, key: Key, value: Any, config: Any = None) -> int:
-        """Insert or replace. Replacing a value that is being read answers -706."""
+        """Insert or replace, also a value that a read has just leased (as Mooncake)."""
         return self._put([key], [value], True, config)[0]
 
     def put_batch(self, keys: Sequence[Key], values: Sequence[Any], config: Any = None) -> int:
-        """Store many values in one request. Returns 0 when every item was stored, else the first
-        item's error code (as Mooncake's ``put_batch``)."""
+        """Store many values in one request. Returns 0 when every item was stored (or existed),
+        else the first item's error code (as Mooncake's ``put_batch``); an empty value fails the
+        whole batch with -600 before anything is stored."""
         return _first_error(self._put(keys, values, False, config))
 
     def upsert_batch(self, keys: Sequence[Key], values: Sequence[Any], config: Any = None) -> int:
@@ -304,12 +313,19 @@ class MooncakeDistributedStore:
         c = self._c()
         if c is None:
             return [INTERNAL_ERROR] * len(keys)
-        if len(keys) != len(values):
+        if len(keys) != len(values) or any(_nbytes(v) == 0 for v in values):
             return [INVALID_PARAMS] * len(keys)
+        values = list(values)
+        pin = _pin(config)
         try:
-            return [to_mooncake_code(s) for s in c.put_batch(self._k(keys), list(values), upsert, pin=_pin(config))]
+            st = c.put_batch(self._k(keys), values, upsert, pin=pin)
+            again = [i for i, s in enumerate(st) if upsert and s == "leased"]
+            if again:
+                st = _replace_leased(c, [self._k(keys)[i] for i in again], st, again,
+                                     lambda ks: c.put_batch(ks, [values[i] for i in again], True, pin=pin))
         except KvpoolError as e:
             return [_error_code(e)] * len(keys)
+        return [_put_code(s) for s in st]
 
     def get(self, key: Key) -> bytes:
         """The value, or ``b''`` when the key is missing (or on any error, as Mooncake)."""
@@ -502,11 +518,28 @@ class MooncakeDistributedStore:
         c = self._c()
         if c is None:
             return [INTERNAL_ERROR] * len(keys)
+        if len(keys) != len(ptrs) or len(keys) != len(sizes):
+            return [INVALID_PARAMS] * len(keys)
+        # As Mooncake's batch forms: an empty item answers -600, the others are stored.
+        live = [i for i, sz in enumerate(sizes) if sum(sz) > 0]
+        out = [INVALID_PARAMS] * len(keys)
+        if not live:
+            return out
+        lkeys = self._k([keys[i] for i in live])
+        ptrs = [list(ptrs[i]) for i in live]
+        sizes = [list(sizes[i]) for i in live]
+        pin = _pin(config)
         try:
-            st = c.put_from_multi(self._k(keys), [list(p) for p in ptrs], [list(s) for s in sizes], upsert, pin=_pin(config))
+            st = c.put_from_multi(lkeys, ptrs, sizes, upsert, pin=pin)
+            again = [j for j, s in enumerate(st) if upsert and s == "leased"]
+            if again:
+                st = _replace_leased(c, [lkeys[j] for j in again], st, again, lambda ks: c.put_from_multi(
+                    ks, [ptrs[j] for j in again], [sizes[j] for j in again], True, pin=pin))
         except KvpoolError as e:
-            return [_error_code(e)] * len(keys)
-        return [to_mooncake_code(s) for s in st]
+            return [_error_code(e) if i in live else INVALID_PARAMS for i in range(len(keys))]
+        for i, s in zip(live, st):
+            out[i] = _put_code(s)
+        return out
 
     def _get_into(self, keys: Sequence[Key], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
         c = self._c()
@@ -516,7 +549,35 @@ class MooncakeDistributedStore:
             got = c.get_into_multi(self._k(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
         except KvpoolError as e:
             return [_error_code(e)] * len(keys)
-        return [int(n) if s == "ok" else to_mooncake_code(s) for s, n in got]
+        # Mooncake answers -600 (not -10) for a destination smaller than the value.
+        return [int(n) if s == "ok" else INVALID_PARAMS if s == "value-too-large" else to_mooncake_code(s)
+                for s, n in got]
+
+
+def _nbytes(value: Any) -> int:
+    """Size of a bytes-like value; -1 (not empty) when it has no size, so the binding reports
+    the type error."""
+    try:
+        return memoryview(value).nbytes
+    except TypeError:
+        return -1
+
+
+def _put_code(status: str) -> int:
+    """A put's code. Mooncake's put of a key that exists succeeds and keeps the first value,
+    which is what kvpool does; only the code differs."""
+    return OK if status == "already-exists" else to_mooncake_code(status)
+
+
+def _replace_leased(c: Client, keys: list[Key], st: list[str], idx: list[int], retry: Any) -> list[str]:
+    """Upsert of values that reads have leased: Mooncake replaces them, so drop the leased blocks
+    (force) and store again. kvpool blocks are immutable, so this is not atomic: a read in between
+    misses the key."""
+    c.remove(keys, True)
+    st = list(st)
+    for i, s in zip(idx, retry(keys)):
+        st[i] = s
+    return st
 
 
 def _first_error(codes: list[int]) -> int:
