@@ -46,6 +46,8 @@ def check(fn: Check) -> Check:
 DELIBERATE: dict[str, str] = {
     "put_from_zero_bytes": "a put_from of 0 bytes answers -600 and stores nothing, as Mooncake's batch "
     "forms do; Mooncake's single put_from answers 0 for a value it does not store",
+    "put_parts_of_no_bytes": "put_parts/upsert_parts of no bytes answer -600 (as put of b''); Mooncake "
+    "answers 0 and stores nothing",
 }
 
 
@@ -283,6 +285,143 @@ def health(s: Any, k: Key) -> Any:
     return s.health_check()
 
 
+@check
+def hostname_is_a_string(s: Any, k: Key) -> Any:
+    h = s.get_hostname()
+    return type(h).__name__, bool(h)
+
+
+@check
+def put_parts_and_upsert_parts(s: Any, k: Key) -> Any:
+    put = s.put_parts(k("p"), b"ab", memoryview(b"cd"), np.frombuffer(b"ef", np.uint8))
+    again = s.put_parts(k("p"), b"x")
+    first = s.get(k("p"))
+    up = s.upsert_parts(k("p"), b"y", b"z")
+    return put, again, first, up, s.get(k("p")), s.upsert_parts(k("new"), b"n"), s.get(k("new"))
+
+
+@check
+def put_parts_of_wrong_buffers(s: Any, k: Key) -> Any:
+    out = []
+    for part in (np.zeros((2, 2), np.uint8), np.zeros(4, np.float32), "text"):
+        try:
+            out.append(s.put_parts(k("w"), part))
+        except Exception as e:
+            out.append(type(e).__name__)
+    return out, s.is_exist(k("w"))
+
+
+@check
+def put_parts_of_no_bytes(s: Any, k: Key) -> Any:
+    return s.put_parts(k("n")), s.put_parts(k("e"), b"", b""), s.upsert_parts(k("u"), b""), \
+        s.batch_is_exist([k("n"), k("e"), k("u")])
+
+
+@check
+def remove_by_regex(s: Any, k: Key) -> Any:
+    s.put_batch([k("rx/1"), k("rx/2"), k("ry/1")], [b"1", b"2", b"3"])
+    base = k("")
+    return (s.remove_by_regex("^" + base + "rx/"), s.batch_is_exist([k("rx/1"), k("rx/2"), k("ry/1")]),
+            s.remove_by_regex(base + "nothing-matches"), s.remove_by_regex("("))
+
+
+@check
+def remove_by_regex_keeps_leased(s: Any, k: Key) -> Any:
+    s.put_batch([k("a"), k("b")], [b"1", b"2"])
+    s.get(k("a"))
+    base = k("")
+    return s.remove_by_regex("^" + base), s.is_exist(k("a")), s.remove_by_regex("^" + base, True), s.is_exist(k("a"))
+
+
+# ---- tensors (need torch) ---------------------------------------------------------------------
+
+TENSOR_CHECKS: dict[str, Check] = {}
+
+
+def tensor_check(fn: Check) -> Check:
+    TENSOR_CHECKS[fn.__name__] = fn
+    return fn
+
+
+def _t(x: Any) -> Any:
+    """What a caller sees of a tensor result: dtype, shape, values (codes and None as they are)."""
+    if x is None or isinstance(x, int):
+        return x
+    return str(x.dtype), tuple(x.shape), x.float().reshape(-1).tolist()
+
+
+@tensor_check
+def put_tensor_and_get_tensor(s: Any, k: Key) -> Any:
+    import torch
+
+    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    return s.put_tensor(k("t"), t), s.get_size(k("t")), _t(s.get_tensor(k("t"))), s.put_tensor(k("t"), t * 2), \
+        _t(s.get_tensor(k("t"))), s.get_tensor(k("missing"))
+
+
+@tensor_check
+def tensor_dtypes_and_shapes(s: Any, k: Key) -> Any:
+    import torch
+
+    tensors = {
+        "bf16": torch.ones(2, 3, dtype=torch.bfloat16), "f16": torch.full((4,), 1.5, dtype=torch.float16),
+        "i64": torch.arange(6, dtype=torch.int64).reshape(3, 2).t(), "bool": torch.tensor([True, False]),
+        "u8": torch.arange(5, dtype=torch.uint8), "scalar": torch.tensor(5), "empty": torch.empty(0, 3),
+        "f8": torch.ones(3, dtype=torch.float8_e4m3fn), "f64": torch.tensor([[1.25]], dtype=torch.float64),
+    }
+    out = {}
+    for name, t in tensors.items():
+        out[name] = (s.put_tensor(k(name), t), s.get_size(k(name)), _t(s.get_tensor(k(name))))
+    return out
+
+
+@tensor_check
+def put_tensor_of_wrong_values(s: Any, k: Key) -> Any:
+    import torch
+
+    return s.put_tensor(k("b"), b"abc"), s.put_tensor(k("c"), torch.ones(2, dtype=torch.complex64)), \
+        s.put_tensor(k("d"), torch.ones([1] * 9)), s.batch_is_exist([k("b"), k("c"), k("d")])
+
+
+@tensor_check
+def get_tensor_of_plain_bytes(s: Any, k: Key) -> Any:
+    s.put(k("raw"), b"x" * 400)
+    return s.get_tensor(k("raw")), s.batch_get_tensor([k("raw"), k("missing")])
+
+
+@tensor_check
+def batch_put_tensor_and_batch_get_tensor(s: Any, k: Key) -> Any:
+    import torch
+
+    put = s.batch_put_tensor([k("a"), k("b"), k("c")], [torch.ones(2), torch.zeros(3, dtype=torch.int8), b"x"])
+    got = [_t(x) for x in s.batch_get_tensor([k("a"), k("b"), k("c")])]
+    return put, got, s.batch_put_tensor([], []), s.batch_put_tensor([k("x")], [])
+
+
+@tensor_check
+def get_tensor_into(s: Any, k: Key) -> Any:
+    import torch
+
+    with _Buffer(s, 1 << 16, fill=False) as b:
+        t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+        s.put_tensor(k("t"), t)
+        got = s.get_tensor_into(k("t"), b.addr, 4096)
+        shares = got is not None and got.data_ptr() - b.addr
+        return (_t(got), shares, s.get_tensor_into(k("t"), b.addr, 100), s.get_tensor_into(k("missing"), b.addr, 4096),
+                s.get_tensor_into(k("t"), 0, 4096))
+
+
+@tensor_check
+def batch_get_tensor_into(s: Any, k: Key) -> Any:
+    import torch
+
+    with _Buffer(s, 1 << 16, fill=False) as b:
+        s.batch_put_tensor([k("a"), k("b")], [torch.ones(2, 2), torch.arange(3)])
+        got = s.batch_get_tensor_into([k("a"), k("missing"), k("b")], [b.addr, b.addr + 4096, b.addr + 8192],
+                                      [4096, 4096, 10])
+        return [_t(x) for x in got], s.batch_get_tensor_into([k("a")], [], [])
+
+
 # ---- running them -----------------------------------------------------------------------------
 
 
@@ -292,6 +431,13 @@ def _require_mooncake() -> None:
         if os.environ.get("KVPOOL_REQUIRE_PEERS") == "1":
             pytest.fail("KVPOOL_REQUIRE_PEERS=1 but Mooncake is not installed (bench/peers/setup.sh mooncake)")
         pytest.skip("Mooncake not installed (bench/peers/setup.sh mooncake)")
+
+
+def _checks() -> dict[str, Check]:
+    """Every check; the tensor checks only where torch is installed (not in CI's interpreter)."""
+    if importlib.util.find_spec("torch") is None:
+        return CHECKS
+    return {**CHECKS, **TENSOR_CHECKS}
 
 
 def _free_port() -> int:
@@ -340,7 +486,7 @@ def mooncake_results() -> Iterator[dict[str, Any]]:
         rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 128 << 20, 64 << 20, "tcp", "", f"127.0.0.1:{port}")
         assert rc == 0, f"Mooncake setup failed: {rc}"
         try:
-            yield _run(store, "parity", CHECKS)
+            yield _run(store, "parity", _checks())
         finally:
             store.close()
     finally:
@@ -363,7 +509,8 @@ def _kvpool_store(addr: str, api_key: str, fingerprint: str) -> Any:
 def _compare(where: str, mooncake: dict[str, Any], kvpool: dict[str, Any]) -> None:
     agree = [n for n in mooncake if mooncake[n] == kvpool[n]]
     differ = {n: (mooncake[n], kvpool[n]) for n in mooncake if mooncake[n] != kvpool[n]}
-    print(f"\n{where}: {len(agree)} of {len(mooncake)} checks agree with Mooncake; "
+    torch = "" if len(mooncake) > len(CHECKS) else " (tensor checks skipped: no torch)"
+    print(f"\n{where}: {len(agree)} of {len(mooncake)} checks agree with Mooncake{torch}; "
           f"deliberate differences: {sorted(differ)}")
     unexpected = {n: d for n, d in differ.items() if n not in DELIBERATE}
     assert not unexpected, f"{where}: (Mooncake, kvpool) differ: {unexpected}"
@@ -374,7 +521,7 @@ def _compare(where: str, mooncake: dict[str, Any], kvpool: dict[str, Any]) -> No
 def test_parity_on_one_server(mooncake_results: dict[str, Any], server: Server) -> None:
     st = _kvpool_store(server.addr, server.api_key, server.fingerprint)
     try:
-        _compare("one server", mooncake_results, _run(st, "parity", CHECKS))
+        _compare("one server", mooncake_results, _run(st, "parity", _checks()))
     finally:
         st.remove_all(True)
         st.close()
@@ -384,7 +531,7 @@ def test_parity_on_one_server(mooncake_results: dict[str, Any], server: Server) 
 def test_parity_on_a_cluster(mooncake_results: dict[str, Any], cluster: Cluster) -> None:
     st = _kvpool_store(cluster.master.addr, cluster.api_key, cluster.master.fingerprint)
     try:
-        _compare("cluster", mooncake_results, _run(st, "parity", CHECKS))
+        _compare("cluster", mooncake_results, _run(st, "parity", _checks()))
     finally:
         st.remove_all(True)
         st.close()

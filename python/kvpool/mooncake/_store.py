@@ -1,69 +1,16 @@
-"""Mooncake Store's Python API on kvpool.
-
-Code written against ``mooncake.store.MooncakeDistributedStore`` switches to kvpool by changing
-the import::
-
-    from kvpool.mooncake import MooncakeDistributedStore   # was: from mooncake.store import ...
-
-Method names, arguments and return conventions are Mooncake's: ``0`` or a count for success,
-Mooncake's negative error codes for failures (table below), ``b''`` from ``get`` when a key is
-missing, ``1/0/-1`` from ``is_exist``. Calls never raise for an outcome Mooncake reports as a
-code; they raise ``TypeError`` for arguments of the wrong type, as pybind11 does.
-
-Where kvpool differs on purpose, the method's docstring says so. The main differences:
-
-- ``is_exist``/``batch_is_exist`` never grant or renew a lease (Mooncake's do, which starves
-  eviction); ``get``/``get_into`` lease a block for the duration of the read only.
-- A kvpool client does not contribute memory to the pool: ``global_segment_size`` and
-  ``local_buffer_size`` given to ``setup`` are accepted and ignored; the server's ``dram.size``
-  (mapped from the same field of ``mooncake_store_config.json``) is the pool's capacity.
-- ``tenant_id`` (``setup``'s keyword, the config file's field, ``MOONCAKE_TENANT_ID``) keeps
-  Mooncake's meaning, a key space of its own: keys of a tenant other than ``default`` are stored
-  under ``tenant:<id>/`` within the kvpool tenant of the API key (the API key, not the
-  ``tenant_id``, is what kvpool authorizes).
-- ``lookup(keys)`` (kvpool's own) answers how many leading keys of a prefix chain are resident in
-  one request, where Mooncake's connectors call ``batch_is_exist`` over the whole chain.
-- Addresses given to ``put_from``/``get_into`` and their batch forms are checked against the
-  registered buffers: an address range not entirely inside one ``register_buffer`` range answers
-  ``-600`` (invalid params) and is never touched. Mooncake reads or writes it regardless.
-- ``put_from``/``upsert_from`` of 0 bytes answer ``-600`` and store nothing (as Mooncake's batch
-  forms); Mooncake's single-key forms answer 0 for a value they do not store.
-
-Where kvpool's blocks work otherwise, the codes are still Mooncake's (``tests/
-test_mooncake_parity.py`` compares them with real Mooncake): a second ``put`` of a key answers 0
-and keeps the first value; ``upsert`` of a value that a read has leased replaces it (the leased
-block is dropped, then the new one stored: a read in between misses the key).
-
-Error codes (kvpool code -> Mooncake code):
-
-================  ==========================================
-kvpool            Mooncake
-================  ==========================================
-not-found         -704 OBJECT_NOT_FOUND
-already-exists    -705 OBJECT_ALREADY_EXISTS
-leased            -706 OBJECT_HAS_LEASE
-no-space          -200 NO_AVAILABLE_HANDLE
-rejected          -200 NO_AVAILABLE_HANDLE (the admission policy refused the block, e.g.
-                  ``store_threshold``; Mooncake has no admission step)
-value-too-large   -600 INVALID_PARAMS from ``get_into`` and its batch forms (a buffer smaller
-                  than the value), as Mooncake; -10 BUFFER_OVERFLOW elsewhere
-key-too-long      -400 INVALID_KEY
-invalid-argument  -600 INVALID_PARAMS (also unregistered addresses, batch-too-large)
-corrupt           -701 INVALID_READ (checksum mismatch; the server drops the block)
-timeout, closed,  -900 RPC_FAIL (``unavailable``: the server cannot be reached or the
-unavailable       connection died)
-anything else     -1 INTERNAL_ERROR
-================  ==========================================
-"""
+"""``MooncakeDistributedStore`` itself: see :mod:`kvpool.mooncake` for the conventions."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 from kvpool import _mooncake_config as mooncake_config
+from kvpool.mooncake._tensor import TensorMethods
 from kvpool._native import Client, KvpoolError, SharedBuffer
 
 log = logging.getLogger("kvpool.mooncake")
@@ -136,7 +83,7 @@ class ReplicateConfig:
         self.prefer_alloc_in_same_node = False
 
 
-class MooncakeDistributedStore:
+class MooncakeDistributedStore(TensorMethods):
     """``mooncake.store.MooncakeDistributedStore`` on kvpool (see the module docs).
 
     Besides Mooncake's ``setup`` arguments, kvpool needs to know how to authenticate and trust
@@ -150,6 +97,7 @@ class MooncakeDistributedStore:
     def __init__(self) -> None:
         self._client: Optional[Client] = None
         self._ns = ""
+        self._hostname = ""
         self._closed = False
 
     # ---- life cycle -------------------------------------------------------------------
@@ -250,6 +198,7 @@ class MooncakeDistributedStore:
             self._client.close()
         self._client = client
         self._ns = namespace
+        self._hostname = cfg.get("local_hostname") if isinstance(cfg.get("local_hostname"), str) else ""
         self._closed = False
         return OK
 
@@ -326,6 +275,16 @@ class MooncakeDistributedStore:
         except KvpoolError as e:
             return [_error_code(e)] * len(keys)
         return [_put_code(s) for s in st]
+
+    def put_parts(self, key: Key, *parts: Any, config: Any = None) -> int:
+        """Store the concatenation of ``parts`` (1-D bytes-like objects) as one value, as
+        Mooncake; a key that exists answers 0 and keeps its value. No bytes at all answer -600
+        (Mooncake answers 0 and stores nothing)."""
+        return self._put([key], [_join_parts(parts)], False, config)[0]
+
+    def upsert_parts(self, key: Key, *parts: Any, config: Any = None) -> int:
+        """``put_parts`` that replaces an existing value."""
+        return self._put([key], [_join_parts(parts)], True, config)[0]
 
     def get(self, key: Key) -> bytes:
         """The value, or ``b''`` when the key is missing (or on any error, as Mooncake)."""
@@ -407,6 +366,31 @@ class MooncakeDistributedStore:
             return int(removed)
         except KvpoolError as e:
             return _error_code(e)
+
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """Remove every key that ``regex_pattern`` matches anywhere in (as Mooncake, a search, not
+        a whole-key match); returns how many were removed (leased keys are kept unless
+        ``force``), -600 for a pattern that does not compile. The pattern is Rust regex syntax,
+        which shares Mooncake's ECMAScript syntax except look-around and backreferences (-600).
+        Under a ``tenant_id``, ``^`` anchors at the start of the tenant's key."""
+        if not isinstance(regex_pattern, str):
+            raise TypeError(f"regex_pattern must be str, not {type(regex_pattern).__name__}")
+        c = self._c()
+        if c is None:
+            return INTERNAL_ERROR
+        pattern = regex_pattern
+        if self._ns and pattern.startswith("^"):
+            pattern = "^" + re.escape(self._ns) + pattern[1:]
+        try:
+            removed, _kept = c.remove_matching(self._ns or None, pattern, force)
+            return int(removed)
+        except KvpoolError as e:
+            return _error_code(e)
+
+    def get_hostname(self) -> str:
+        """The ``local_hostname`` given to ``setup`` (this host's name without one). Mooncake
+        appends its transfer engine's port; a kvpool client listens on no port."""
+        return self._hostname or socket.gethostname()
 
     # ---- registered memory ------------------------------------------------------------
 
@@ -554,6 +538,18 @@ class MooncakeDistributedStore:
                 for s, n in got]
 
 
+def _join_parts(parts: Sequence[Any]) -> bytes:
+    """The parts of ``put_parts`` as one value; Mooncake's error for parts that are not 1-D
+    bytes-like (``RuntimeError``, as its binding raises)."""
+    views = []
+    for p in parts:
+        v = memoryview(p)  # TypeError for a non-buffer, as pybind11
+        if v.ndim != 1 or v.itemsize != 1:
+            raise RuntimeError("parts must be 1-D bytes-like")
+        views.append(v)
+    return b"".join(views)
+
+
 def _nbytes(value: Any) -> int:
     """Size of a bytes-like value; -1 (not empty) when it has no size, so the binding reports
     the type error."""
@@ -582,25 +578,3 @@ def _replace_leased(c: Client, keys: list[Key], st: list[str], idx: list[int], r
 
 def _first_error(codes: list[int]) -> int:
     return next((c for c in codes if c != OK), OK)
-
-
-#: The same class under kvpool's name.
-KVPoolStore = MooncakeDistributedStore
-
-__all__ = [
-    "MooncakeDistributedStore",
-    "KVPoolStore",
-    "ReplicateConfig",
-    "to_mooncake_code",
-    "OK",
-    "INTERNAL_ERROR",
-    "BUFFER_OVERFLOW",
-    "NO_AVAILABLE_HANDLE",
-    "INVALID_KEY",
-    "INVALID_PARAMS",
-    "INVALID_READ",
-    "OBJECT_NOT_FOUND",
-    "OBJECT_ALREADY_EXISTS",
-    "OBJECT_HAS_LEASE",
-    "RPC_FAIL",
-]
