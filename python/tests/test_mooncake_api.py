@@ -7,6 +7,7 @@ here) and ``quic`` (bytes in band over QUIC).
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import threading
@@ -474,6 +475,28 @@ def test_tenant_ids_are_separate_key_spaces(server: Server, monkeypatch: pytest.
     assert env.get("shared-name") == b"team-b"
     monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "4 gigabytes")
     assert MooncakeDistributedStore().setup() == INVALID_PARAMS
+    # remove_by_regex stays inside the tenant's key space; "^" anchors at the tenant's key.
+    for t in ("team-b", None):
+        assert stores[t].put_batch(["rx/1", "rx/2"], [b"1", b"2"]) == 0
+    assert stores["team-b"].remove_by_regex("^rx/") == 2
+    assert stores["team-b"].batch_is_exist(["rx/1", "rx/2"]) == [0, 0]
+    assert stores[None].batch_is_exist(["rx/1", "rx/2"]) == [1, 1]
+    assert stores[None].remove_by_regex("^rx/") == 2
     for st in [*stores.values(), env]:
         st.remove_all(True)
         st.close()
+
+
+def test_tensor_methods_need_torch(server: Server) -> None:
+    """Without torch, kvpool.mooncake imports and its byte methods work; a tensor method says
+    what is missing."""
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed here (test_mooncake_parity.py checks the tensor methods)")
+    st = MooncakeDistributedStore()
+    assert st.setup("localhost", "", 0, 0, "tcp", "", server.addr, api_key=server.api_key,
+                    fingerprint=server.fingerprint) == 0
+    with pytest.raises(ImportError, match="PyTorch"):
+        st.put_tensor("t", object())
+    with pytest.raises(ImportError, match="PyTorch"):
+        st.get_tensor("t")
+    st.close()

@@ -149,6 +149,7 @@ class TensorMethods:
 
     def batch_get_tensor(self, keys: Sequence[str]) -> list[Any]:
         """``get_tensor`` of many in one request; None for each missing one."""
+        _torch()  # missing torch is an error whatever the keys hold
         if self._c() is None:
             return [None] * len(keys)
         out = []
@@ -161,6 +162,7 @@ class TensorMethods:
         """Read a stored tensor into the registered range ``[buffer_ptr, buffer_ptr + size)`` and
         return a tensor over that memory (its data starts 304 bytes in, after the header), or
         None when missing, not a tensor, or larger than ``size``."""
+        _torch()
         if self._c() is None or not buffer_ptr:
             return None
         return self.batch_get_tensor_into([key], [buffer_ptr], [size])[0]
@@ -168,6 +170,7 @@ class TensorMethods:
     def batch_get_tensor_into(self, keys: Sequence[str], buffer_ptrs: Sequence[int], sizes: Sequence[int]) -> list[Any]:
         """``get_tensor_into`` of many in one request: a tensor or None per key; -600 for every
         key when the lists differ in length or an address is 0 (Mooncake's codes)."""
+        _torch()
         if self._c() is None or not (len(keys) == len(buffer_ptrs) == len(sizes)) or 0 in buffer_ptrs:
             return [INVALID_PARAMS] * len(keys)
         got = self.batch_get_into(keys, buffer_ptrs, sizes)
