@@ -26,8 +26,16 @@ Where kvpool differs on purpose, the method's docstring says so. The main differ
 - Addresses given to ``put_from``/``get_into`` and their batch forms are checked against the
   registered buffers: an address range not entirely inside one ``register_buffer`` range answers
   ``-600`` (invalid params) and is never touched. Mooncake reads or writes it regardless.
+- ``get_hostname`` answers the ``local_hostname`` given to ``setup`` without Mooncake's transfer
+  port (a kvpool client listens on none); ``remove_by_regex`` takes Rust regex syntax (no
+  look-around or backreferences, else as Mooncake's ECMAScript patterns).
+- The tensor methods (``put_tensor``, ``get_tensor``, ``batch_put_tensor``, ``batch_get_tensor``,
+  ``get_tensor_into``, ``batch_get_tensor_into``) store Mooncake's byte layout; they import torch
+  when called (``ImportError`` without it), copy a GPU tensor to host memory before storing it,
+  and return CPU tensors. The tensor-parallel and CUDA variants are not offered.
 - ``put_from``/``upsert_from`` of 0 bytes answer ``-600`` and store nothing (as Mooncake's batch
-  forms); Mooncake's single-key forms answer 0 for a value they do not store.
+  forms); so do ``put_parts``/``upsert_parts`` of no bytes. Mooncake's single-key forms answer 0
+  for a value they do not store.
 
 Where kvpool's blocks work otherwise, the codes are still Mooncake's (``tests/
 test_mooncake_parity.py`` compares them with real Mooncake): a second ``put`` of a key answers 0
