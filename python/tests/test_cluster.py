@@ -8,7 +8,7 @@ from typing import Callable
 
 import numpy as np
 import kvpool
-from kvpool.mooncake import BUFFER_OVERFLOW, OBJECT_NOT_FOUND, MooncakeDistributedStore
+from kvpool.mooncake import INVALID_PARAMS, OBJECT_NOT_FOUND, MooncakeDistributedStore
 
 from conftest import Cluster, Etcd, Server
 
@@ -103,7 +103,7 @@ def test_mooncake_setup_with_the_master_address(cluster: Cluster) -> None:
     assert st.register_buffer(buf.address, buf.size) == 0
     assert st.get_into("mc/a", buf.address, 1 << 20) == len(b"through the master")
     assert bytes(np.frombuffer(buf, dtype=np.uint8)[:18]) == b"through the master"
-    assert st.get_into("mc/a", buf.address, 4) == BUFFER_OVERFLOW
+    assert st.get_into("mc/a", buf.address, 4) == INVALID_PARAMS
     assert st.get_into("mc/none", buf.address, 10) == OBJECT_NOT_FOUND
     assert st.unregister_buffer(buf.address) == 0
     st.remove_all(True)

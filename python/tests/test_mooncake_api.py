@@ -7,6 +7,7 @@ here) and ``quic`` (bytes in band over QUIC).
 from __future__ import annotations
 
 import ctypes
+import importlib.util
 import json
 import os
 import threading
@@ -16,10 +17,8 @@ import pytest
 
 import kvpool
 from kvpool.mooncake import (
-    BUFFER_OVERFLOW,
     INVALID_PARAMS,
     NO_AVAILABLE_HANDLE,
-    OBJECT_ALREADY_EXISTS,
     OBJECT_HAS_LEASE,
     OBJECT_NOT_FOUND,
     KVPoolStore,
@@ -46,22 +45,24 @@ def store(request: pytest.FixtureRequest, server: Server):  # type: ignore[no-un
 def test_put_get_upsert_and_batches(store: MooncakeDistributedStore) -> None:
     assert store.put("a", b"alpha") == 0
     assert store.get("a") == b"alpha"
-    assert store.put("a", b"other") == OBJECT_ALREADY_EXISTS
-    assert store.get("a") == b"alpha", "blocks are immutable: a second put keeps the first value"
-    # Reads lease a block (5 s): replacing it right after a get is refused (-706, tested below);
-    # an unread block is replaced.
+    # As Mooncake: a second put succeeds and keeps the first value.
+    assert store.put("a", b"other") == 0
+    assert store.get("a") == b"alpha"
+    assert store.put("empty", b"") == INVALID_PARAMS and store.is_exist("empty") == 0
     assert store.put("u", b"first") == 0
     assert store.upsert("u", b"replaced") == 0
     assert store.get("u") == b"replaced"
     assert store.upsert("new", b"inserted") == 0 and store.get("new") == b"inserted"
     assert store.get("missing") == b""
-    values = [os.urandom(n) for n in (0, 1, 4096, 300_000)]
+    values = [os.urandom(n) for n in (1, 4096, 300_000)]
     keys = [f"batch/{i}" for i in range(len(values))]
     assert store.put_batch(keys, values) == 0
     assert store.get_batch(keys + ["nope"]) == values + [b""]
-    # put_batch answers the first failing item's code, and stores the others.
-    assert store.put_batch(["fresh", keys[1]], [b"f", b"x"]) == OBJECT_ALREADY_EXISTS
-    assert store.get("fresh") == b"f"
+    # Existing keys keep their values; an empty value fails the whole batch.
+    assert store.put_batch(["fresh", keys[1]], [b"f", b"x"]) == 0
+    assert store.get("fresh") == b"f" and store.get(keys[1]) == values[1]
+    assert store.put_batch(["fresh2", "empty"], [b"f", b""]) == INVALID_PARAMS
+    assert store.batch_is_exist(["fresh2", "empty"]) == [0, 0]
     assert store.upsert_batch(["ub0", "ub1"], [b"u0", b"u1"]) == 0
     assert store.upsert_batch(["ub0", "ub1"], [b"v0", b"v1"]) == 0
     assert store.get_batch(["ub0", "ub1"]) == [b"v0", b"v1"]
@@ -73,12 +74,12 @@ def test_put_get_upsert_and_batches(store: MooncakeDistributedStore) -> None:
 
 
 def test_exist_size_remove(store: MooncakeDistributedStore) -> None:
-    assert store.put_batch(["x", "y"], [b"12345", b""]) == 0
+    assert store.put_batch(["x", "y"], [b"12345", b"1"]) == 0
     assert store.is_exist("x") == 1
     assert store.is_exist("z") == 0
     assert store.batch_is_exist(["x", "z", "y"]) == [1, 0, 1]
     assert store.get_size("x") == 5
-    assert store.get_size("y") == 0
+    assert store.get_size("y") == 1
     assert store.get_size("z") == OBJECT_NOT_FOUND
     # get_size leases the block like a read (as Mooncake's does): removing it needs force.
     assert store.remove("x") == OBJECT_HAS_LEASE
@@ -99,7 +100,9 @@ def test_lease_blocks_remove_until_forced(store: MooncakeDistributedStore) -> No
     assert store.put("leased", b"v" * 100) == 0
     assert store.get("leased") == b"v" * 100  # grants a read lease (5 s default)
     assert store.remove("leased") == OBJECT_HAS_LEASE
-    assert store.upsert("leased", b"new") == OBJECT_HAS_LEASE
+    # As Mooncake, upsert replaces a leased value (kvpool drops the leased block, then stores).
+    assert store.upsert("leased", b"new") == 0
+    assert store.get("leased") == b"new"
     assert store.remove("leased", force=True) == 0
 
 
@@ -131,10 +134,13 @@ def test_registered_buffers_and_zero_copy(store: MooncakeDistributedStore) -> No
     # Single-key forms, and the value-larger-than-buffer code.
     assert store.put_from("zc/2", base, 100) == 0
     assert store.get_into("zc/2", base + (2 << 20), 100) == 100
-    assert store.get_into("zc/2", base + (2 << 20), 99) == BUFFER_OVERFLOW
+    assert store.get_into("zc/2", base + (2 << 20), 99) == INVALID_PARAMS  # Mooncake's code
     assert store.get_into("zc/missing", base, 10) == OBJECT_NOT_FOUND
-    assert store.put_from("zc/2", base, 100) == OBJECT_ALREADY_EXISTS
-    assert store.upsert_from("zc/2", base + 1, 50) == OBJECT_HAS_LEASE  # read just now
+    assert store.put_from("zc/2", base + 1, 100) == 0  # exists: kept, as Mooncake
+    assert store.get("zc/2") == arr[:100].tobytes()
+    assert store.upsert_from("zc/2", base + 1, 50) == 0  # replaces, though read just now
+    assert store.get("zc/2") == arr[1:51].tobytes()
+    assert store.put_from("zc/4", base, 0) == INVALID_PARAMS
     assert store.upsert_from("zc/3", base + 1, 50) == 0 and store.get_size("zc/3") == 50
     assert store.unregister_buffer(buf.address) == 0
     assert store.unregister_buffer(buf.address) == INVALID_PARAMS
@@ -469,6 +475,28 @@ def test_tenant_ids_are_separate_key_spaces(server: Server, monkeypatch: pytest.
     assert env.get("shared-name") == b"team-b"
     monkeypatch.setenv("MOONCAKE_GLOBAL_SEGMENT_SIZE", "4 gigabytes")
     assert MooncakeDistributedStore().setup() == INVALID_PARAMS
+    # remove_by_regex stays inside the tenant's key space; "^" anchors at the tenant's key.
+    for t in ("team-b", None):
+        assert stores[t].put_batch(["rx/1", "rx/2"], [b"1", b"2"]) == 0
+    assert stores["team-b"].remove_by_regex("^rx/") == 2
+    assert stores["team-b"].batch_is_exist(["rx/1", "rx/2"]) == [0, 0]
+    assert stores[None].batch_is_exist(["rx/1", "rx/2"]) == [1, 1]
+    assert stores[None].remove_by_regex("^rx/") == 2
     for st in [*stores.values(), env]:
         st.remove_all(True)
         st.close()
+
+
+def test_tensor_methods_need_torch(server: Server) -> None:
+    """Without torch, kvpool.mooncake imports and its byte methods work; a tensor method says
+    what is missing."""
+    if importlib.util.find_spec("torch") is not None:
+        pytest.skip("torch is installed here (test_mooncake_parity.py checks the tensor methods)")
+    st = MooncakeDistributedStore()
+    assert st.setup("localhost", "", 0, 0, "tcp", "", server.addr, api_key=server.api_key,
+                    fingerprint=server.fingerprint) == 0
+    with pytest.raises(ImportError, match="PyTorch"):
+        st.put_tensor("t", object())
+    with pytest.raises(ImportError, match="PyTorch"):
+        st.get_tensor("t")
+    st.close()

@@ -1,61 +1,16 @@
-"""Mooncake Store's Python API on kvpool.
-
-Code written against ``mooncake.store.MooncakeDistributedStore`` switches to kvpool by changing
-the import::
-
-    from kvpool.mooncake import MooncakeDistributedStore   # was: from mooncake.store import ...
-
-Method names, arguments and return conventions are Mooncake's: ``0`` or a count for success,
-Mooncake's negative error codes for failures (table below), ``b''`` from ``get`` when a key is
-missing, ``1/0/-1`` from ``is_exist``. Calls never raise for an outcome Mooncake reports as a
-code; they raise ``TypeError`` for arguments of the wrong type, as pybind11 does.
-
-Where kvpool differs on purpose, the method's docstring says so. The main differences:
-
-- ``is_exist``/``batch_is_exist`` never grant or renew a lease (Mooncake's do, which starves
-  eviction); ``get``/``get_into`` lease a block for the duration of the read only.
-- A kvpool client does not contribute memory to the pool: ``global_segment_size`` and
-  ``local_buffer_size`` given to ``setup`` are accepted and ignored; the server's ``dram.size``
-  (mapped from the same field of ``mooncake_store_config.json``) is the pool's capacity.
-- ``tenant_id`` (``setup``'s keyword, the config file's field, ``MOONCAKE_TENANT_ID``) keeps
-  Mooncake's meaning, a key space of its own: keys of a tenant other than ``default`` are stored
-  under ``tenant:<id>/`` within the kvpool tenant of the API key (the API key, not the
-  ``tenant_id``, is what kvpool authorizes).
-- ``lookup(keys)`` (kvpool's own) answers how many leading keys of a prefix chain are resident in
-  one request, where Mooncake's connectors call ``batch_is_exist`` over the whole chain.
-- Addresses given to ``put_from``/``get_into`` and their batch forms are checked against the
-  registered buffers: an address range not entirely inside one ``register_buffer`` range answers
-  ``-600`` (invalid params) and is never touched. Mooncake reads or writes it regardless.
-
-Error codes (kvpool code -> Mooncake code):
-
-================  ==========================================
-kvpool            Mooncake
-================  ==========================================
-not-found         -704 OBJECT_NOT_FOUND
-already-exists    -705 OBJECT_ALREADY_EXISTS
-leased            -706 OBJECT_HAS_LEASE
-no-space          -200 NO_AVAILABLE_HANDLE
-rejected          -200 NO_AVAILABLE_HANDLE (the admission policy refused the block, e.g.
-                  ``store_threshold``; Mooncake has no admission step)
-value-too-large   -10 BUFFER_OVERFLOW (a ``get_into`` buffer smaller than the value)
-key-too-long      -400 INVALID_KEY
-invalid-argument  -600 INVALID_PARAMS (also unregistered addresses, batch-too-large)
-corrupt           -701 INVALID_READ (checksum mismatch; the server drops the block)
-timeout, closed,  -900 RPC_FAIL (``unavailable``: the server cannot be reached or the
-unavailable       connection died)
-anything else     -1 INTERNAL_ERROR
-================  ==========================================
-"""
+"""``MooncakeDistributedStore`` itself: see :mod:`kvpool.mooncake` for the conventions."""
 
 from __future__ import annotations
 
 import logging
 import os
+import re
+import socket
 from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 from kvpool import _mooncake_config as mooncake_config
+from kvpool.mooncake._tensor import TensorMethods
 from kvpool._native import Client, KvpoolError, SharedBuffer
 
 log = logging.getLogger("kvpool.mooncake")
@@ -128,7 +83,7 @@ class ReplicateConfig:
         self.prefer_alloc_in_same_node = False
 
 
-class MooncakeDistributedStore:
+class MooncakeDistributedStore(TensorMethods):
     """``mooncake.store.MooncakeDistributedStore`` on kvpool (see the module docs).
 
     Besides Mooncake's ``setup`` arguments, kvpool needs to know how to authenticate and trust
@@ -142,6 +97,7 @@ class MooncakeDistributedStore:
     def __init__(self) -> None:
         self._client: Optional[Client] = None
         self._ns = ""
+        self._hostname = ""
         self._closed = False
 
     # ---- life cycle -------------------------------------------------------------------
@@ -242,6 +198,7 @@ class MooncakeDistributedStore:
             self._client.close()
         self._client = client
         self._ns = namespace
+        self._hostname = cfg.get("local_hostname") if isinstance(cfg.get("local_hostname"), str) else ""
         self._closed = False
         return OK
 
@@ -283,17 +240,18 @@ class MooncakeDistributedStore:
     # ---- bytes in, bytes out ----------------------------------------------------------
 
     def put(self, key: Key, value: Any, config: Any = None) -> int:
-        """Store ``value`` (bytes or any buffer). Blocks are immutable: a key that exists answers
-        -705 and keeps its value (use ``upsert`` to replace)."""
+        """Store ``value`` (bytes or any buffer). As Mooncake: a key that exists answers 0 and keeps
+        its first value (use ``upsert`` to replace); an empty value answers -600."""
         return self._put([key], [value], False, config)[0]
 
     def upsert(self, key: Key, value: Any, config: Any = None) -> int:
-        """Insert or replace. Replacing a value that is being read answers -706."""
+        """Insert or replace, also a value that a read has just leased (as Mooncake)."""
         return self._put([key], [value], True, config)[0]
 
     def put_batch(self, keys: Sequence[Key], values: Sequence[Any], config: Any = None) -> int:
-        """Store many values in one request. Returns 0 when every item was stored, else the first
-        item's error code (as Mooncake's ``put_batch``)."""
+        """Store many values in one request. Returns 0 when every item was stored (or existed),
+        else the first item's error code (as Mooncake's ``put_batch``); an empty value fails the
+        whole batch with -600 before anything is stored."""
         return _first_error(self._put(keys, values, False, config))
 
     def upsert_batch(self, keys: Sequence[Key], values: Sequence[Any], config: Any = None) -> int:
@@ -304,12 +262,37 @@ class MooncakeDistributedStore:
         c = self._c()
         if c is None:
             return [INTERNAL_ERROR] * len(keys)
-        if len(keys) != len(values):
+        if len(keys) != len(values) or any(_nbytes(v) == 0 for v in values):
             return [INVALID_PARAMS] * len(keys)
+        values = list(values)
+        pin = _pin(config)
         try:
-            return [to_mooncake_code(s) for s in c.put_batch(self._k(keys), list(values), upsert, pin=_pin(config))]
+            held = _held_elsewhere(c, self._k(keys), upsert)
+            if any(held):
+                live = [i for i, h in enumerate(held) if not h]
+                codes = self._put([keys[i] for i in live], [values[i] for i in live], upsert, config) if live else []
+                out = [OK] * len(keys)
+                for i, code in zip(live, codes):
+                    out[i] = code
+                return out
+            st = c.put_batch(self._k(keys), values, upsert, pin=pin)
+            again = [i for i, s in enumerate(st) if upsert and s == "leased"]
+            if again:
+                st = _replace_leased(c, [self._k(keys)[i] for i in again], st, again,
+                                     lambda ks: c.put_batch(ks, [values[i] for i in again], True, pin=pin))
         except KvpoolError as e:
             return [_error_code(e)] * len(keys)
+        return [_put_code(s) for s in st]
+
+    def put_parts(self, key: Key, *parts: Any, config: Any = None) -> int:
+        """Store the concatenation of ``parts`` (1-D bytes-like objects) as one value, as
+        Mooncake; a key that exists answers 0 and keeps its value. No bytes at all answer -600
+        (Mooncake answers 0 and stores nothing)."""
+        return self._put([key], [_join_parts(parts)], False, config)[0]
+
+    def upsert_parts(self, key: Key, *parts: Any, config: Any = None) -> int:
+        """``put_parts`` that replaces an existing value."""
+        return self._put([key], [_join_parts(parts)], True, config)[0]
 
     def get(self, key: Key) -> bytes:
         """The value, or ``b''`` when the key is missing (or on any error, as Mooncake)."""
@@ -391,6 +374,31 @@ class MooncakeDistributedStore:
             return int(removed)
         except KvpoolError as e:
             return _error_code(e)
+
+    def remove_by_regex(self, regex_pattern: str, force: bool = False) -> int:
+        """Remove every key that ``regex_pattern`` matches anywhere in (as Mooncake, a search, not
+        a whole-key match); returns how many were removed (leased keys are kept unless
+        ``force``), -600 for a pattern that does not compile. The pattern is Rust regex syntax,
+        which shares Mooncake's ECMAScript syntax except look-around and backreferences (-600).
+        Under a ``tenant_id``, ``^`` anchors at the start of the tenant's key."""
+        if not isinstance(regex_pattern, str):
+            raise TypeError(f"regex_pattern must be str, not {type(regex_pattern).__name__}")
+        c = self._c()
+        if c is None:
+            return INTERNAL_ERROR
+        pattern = regex_pattern
+        if self._ns and pattern.startswith("^"):
+            pattern = "^" + re.escape(self._ns) + pattern[1:]
+        try:
+            removed, _kept = c.remove_matching(self._ns or None, pattern, force)
+            return int(removed)
+        except KvpoolError as e:
+            return _error_code(e)
+
+    def get_hostname(self) -> str:
+        """The ``local_hostname`` given to ``setup`` (this host's name without one). Mooncake
+        appends its transfer engine's port; a kvpool client listens on no port."""
+        return self._hostname or socket.gethostname()
 
     # ---- registered memory ------------------------------------------------------------
 
@@ -502,11 +510,37 @@ class MooncakeDistributedStore:
         c = self._c()
         if c is None:
             return [INTERNAL_ERROR] * len(keys)
+        if len(keys) != len(ptrs) or len(keys) != len(sizes):
+            return [INVALID_PARAMS] * len(keys)
+        # As Mooncake's batch forms: an empty item answers -600, the others are stored.
+        live = [i for i, sz in enumerate(sizes) if sum(sz) > 0]
+        out = [INVALID_PARAMS] * len(keys)
+        if not live:
+            return out
         try:
-            st = c.put_from_multi(self._k(keys), [list(p) for p in ptrs], [list(s) for s in sizes], upsert, pin=_pin(config))
+            held = _held_elsewhere(c, self._k([keys[i] for i in live]), upsert)
         except KvpoolError as e:
-            return [_error_code(e)] * len(keys)
-        return [to_mooncake_code(s) for s in st]
+            return [_error_code(e) if i in live else INVALID_PARAMS for i in range(len(keys))]
+        for i in [i for i, h in zip(live, held) if h]:
+            out[i] = OK
+        live = [i for i, h in zip(live, held) if not h]
+        if not live:
+            return out
+        lkeys = self._k([keys[i] for i in live])
+        ptrs = [list(ptrs[i]) for i in live]
+        sizes = [list(sizes[i]) for i in live]
+        pin = _pin(config)
+        try:
+            st = c.put_from_multi(lkeys, ptrs, sizes, upsert, pin=pin)
+            again = [j for j, s in enumerate(st) if upsert and s == "leased"]
+            if again:
+                st = _replace_leased(c, [lkeys[j] for j in again], st, again, lambda ks: c.put_from_multi(
+                    ks, [ptrs[j] for j in again], [sizes[j] for j in again], True, pin=pin))
+        except KvpoolError as e:
+            return [_error_code(e) if i in live else INVALID_PARAMS for i in range(len(keys))]
+        for i, s in zip(live, st):
+            out[i] = _put_code(s)
+        return out
 
     def _get_into(self, keys: Sequence[Key], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
         c = self._c()
@@ -516,30 +550,59 @@ class MooncakeDistributedStore:
             got = c.get_into_multi(self._k(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
         except KvpoolError as e:
             return [_error_code(e)] * len(keys)
-        return [int(n) if s == "ok" else to_mooncake_code(s) for s, n in got]
+        # Mooncake answers -600 (not -10) for a destination smaller than the value.
+        return [int(n) if s == "ok" else INVALID_PARAMS if s == "value-too-large" else to_mooncake_code(s)
+                for s, n in got]
+
+
+def _join_parts(parts: Sequence[Any]) -> bytes:
+    """The parts of ``put_parts`` as one value; Mooncake's error for parts that are not 1-D
+    bytes-like (``RuntimeError``, as its binding raises)."""
+    views = []
+    for p in parts:
+        v = memoryview(p)  # TypeError for a non-buffer, as pybind11
+        if v.ndim != 1 or v.itemsize != 1:
+            raise RuntimeError("parts must be 1-D bytes-like")
+        views.append(v)
+    return b"".join(views)
+
+
+def _nbytes(value: Any) -> int:
+    """Size of a bytes-like value; -1 (not empty) when it has no size, so the binding reports
+    the type error."""
+    try:
+        return memoryview(value).nbytes
+    except TypeError:
+        return -1
+
+
+def _held_elsewhere(c: Client, keys: list[Key], upsert: bool) -> list[bool]:
+    """On a cluster, which keys of a put (not an upsert) are already stored. The master places a
+    put on a node without asking whether another node holds the key, so a second put would store
+    a second copy that reads may prefer; Mooncake keeps the first value, so these keys are not
+    sent (answering 0). Not atomic: two puts racing can still both store. One server refuses
+    the second put by itself (no extra request)."""
+    if upsert or not c.cluster:
+        return [False] * len(keys)
+    return [bool(p) for p in c.exists(keys)]
+
+
+def _put_code(status: str) -> int:
+    """A put's code. Mooncake's put of a key that exists succeeds and keeps the first value,
+    which is what kvpool does; only the code differs."""
+    return OK if status == "already-exists" else to_mooncake_code(status)
+
+
+def _replace_leased(c: Client, keys: list[Key], st: list[str], idx: list[int], retry: Any) -> list[str]:
+    """Upsert of values that reads have leased: Mooncake replaces them, so drop the leased blocks
+    (force) and store again. kvpool blocks are immutable, so this is not atomic: a read in between
+    misses the key."""
+    c.remove(keys, True)
+    st = list(st)
+    for i, s in zip(idx, retry(keys)):
+        st[i] = s
+    return st
 
 
 def _first_error(codes: list[int]) -> int:
     return next((c for c in codes if c != OK), OK)
-
-
-#: The same class under kvpool's name.
-KVPoolStore = MooncakeDistributedStore
-
-__all__ = [
-    "MooncakeDistributedStore",
-    "KVPoolStore",
-    "ReplicateConfig",
-    "to_mooncake_code",
-    "OK",
-    "INTERNAL_ERROR",
-    "BUFFER_OVERFLOW",
-    "NO_AVAILABLE_HANDLE",
-    "INVALID_KEY",
-    "INVALID_PARAMS",
-    "INVALID_READ",
-    "OBJECT_NOT_FOUND",
-    "OBJECT_ALREADY_EXISTS",
-    "OBJECT_HAS_LEASE",
-    "RPC_FAIL",
-]
