@@ -16,8 +16,6 @@ import struct
 from collections.abc import Sequence
 from typing import Any, Optional
 
-import numpy as np
-
 OK = 0
 INVALID_PARAMS = -600
 
@@ -34,12 +32,13 @@ _LOCAL_SHAPE_AT = _GLOBAL_SHAPE_AT + _SHAPE.size
 _AXES_AT = _LOCAL_SHAPE_AT + _SHAPE.size
 META_SIZE = _AXES_AT + 8 + 4 * 32  # 304, Mooncake's sizeof(TensorMetadata)
 
-# Mooncake's dtype codes, by torch dtype name; numpy type the bytes are read as.
-_DTYPES: list[tuple[str, Any]] = [
-    ("float32", np.float32), ("float64", np.float64), ("int8", np.int8), ("uint8", np.uint8),
-    ("int16", np.int16), ("uint16", np.uint16), ("int32", np.int32), ("uint32", np.uint32),
-    ("int64", np.int64), ("uint64", np.uint64), ("bool", np.bool_), ("float16", np.uint16),
-    ("bfloat16", np.uint16), ("float8_e4m3fn", np.uint8), ("float8_e5m2", np.uint8),
+# Mooncake's dtype codes, by torch dtype name; numpy type the bytes are read as (by name: numpy,
+# like torch, is imported only by the tensor methods).
+_DTYPES: list[tuple[str, str]] = [
+    ("float32", "float32"), ("float64", "float64"), ("int8", "int8"), ("uint8", "uint8"),
+    ("int16", "int16"), ("uint16", "uint16"), ("int32", "int32"), ("uint32", "uint32"),
+    ("int64", "int64"), ("uint64", "uint64"), ("bool", "bool"), ("float16", "uint16"),
+    ("bfloat16", "uint16"), ("float8_e4m3fn", "uint8"), ("float8_e5m2", "uint8"),
 ]
 
 
@@ -75,6 +74,7 @@ def decode(buf: Any, length: int) -> Any:
     """The tensor in the first ``length`` bytes of ``buf`` (a writable buffer: the tensor shares
     its memory), or None when they do not hold one (as Mooncake's ``get_tensor``)."""
     torch = _torch()
+    import numpy as np  # torch's own dependency
     if length < META_SIZE:
         return None
     raw = memoryview(buf)[:length]
