@@ -102,9 +102,9 @@ class Cluster:
     accepted by all of them. Clients connect to ``master``."""
 
     def __init__(self, nodes: int = 2, dram: str = "64MiB", etcd: Optional[str] = None,
-                 hosts: Optional[Any] = None) -> None:
+                 hosts: Optional[Any] = None, masters: int = 1) -> None:
         """With ``hosts`` (``netns.Hosts``): the master on the root namespace's address, storage
-        node i on host i+1."""
+        node i on host i+1. With etcd, ``masters`` masters elect a leader there."""
         self.dir = Path(tempfile.mkdtemp(prefix="kvpool-pytest-cluster-"))
         self.api_key = secrets.token_hex(16)
         (self.dir / "cluster.key").write_text(self.api_key + "\n")
@@ -116,8 +116,12 @@ class Cluster:
         )
         conf = ("--config", str(self.dir / "cluster.toml"))
         at = (lambda i: f"{hosts.ip(i)}:0") if hosts else (lambda i: "127.0.0.1:0")
-        self.master = Server(dram=dram, extra=(*conf, "--role", "master", "--node-name", "m0"), api_key=self.api_key,
-                             listen=f"{hosts.root_ip}:0" if hosts else "127.0.0.1:0")
+        self.masters = [
+            Server(dram=dram, extra=(*conf, "--role", "master", "--node-name", f"m{i}"), api_key=self.api_key,
+                   listen=f"{hosts.root_ip}:0" if hosts else "127.0.0.1:0")
+            for i in range(masters)
+        ]
+        self.master = self.masters[0]
         # With etcd, nodes find the leading master there.
         find = () if etcd else ("--master", self.master.addr, "--master-fingerprint", self.master.fingerprint)
         self.nodes = [
@@ -128,7 +132,7 @@ class Cluster:
         ]
 
     def stop(self) -> None:
-        for s in (*self.nodes, self.master):
+        for s in (*self.nodes, *self.masters):
             s.stop()
         shutil.rmtree(self.dir, ignore_errors=True)
 
