@@ -23,7 +23,7 @@ use std::time::Instant;
 /// Value size of every block: the DRAM tier's allocation unit (a block's size and footprint
 /// agree, so a node of C units holds C blocks).
 const BLOCK: usize = kvpool_server::store::dram::UNIT as usize;
-const KEY: &str = "kvpool-bench-cluster-key";
+pub(crate) const KEY: &str = "kvpool-bench-cluster-key";
 
 #[derive(Debug, Args)]
 pub struct ClusterArgs {
@@ -307,7 +307,7 @@ impl Timed {
 
 /// The cluster's one admin key, in `dir`: its file, and the `[[auth.keys]]` entry every node
 /// gets (all nodes must accept the clients' key).
-fn cluster_auth(dir: &std::path::Path) -> Result<(PathBuf, String)> {
+pub(crate) fn cluster_auth(dir: &std::path::Path) -> Result<(PathBuf, String)> {
     let key_file = dir.join("admin-key");
     std::fs::write(&key_file, format!("{KEY}\n"))?;
     let auth = format!(

@@ -94,7 +94,7 @@ pub struct ScaleReport {
     pub goals: Vec<String>,
 }
 
-fn parse_count(s: &str) -> Result<u64> {
+pub(crate) fn parse_count(s: &str) -> Result<u64> {
     let t = s.trim().to_ascii_uppercase();
     let (num, mul) = match t.chars().last() {
         Some('K') => (&t[..t.len() - 1], 1_000),

@@ -593,6 +593,9 @@ pub async fn handle_stream<R: RequestRecv, W: RequestSend>(
             conclude(f, recv, send, &s.timeouts).await
         }
     };
+    // A client asks `Nodes` at connect to learn whether this is a master: a server's
+    // `unsupported` is the expected answer to that probe, not an error to count.
+    let failed = failed.filter(|&c| !(op == Some("nodes") && c == ErrorCode::Unsupported));
     if let Some(code) = failed {
         s.metrics.errors.with_label_values(&[code.name()]).inc();
     }
