@@ -88,8 +88,16 @@ struct State {
     /// by tenant as on any server), and back.
     tenants: HashMap<String, u32>,
     names: HashMap<u32, String>,
-    /// Per tenant id: key -> copies.
-    blocks: HashMap<u32, HashMap<Box<[u8]>, Copies>>,
+    /// Per tenant id: key -> copies, in `SHARDS` maps by key hash (a dead node is forgotten a
+    /// shard at a time, so routes are not held up for the whole walk).
+    blocks: HashMap<u32, Vec<HashMap<Box<[u8]>, Copies>>>,
+}
+
+/// Shards of each tenant's block map.
+const SHARDS: usize = 64;
+
+fn shard_of(key: &[u8]) -> usize {
+    (xxhash_rust::xxh3::xxh3_64(key) % SHARDS as u64) as usize
 }
 
 impl State {
@@ -124,9 +132,18 @@ impl State {
 
     /// Forget every copy on `node`; one `Removed` change per copy forgotten.
     fn forget(&mut self, node: u32) -> Vec<Change> {
+        let gone = (0..SHARDS).flat_map(|s| self.forget_shard(node, s)).collect();
+        if let Some(n) = self.node_mut(node) {
+            n.copies = 0;
+        }
+        gone
+    }
+
+    /// [`State::forget`] in shard `shard` of every tenant's map.
+    fn forget_shard(&mut self, node: u32, shard: usize) -> Vec<Change> {
         let mut gone = Vec::new();
-        for (&tenant, map) in self.blocks.iter_mut() {
-            map.retain(|key, c| {
+        for (&tenant, shards) in self.blocks.iter_mut() {
+            shards[shard].retain(|key, c| {
                 if let Some(i) = c.on.iter().position(|&(n, _)| n == node) {
                     let (_, bits) = c.on.swap_remove(i);
                     for tier in Tier::ALL.into_iter().filter(|&t| bits & (1 << t as u8) != 0) {
@@ -136,9 +153,6 @@ impl State {
                 !c.on.is_empty()
             });
         }
-        if let Some(n) = self.node_mut(node) {
-            n.copies = 0;
-        }
         gone
     }
 
@@ -147,7 +161,8 @@ impl State {
         let tier = Tier::from_u8(b.tier)?;
         let bit = 1u8 << (tier as u8);
         let tenant = self.tenant(&b.tenant, resolve);
-        let map = self.blocks.entry(tenant).or_default();
+        let shards = self.blocks.entry(tenant).or_insert_with(|| (0..SHARDS).map(|_| HashMap::new()).collect());
+        let map = &mut shards[shard_of(&b.key)];
         let mut delta: i64 = 0;
         let changed = match b.kind {
             KvEventKind::Stored => {
@@ -193,7 +208,7 @@ impl State {
 
     /// Live nodes holding `key` of `tenant`, DRAM copies first.
     fn holders(&self, tenant: Option<u32>, key: &[u8]) -> Vec<u32> {
-        let Some(copies) = tenant.and_then(|t| self.blocks.get(&t)).and_then(|m| m.get(key)) else {
+        let Some(copies) = tenant.and_then(|t| self.blocks.get(&t)).and_then(|m| m[shard_of(key)].get(key)) else {
             return Vec::new();
         };
         let mut out: Vec<(bool, u32)> = copies
@@ -366,16 +381,38 @@ impl Master {
 
     /// Declare dead every live node silent for longer than the timeout; returns how many.
     pub fn sweep(&self, now: Instant) -> usize {
-        let mut st = self.state.lock();
-        let dead: Vec<u32> = (1..=st.nodes.len() as u32)
-            .filter(|&id| st.node(id).is_some_and(|n| n.live && now.saturating_duration_since(n.last) > self.timeout))
-            .collect();
+        let dead: Vec<u32> = {
+            let mut st = self.state.lock();
+            let dead: Vec<u32> = (1..=st.nodes.len() as u32)
+                .filter(|&id| {
+                    st.node(id).is_some_and(|n| n.live && now.saturating_duration_since(n.last) > self.timeout)
+                })
+                .collect();
+            for &id in &dead {
+                // Routes skip a node that is not live: from here on none names it.
+                let n = st.node_mut(id).expect("listed");
+                n.live = false;
+                warn!(node = id, name = %n.name, "storage node is silent past the timeout: dead, its blocks are misses");
+            }
+            dead
+        };
+        // Its copies go a shard at a time, the lock released in between, so routes and reports
+        // are held up for a shard's walk, not the whole map's. A node that joins again meanwhile
+        // was forgotten whole by its join: what is left is its new inventory.
         for &id in &dead {
-            let n = st.node_mut(id).expect("listed");
-            n.live = false;
-            warn!(node = id, name = %n.name, "storage node is silent past the timeout: dead, its blocks are misses");
-            let gone = st.forget(id);
-            self.publish(gone);
+            for shard in 0..SHARDS {
+                let mut st = self.state.lock();
+                if st.node(id).is_none_or(|n| n.live) {
+                    break;
+                }
+                let gone = st.forget_shard(id, shard);
+                self.publish(gone);
+                if shard + 1 == SHARDS {
+                    if let Some(n) = st.node_mut(id) {
+                        n.copies = 0;
+                    }
+                }
+            }
         }
         dead.len()
     }
