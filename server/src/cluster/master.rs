@@ -90,8 +90,11 @@ struct State {
     names: HashMap<u32, String>,
     /// Per tenant id: key -> copies, in `SHARDS` maps by key hash (a dead node is forgotten a
     /// shard at a time, so routes are not held up for the whole walk).
-    blocks: HashMap<u32, Vec<HashMap<Box<[u8]>, Copies>>>,
+    blocks: HashMap<u32, Vec<BlockMap>>,
 }
+
+/// Key -> copies (one shard of a tenant's blocks).
+type BlockMap = HashMap<Box<[u8]>, Copies>;
 
 /// Shards of each tenant's block map.
 const SHARDS: usize = 64;
