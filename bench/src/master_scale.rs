@@ -6,6 +6,7 @@
 //! `--baseline-max` blocks). Then one node stops reporting, as a dead node does: how long until
 //! its copies are no longer routed, and what routes of the other nodes' keys cost meanwhile.
 
+use crate::scale::{key, rss};
 use crate::target::LocalServer;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -84,19 +85,6 @@ pub struct MasterScaleResult {
 const NODE_TIMEOUT_MS: u64 = 1000;
 const REPORT_MS: u64 = 100;
 const TENANT: &str = "default";
-
-fn key(chain: u64, pos: usize, len: usize) -> Vec<u8> {
-    let mut k = format!("{chain:x}/{pos:x}/").into_bytes();
-    k.resize(len.max(k.len()), b'k');
-    k
-}
-
-fn rss(pid: u32) -> Result<u64> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
-    let line = status.lines().find(|l| l.starts_with("VmRSS:")).context("no VmRSS in /proc status")?;
-    let kb: u64 = line[6..].trim().trim_end_matches("kB").trim().parse()?;
-    Ok(kb * 1024)
-}
 
 fn tiers() -> Vec<TierUse> {
     vec![TierUse { tier: 1, capacity: 1 << 50, used: 0 }]

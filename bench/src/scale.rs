@@ -107,7 +107,7 @@ pub(crate) fn parse_count(s: &str) -> Result<u64> {
 }
 
 /// Resident set of a process, from /proc (bytes).
-fn rss(pid: u32) -> Result<u64> {
+pub(crate) fn rss(pid: u32) -> Result<u64> {
     let status = std::fs::read_to_string(format!("/proc/{pid}/status"))?;
     let line = status.lines().find(|l| l.starts_with("VmRSS:")).context("no VmRSS in /proc status")?;
     let kb: u64 = line[6..].trim().trim_end_matches("kB").trim().parse()?;
@@ -115,7 +115,7 @@ fn rss(pid: u32) -> Result<u64> {
 }
 
 /// Key of block `pos` of chain `chain`, exactly `len` bytes.
-fn key(chain: u64, pos: usize, len: usize) -> Vec<u8> {
+pub(crate) fn key(chain: u64, pos: usize, len: usize) -> Vec<u8> {
     let mut k = format!("{chain:x}/{pos:x}/").into_bytes();
     k.resize(len.max(k.len()), b'k');
     k
