@@ -6,7 +6,7 @@
 //! `--baseline-max` blocks). Then one node stops reporting, as a dead node does: how long until
 //! its copies are no longer routed, and what routes of the other nodes' keys cost meanwhile.
 
-use crate::scale::{key, rss};
+use crate::scale::{key, rss, timed_chains};
 use crate::target::LocalServer;
 use anyhow::{bail, Context, Result};
 use clap::Args;
@@ -155,7 +155,7 @@ async fn run(a: MasterScaleArgs) -> Result<()> {
         filled = chains * a.chain as u64;
         eprintln!("master: {filled} blocks reported in {:.1} s", t.elapsed().as_secs_f64());
         let master_rss = rss(master.pid())?;
-        let (p50, p99) = timed(&a, chains, |keys| {
+        let (p50, p99) = timed_chains(a.lookups, a.chain, a.key_len, chains, |keys| {
             let m = m.clone();
             async move { Ok(m.route(&keys).await?.items.iter().take_while(|h| !h.is_empty()).count()) }
         })
@@ -164,7 +164,7 @@ async fn run(a: MasterScaleArgs) -> Result<()> {
         if base > single_filled {
             fill_single(&s, &a, single_filled / a.chain as u64, base / a.chain as u64).await?;
             single_filled = base;
-            (base_p50, base_p99) = timed(&a, base / a.chain as u64, |keys| {
+            (base_p50, base_p99) = timed_chains(a.lookups, a.chain, a.key_len, base / a.chain as u64, |keys| {
                 let s = s.clone();
                 async move { Ok(s.lookup(&keys).await?) }
             })
@@ -275,31 +275,6 @@ async fn fill_single(s: &Client, a: &MasterScaleArgs, from: u64, to: u64) -> Res
     }
     eprintln!("single node: {} blocks put in {:.1} s", (to - from) * a.chain as u64, t.elapsed().as_secs_f64());
     Ok(())
-}
-
-/// `lookups` calls of `f` on random whole chains (one at a time, after 100 untimed): p50 and
-/// p99 in µs. Each must find the whole chain.
-async fn timed<F, Fut>(a: &MasterScaleArgs, chains: u64, f: F) -> Result<(u64, u64)>
-where
-    F: Fn(Vec<Vec<u8>>) -> Fut,
-    Fut: std::future::Future<Output = Result<usize>>,
-{
-    let mut rng = rand::rngs::StdRng::seed_from_u64(chains);
-    let mut h = hdrhistogram::Histogram::<u64>::new(3)?;
-    for i in 0..a.lookups + 100 {
-        let c = rng.gen_range(0..chains);
-        let keys: Vec<Vec<u8>> = (0..a.chain).map(|p| key(c, p, a.key_len)).collect();
-        let t = Instant::now();
-        let found = f(keys).await?;
-        let us = t.elapsed().as_micros() as u64;
-        if found != a.chain {
-            bail!("chain {c}: {found} of {} blocks found", a.chain);
-        }
-        if i >= 100 {
-            h.record(us.max(1))?;
-        }
-    }
-    Ok((h.value_at_quantile(0.5), h.value_at_quantile(0.99)))
 }
 
 /// Node 0 stops reporting. Until its copies are no longer routed, routes of the other nodes'

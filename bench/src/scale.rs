@@ -193,17 +193,33 @@ async fn lookup_totals(client: &Client) -> Result<(u64, f64)> {
 
 /// Lookups of random resident chains (one request each, one at a time): p50 and p99 in µs.
 async fn lookups(client: &Client, a: &ScaleArgs, chains: u64) -> Result<(u64, u64)> {
+    timed_chains(a.lookups, a.chain, a.key_len, chains, |keys| async move { Ok(client.lookup(&keys).await?) }).await
+}
+
+/// `n` calls of `f` on random whole chains of `chain` keys, one at a time after 100 untimed
+/// (connection and caches warm, as in a running pool): p50 and p99 in µs. Each call must find
+/// the whole chain (else: evicted, the DRAM segment is too small).
+pub(crate) async fn timed_chains<F, Fut>(
+    n: usize,
+    chain: usize,
+    key_len: usize,
+    chains: u64,
+    f: F,
+) -> Result<(u64, u64)>
+where
+    F: Fn(Vec<Vec<u8>>) -> Fut,
+    Fut: std::future::Future<Output = Result<usize>>,
+{
     let mut rng = rand::rngs::StdRng::seed_from_u64(chains);
     let mut h = hdrhistogram::Histogram::<u64>::new(3)?;
-    // A few untimed rounds first: connection and caches warm, as in a running pool.
-    for i in 0..a.lookups + 100 {
+    for i in 0..n + 100 {
         let c = rng.gen_range(0..chains);
-        let keys: Vec<Vec<u8>> = (0..a.chain).map(|p| key(c, p, a.key_len)).collect();
+        let keys: Vec<Vec<u8>> = (0..chain).map(|p| key(c, p, key_len)).collect();
         let t = Instant::now();
-        let n = client.lookup(&keys).await?;
+        let found = f(keys).await?;
         let us = t.elapsed().as_micros() as u64;
-        if n != a.chain {
-            bail!("lookup of chain {c} found {n} of {} blocks (evicted? the DRAM segment is too small)", a.chain);
+        if found != chain {
+            bail!("chain {c}: {found} of {chain} blocks found (evicted? the DRAM segment is too small)");
         }
         if i >= 100 {
             h.record(us.max(1))?;
