@@ -10,6 +10,7 @@ mod cluster;
 mod gen;
 mod hitplot;
 mod live;
+mod master_scale;
 mod pool;
 mod pooled;
 mod replay;
@@ -51,6 +52,9 @@ enum Cmd {
     Ttft(ttft::TtftArgs),
     /// Fill one server to growing block counts: RSS per block, lookup latency, restart time
     Scale(scale::ScaleArgs),
+    /// The cluster master at pool scale: memory per block of its map, route latency against
+    /// one node's lookup, and the time to forget a dead node (in process)
+    MasterScale(master_scale::MasterScaleArgs),
     /// Write a synthetic request trace (Mooncake format)
     Gen(gen::GenArgs),
     /// Replay a trace prefix through a live server and through the core, and check that they
@@ -888,6 +892,7 @@ fn main() -> Result<()> {
         Cmd::Pooled(a) => pooled::pooled(a),
         Cmd::Ttft(a) => ttft::ttft(a),
         Cmd::Scale(a) => scale::scale(a),
+        Cmd::MasterScale(a) => master_scale::master_scale(a),
         Cmd::Gen(a) => gen::gen(a),
         Cmd::LiveReplay(a) => live::live_replay(a),
         Cmd::ClusterReplay(a) => cluster::cluster_replay(a),
