@@ -293,7 +293,7 @@ fn forget(m: &Arc<Master>, victim: u32, chains: u64, a: &MasterScaleArgs) -> For
         let (chain, len, nodes) = (a.chain, a.key_len, a.nodes);
         std::thread::spawn(move || {
             let mut rng = rand::rngs::StdRng::seed_from_u64(11);
-            // (start, duration) of every route; (start, end, names the victim) of every probe.
+            // (start, duration) of every route, probes too; (start, end, names the victim) of probes.
             let mut routes: Vec<(Instant, Duration)> = Vec::new();
             let mut probes: Vec<(Instant, Instant, bool)> = Vec::new();
             let probe: Vec<Vec<u8>> = (0..chain).map(|p| key(victim_chain, p, len)).collect();
@@ -311,7 +311,9 @@ fn forget(m: &Arc<Master>, victim: u32, chains: u64, a: &MasterScaleArgs) -> For
                 routes.push((t, t.elapsed()));
                 let t = Instant::now();
                 let r = m.route("t", &probe);
-                probes.push((t, Instant::now(), r.items.iter().any(|n| n.contains(&victim))));
+                let e = Instant::now();
+                routes.push((t, e - t));
+                probes.push((t, e, r.items.iter().any(|n| n.contains(&victim))));
             }
             (routes, probes)
         })
@@ -333,6 +335,14 @@ fn forget(m: &Arc<Master>, victim: u32, chains: u64, a: &MasterScaleArgs) -> For
     let mut h = new_hist();
     for (_, d) in routes.iter().filter(|(s, d)| *s < t1 && *s + *d > t0) {
         h.record(us(*d).max(1)).ok();
+    }
+    if std::env::var_os("MS_DEBUG").is_some() {
+        let mut slow: Vec<_> = routes.iter().filter(|(s, d)| *s < t1 && *s + *d > t0).collect();
+        slow.sort_by_key(|(_, d)| std::cmp::Reverse(*d));
+        for (s, d) in slow.iter().take(15) {
+            eprintln!("slow route at {:?} from t0: {:?}", s.saturating_duration_since(t0), d);
+        }
+        eprintln!("forget took {forgotten:?}, {} routes during", slow.len());
     }
     // The first probe asked after the sweep began that no longer names the victim: its answer.
     let unrouted = probes.iter().find(|(s, _, named)| *s >= t0 && !named).map(|(_, e, _)| *e);
