@@ -606,4 +606,69 @@ mod tests {
         m.sweep(Instant::now() + Duration::from_secs(10));
         assert_eq!(m.place("t", &[item("w", None)], 1, |_, _| None).items, vec![Vec::<u32>::new()]);
     }
+
+    fn join_as(m: &Master, name: &str, incarnation: u64) -> u32 {
+        let tiers = vec![TierUse { tier: 1, capacity: 1000, used: 0 }];
+        let (addr, server_name, fingerprint) = (format!("{name}:1"), "localhost".into(), vec![0; 32]);
+        m.join(NodeJoinRequest { name: name.into(), addr, server_name, fingerprint, incarnation, tiers }).node
+    }
+
+    fn report_as(m: &Master, node: u32, incarnation: u64, reset: bool, blocks: Vec<NodeBlock>) {
+        let tiers = vec![TierUse { tier: 1, capacity: 10_000, used: 0 }];
+        m.report(NodeReportRequest { node, incarnation, reset, tiers, blocks }).unwrap();
+    }
+
+    fn keys(ks: &[&str]) -> Vec<Vec<u8>> {
+        ks.iter().map(|k| k.as_bytes().to_vec()).collect()
+    }
+
+    #[test]
+    fn a_dead_node_leaves_routes_logs_its_keys_as_removed_and_comes_back_with_a_new_incarnation() {
+        let log = Arc::new(EventLog::new(1000, 4, Arc::new(crate::metrics::Metrics::new())));
+        let ids = std::sync::Mutex::new(HashMap::<String, u32>::new());
+        let resolve = move |name: &str| {
+            let mut ids = ids.lock().unwrap();
+            let n = ids.len() as u32 + 5;
+            *ids.entry(name.to_string()).or_insert(n)
+        };
+        let m = Master::new(100, Duration::from_millis(300), Box::new(resolve), Some(log.clone()));
+        let (a, b) = (join_as(&m, "a", 1), join_as(&m, "b", 1));
+        report_as(&m, a, 1, true, vec![stored("k1", 1), stored("k1", 2), stored("k2", 1)]);
+        report_as(&m, b, 1, true, vec![stored("k1", 2), stored("k3", 2)]);
+        assert_eq!(m.route("t", &keys(&["k1", "k2", "k3"])).items, vec![vec![a, b], vec![a], vec![b]]);
+        let from = log.next_seq();
+        // `a` goes silent: out of every route, its copies logged as removed, one per tier.
+        std::thread::sleep(Duration::from_millis(20));
+        report_as(&m, b, 1, false, vec![]);
+        assert_eq!(m.sweep(Instant::now() + Duration::from_millis(290)), 1);
+        assert_eq!(m.route("t", &keys(&["k1", "k2", "k3"])).items, vec![vec![b], vec![], vec![b]]);
+        let mut gone: Vec<(Vec<u8>, u8, u32, u32)> = log
+            .read(from, 100, 100, |_| true)
+            .changes
+            .into_iter()
+            .map(|(_, c)| (c.key.to_vec(), c.tier as u8, c.node, c.tenant))
+            .collect();
+        gone.sort();
+        assert_eq!(gone, vec![(b"k1".to_vec(), 1, a, 5), (b"k1".to_vec(), 2, a, 5), (b"k2".to_vec(), 1, a, 5)]);
+        assert_eq!(m.counts(), (1, 2));
+        // It returns as another incarnation: the old one's reports are stale, its inventory counts.
+        assert_eq!(join_as(&m, "a", 2), a);
+        let tiers = vec![];
+        let old = NodeReportRequest { node: a, incarnation: 1, reset: false, tiers, blocks: vec![stored("k9", 1)] };
+        assert_eq!(m.report(old), Err(ReportError::Stale(a)));
+        report_as(&m, a, 2, true, vec![stored("k2", 2)]);
+        assert_eq!(m.route("t", &keys(&["k1", "k2", "k9"])).items, vec![vec![b], vec![a], vec![]]);
+        // A join under a live name forgets what the earlier incarnation announced.
+        assert_eq!(join_as(&m, "a", 3), a);
+        assert_eq!(m.route("t", &keys(&["k2"])).items, vec![Vec::<u32>::new()]);
+        assert_eq!(m.counts(), (2, 2));
+        // A chain's next block goes where its parent is, once the parent is reported there.
+        report_as(&m, a, 3, false, vec![stored("root", 1)]);
+        let r = m.place("t", &[item("next", Some("root"))], 1, |_, _| None);
+        assert_eq!(r.items, vec![vec![a]]);
+        // Losing the lead forgets the whole view.
+        m.set_leading(false);
+        assert!(m.nodes().nodes.is_empty());
+        assert_eq!(m.route("t", &keys(&["k1", "root"])).items, vec![Vec::<u32>::new(); 2]);
+    }
 }
