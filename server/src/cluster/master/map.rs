@@ -18,6 +18,7 @@ use kvpool_policy_sdk::Tier;
 use kvpool_proto::KvEventKind;
 use parking_lot::Mutex;
 use std::hash::{BuildHasherDefault, Hash, Hasher};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Shards of the map: at 10M blocks a shard holds ~2,400, walked in tens of microseconds.
 const SHARDS: usize = 4096;
@@ -105,7 +106,7 @@ struct Shard {
     blocks: Map<Entry>,
     /// Copies past the two inline ones, and those of nodes with ids past 16 bits.
     spill: Map<Vec<(u32, u8)>>,
-    /// Blocks' keys, for the events of a forget; at most `keys_cap` of them.
+    /// Blocks' keys, for the events of a forget (up to `BlockMap::keep` over all shards).
     keys: Map<Kept>,
 }
 
@@ -159,8 +160,9 @@ pub(super) struct Forgotten {
 
 pub(super) struct BlockMap {
     shards: Box<[Mutex<Shard>]>,
-    /// Keys kept per shard, for the events of a forget.
-    keys_cap: usize,
+    /// Keys kept for the events of a forget, over all shards, and the most to keep.
+    kept: AtomicUsize,
+    keep: usize,
 }
 
 impl BlockMap {
@@ -169,7 +171,18 @@ impl BlockMap {
     pub fn new(keep_keys: usize) -> BlockMap {
         BlockMap {
             shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
-            keys_cap: keep_keys.div_ceil(SHARDS),
+            kept: AtomicUsize::new(0),
+            keep: keep_keys,
+        }
+    }
+
+    /// Count the keys a shard gained or lost since it had `before`.
+    fn count_kept(&self, before: usize, sh: &Shard) {
+        let now = sh.keys.len();
+        if now > before {
+            self.kept.fetch_add(now - before, Ordering::Relaxed);
+        } else if now < before {
+            self.kept.fetch_sub(before - now, Ordering::Relaxed);
         }
     }
 
@@ -179,10 +192,11 @@ impl BlockMap {
         let bit = 1u8 << (tier as u8);
         let d = Digest::of(tenant, key);
         let mut sh = self.shards[d.shard()].lock();
-        match kind {
+        let before = sh.keys.len();
+        let done = match kind {
             KvEventKind::Stored => {
                 let mut on = sh.load(&d).unwrap_or_default();
-                if on.is_empty() && sh.keys.len() < self.keys_cap {
+                if on.is_empty() && self.kept.load(Ordering::Relaxed) < self.keep {
                     sh.keys.insert(d, Kept { tenant, size, key: key.into() });
                 } else if let Some(k) = sh.keys.get_mut(&d) {
                     k.size = size;
@@ -215,7 +229,9 @@ impl BlockMap {
                 }
                 (had, delta)
             }
-        }
+        };
+        self.count_kept(before, &sh);
+        done
     }
 
     /// Nodes holding `key` of `tenant` that pass `live`, DRAM copies first, then by id.
@@ -274,6 +290,7 @@ impl BlockMap {
             {
                 let mut sh = shard.lock();
                 let sh = &mut *sh;
+                let before = sh.keys.len();
                 let mut emptied = Vec::new();
                 // Entries hold the node inline unless its id is past 16 bits.
                 let inline = Slot::of(node, 0).is_some();
@@ -334,6 +351,7 @@ impl BlockMap {
                     sh.spill.remove(&d);
                     sh.keys.remove(&d);
                 }
+                self.count_kept(before, sh);
                 // Give the freed buckets back (cheap when the table would not get smaller).
                 sh.blocks.shrink_to(0);
                 sh.spill.shrink_to(0);
@@ -354,7 +372,10 @@ impl BlockMap {
     /// Forget everything.
     pub fn clear(&self) {
         for s in self.shards.iter() {
-            *s.lock() = Shard::default();
+            let mut sh = s.lock();
+            let before = sh.keys.len();
+            *sh = Shard::default();
+            self.count_kept(before, &sh);
         }
     }
 }
@@ -442,8 +463,8 @@ mod tests {
 
     #[test]
     fn forget_logs_the_kept_keys_and_counts_the_others() {
-        // Keys kept for 1 block per shard: a shard's second block has none.
-        let m = BlockMap::new(1);
+        // Keys kept for the first 100 blocks only.
+        let m = BlockMap::new(100);
         let keys: Vec<String> = (0..SHARDS * 2).map(|i| format!("k{i}")).collect();
         for k in &keys {
             stored(&m, 1, k, DRAM);
@@ -455,7 +476,8 @@ mod tests {
         assert_eq!(f.copies, keys.len() as u64);
         assert_eq!(logged.len() as u64 + f.unknown, 2 * keys.len() as u64, "one change per tier");
         assert!(logged.iter().all(|c| c.kind == ChangeKind::Removed && c.node == 1 && c.tenant == 1));
-        assert!(!logged.is_empty() && f.unknown > 0);
+        assert_eq!(logged.len(), 200, "the first 100 blocks' keys, two tiers each");
+        assert_eq!(m.kept.load(Ordering::Relaxed), 100, "node 2 still holds the blocks");
         for k in &keys {
             assert_eq!(m.holders(1, k.as_bytes(), all), vec![2]);
         }
@@ -463,5 +485,8 @@ mod tests {
         // A node that comes back re-announces its copies.
         stored(&m, 1, "k0", DRAM);
         assert_eq!(m.holders(1, b"k0", all), vec![1, 2]);
+        m.forget(1, |_| {});
+        m.forget(2, |_| {});
+        assert_eq!(m.kept.load(Ordering::Relaxed), 0, "the kept keys went with their blocks");
     }
 }
