@@ -116,6 +116,18 @@ impl ChangeLog {
         self.next_seq()
     }
 
+    /// Number `n` changes that cannot be logged (the cluster master forgot copies whose keys
+    /// it did not keep). The log stays contiguous, so what it held goes with them: every
+    /// reader before the gap learns it missed changes, as if it had fallen behind.
+    pub fn skip(&mut self, n: u64) -> u64 {
+        if n > 0 {
+            self.first = self.next_seq() + n;
+            self.held = 0;
+            self.chunks.clear();
+        }
+        self.next_seq()
+    }
+
     /// The sequence number the next change will get.
     pub fn next_seq(&self) -> u64 {
         self.first + self.held as u64
@@ -274,5 +286,17 @@ mod tests {
         log.append(vec![change(0, "a"), change(0, "b")]);
         let b = log.read(1, 10, 10, |_| true);
         assert_eq!((b.lagged, b.next, b.changes.len()), (2, 3, 0));
+    }
+
+    #[test]
+    fn a_skip_numbers_the_changes_it_could_not_log_and_readers_learn_they_missed_them() {
+        let mut log = ChangeLog::new(10);
+        log.append(vec![change(0, "a"), change(0, "b")]);
+        assert_eq!(log.skip(0), 3, "nothing to skip");
+        assert_eq!(log.skip(5), 8);
+        log.append(vec![change(0, "c")]);
+        let b = log.read(2, 10, 10, |_| true);
+        assert_eq!((b.lagged, b.next), (6, 9));
+        assert_eq!(b.changes.iter().map(|(s, c)| (*s, &*c.key)).collect::<Vec<_>>(), vec![(8, &b"c"[..])]);
     }
 }

@@ -95,6 +95,13 @@ impl EventLog {
         self.next.send_replace(next);
     }
 
+    /// Changes that cannot be logged, `n` of them removals: see [`ChangeLog::skip`].
+    pub fn skip(&self, n: u64) {
+        self.counted[kind_index(ChangeKind::Removed)].inc_by(n);
+        let next = self.ring.lock().skip(n);
+        self.next.send_replace(next);
+    }
+
     /// See [`ChangeLog::read`]. The ring's lock is held only to take shared references to the
     /// stretch asked for; filtering and copying happen outside it, so a reader never holds up
     /// the publishers (who hold the index lock).

@@ -459,7 +459,9 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
         tasks.push(tokio::spawn(async move {
             loop {
                 tokio::time::sleep(every).await;
-                m.sweep(Instant::now());
+                // Forgetting a dead node walks the whole map (shard by shard): off the runtime.
+                let m = m.clone();
+                let _ = tokio::task::spawn_blocking(move || m.sweep(Instant::now())).await;
             }
         }));
     }

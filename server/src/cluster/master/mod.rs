@@ -4,21 +4,24 @@
 //! The storage nodes are the truth: each keeps its own index in its own sled and reports every
 //! copy it stores or drops (its whole inventory after it joins). The master only routes, so a
 //! master that restarts, or a node that returns, rebuilds this view from the nodes' reports
-//! with nothing lost. A node silent past the timeout is dead: its copies are forgotten at
-//! once, so clients see misses, never a route to a node that cannot answer.
+//! with nothing lost. A node silent past the timeout is dead: it leaves every route at once, so
+//! clients see misses, never a route to a node that cannot answer; its copies are forgotten
+//! right after, one shard of the map at a time, while routes go on (`map`).
 
 use crate::events::EventLog;
 use kvpool_core::{Change, ChangeKind};
 use kvpool_policy_sdk::{NodeSet, PlaceBatch, PlacementPolicy, Placements, Tier, NO_NODE, NO_PARENT};
 use kvpool_proto::{
-    KvEventKind, NodeAddr, NodeBlock, NodeInfo, NodeJoinRequest, NodeJoined, NodeList, NodeReportRequest, PutItem,
-    Routes, TierUse,
+    KvEventKind, NodeAddr, NodeInfo, NodeJoinRequest, NodeJoined, NodeList, NodeReportRequest, PutItem, Routes, TierUse,
 };
-use parking_lot::Mutex;
+use parking_lot::{Mutex, RwLock};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tracing::{info, warn};
+
+mod map;
+use map::BlockMap;
 
 /// Why a report was refused: the node must join again (and then re-announce its inventory).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -72,156 +75,35 @@ impl NodeEntry {
     }
 }
 
-/// A block in the pool: its size, and its copies as (node, bit per tier).
 #[derive(Default)]
-struct Copies {
-    size: u64,
-    on: Vec<(u32, u8)>,
-}
-
-#[derive(Default)]
-struct State {
-    /// Node `i + 1` is `nodes[i]`; ids stay with a name for the master's life.
-    nodes: Vec<NodeEntry>,
+struct Nodes {
+    /// Node `i + 1` is `list[i]`; ids stay with a name for the master's life.
+    list: Vec<NodeEntry>,
     by_name: HashMap<String, u32>,
-    /// Tenant name -> id (the server's own tenant ids, so that KV event subscriptions filter
-    /// by tenant as on any server), and back.
-    tenants: HashMap<String, u32>,
-    names: HashMap<u32, String>,
-    /// Per tenant id: key -> copies, in `SHARDS` maps by key hash (a dead node is forgotten a
-    /// shard at a time, so routes are not held up for the whole walk).
-    blocks: HashMap<u32, Vec<BlockMap>>,
 }
 
-/// Key -> copies (one shard of a tenant's blocks).
-type BlockMap = HashMap<Box<[u8]>, Copies>;
-
-/// Shards of each tenant's block map.
-const SHARDS: usize = 64;
-
-fn shard_of(key: &[u8]) -> usize {
-    (xxhash_rust::xxh3::xxh3_64(key) % SHARDS as u64) as usize
-}
-
-impl State {
+impl Nodes {
     fn node(&self, id: u32) -> Option<&NodeEntry> {
-        self.nodes.get((id as usize).checked_sub(1)?)
+        self.list.get((id as usize).checked_sub(1)?)
+    }
+
+    fn node_mut(&mut self, id: u32) -> Option<&mut NodeEntry> {
+        self.list.get_mut((id as usize).checked_sub(1)?)
     }
 
     /// The one live node whose address is `ip`: an engine's own node, when the engine connects
     /// from its host's address. `None` when no node, or more than one (several nodes on one
     /// host, as on a test machine), has that address.
     fn node_at(&self, ip: std::net::IpAddr) -> Option<u32> {
-        let mut at = self.nodes.iter().enumerate().filter(|(_, n)| {
+        let mut at = self.list.iter().enumerate().filter(|(_, n)| {
             n.live && n.addr.parse::<std::net::SocketAddr>().is_ok_and(|a| a.ip().to_canonical() == ip.to_canonical())
         });
         let (i, _) = at.next()?;
         at.next().is_none().then_some(i as u32 + 1)
     }
 
-    fn node_mut(&mut self, id: u32) -> Option<&mut NodeEntry> {
-        self.nodes.get_mut((id as usize).checked_sub(1)?)
-    }
-
-    fn tenant(&mut self, name: &str, resolve: &dyn Fn(&str) -> u32) -> u32 {
-        if let Some(&t) = self.tenants.get(name) {
-            return t;
-        }
-        let t = resolve(name);
-        self.tenants.insert(name.to_string(), t);
-        self.names.insert(t, name.to_string());
-        t
-    }
-
-    /// Forget every copy on `node`; one `Removed` change per copy forgotten.
-    fn forget(&mut self, node: u32) -> Vec<Change> {
-        let gone = (0..SHARDS).flat_map(|s| self.forget_shard(node, s)).collect();
-        if let Some(n) = self.node_mut(node) {
-            n.copies = 0;
-        }
-        gone
-    }
-
-    /// [`State::forget`] in shard `shard` of every tenant's map.
-    fn forget_shard(&mut self, node: u32, shard: usize) -> Vec<Change> {
-        let mut gone = Vec::new();
-        for (&tenant, shards) in self.blocks.iter_mut() {
-            shards[shard].retain(|key, c| {
-                if let Some(i) = c.on.iter().position(|&(n, _)| n == node) {
-                    let (_, bits) = c.on.swap_remove(i);
-                    for tier in Tier::ALL.into_iter().filter(|&t| bits & (1 << t as u8) != 0) {
-                        gone.push(change(ChangeKind::Removed, tier, tenant, key, None, c.size, node));
-                    }
-                }
-                !c.on.is_empty()
-            });
-        }
-        gone
-    }
-
-    /// Apply one reported copy; the change to log when it changed the view.
-    fn apply(&mut self, node: u32, b: NodeBlock, resolve: &dyn Fn(&str) -> u32) -> Option<Change> {
-        let tier = Tier::from_u8(b.tier)?;
-        let bit = 1u8 << (tier as u8);
-        let tenant = self.tenant(&b.tenant, resolve);
-        let shards = self.blocks.entry(tenant).or_insert_with(|| (0..SHARDS).map(|_| HashMap::new()).collect());
-        let map = &mut shards[shard_of(&b.key)];
-        let mut delta: i64 = 0;
-        let changed = match b.kind {
-            KvEventKind::Stored => {
-                let c = map.entry(b.key.as_slice().into()).or_default();
-                c.size = b.size;
-                match c.on.iter_mut().find(|(n, _)| *n == node) {
-                    Some((_, bits)) => std::mem::replace(bits, *bits | bit) & bit == 0,
-                    None => {
-                        c.on.push((node, bit));
-                        delta = 1;
-                        true
-                    }
-                }
-            }
-            KvEventKind::Removed | KvEventKind::Evicted => {
-                let mut had = false;
-                if let Some(c) = map.get_mut(b.key.as_slice()) {
-                    if let Some(i) = c.on.iter().position(|&(n, _)| n == node) {
-                        had = c.on[i].1 & bit != 0;
-                        c.on[i].1 &= !bit;
-                        if c.on[i].1 == 0 {
-                            c.on.swap_remove(i);
-                            delta = -1;
-                        }
-                    }
-                    if c.on.is_empty() {
-                        map.remove(b.key.as_slice());
-                    }
-                }
-                had
-            }
-        };
-        if let Some(n) = self.node_mut(node) {
-            n.copies = n.copies.saturating_add_signed(delta);
-        }
-        let kind = match b.kind {
-            KvEventKind::Stored => ChangeKind::Stored,
-            KvEventKind::Removed => ChangeKind::Removed,
-            KvEventKind::Evicted => ChangeKind::Evicted,
-        };
-        changed.then(|| change(kind, tier, tenant, &b.key, b.parent.as_deref(), b.size, node))
-    }
-
-    /// Live nodes holding `key` of `tenant`, DRAM copies first.
-    fn holders(&self, tenant: Option<u32>, key: &[u8]) -> Vec<u32> {
-        let Some(copies) = tenant.and_then(|t| self.blocks.get(&t)).and_then(|m| m[shard_of(key)].get(key)) else {
-            return Vec::new();
-        };
-        let mut out: Vec<(bool, u32)> = copies
-            .on
-            .iter()
-            .filter(|&&(n, _)| self.node(n).is_some_and(|e| e.live))
-            .map(|&(n, bits)| (bits & (1 << Tier::Dram as u8) == 0, n))
-            .collect();
-        out.sort_unstable();
-        out.into_iter().map(|(_, n)| n).collect()
+    fn live(&self, id: u32) -> bool {
+        self.node(id).is_some_and(|e| e.live)
     }
 
     fn routes(&self, items: Vec<Vec<u32>>) -> Routes {
@@ -231,6 +113,14 @@ impl State {
         let nodes = named.into_iter().filter_map(|id| Some(self.node(id)?.addr(id))).collect();
         Routes { nodes, items }
     }
+}
+
+/// Tenant name -> id (the server's own tenant ids, so that KV event subscriptions filter by
+/// tenant as on any server), and back.
+#[derive(Default)]
+struct Tenants {
+    ids: HashMap<String, u32>,
+    names: HashMap<u32, String>,
 }
 
 fn change(
@@ -246,8 +136,16 @@ fn change(
 }
 
 /// The master role's state.
+///
+/// Locks: `membership` orders forgets against reports (reports share it; a forget of a dead
+/// node, a join and a change of leadership take it alone, so no report lands in the middle of
+/// a forget); `nodes` is taken before a shard of `blocks` when both are held. Routes take
+/// neither `membership` nor a shard for longer than one key.
 pub struct Master {
-    state: Mutex<State>,
+    membership: RwLock<()>,
+    nodes: RwLock<Nodes>,
+    tenants: RwLock<Tenants>,
+    blocks: BlockMap,
     /// KV events of the whole pool (its nodes' copies), for subscriptions to the master.
     events: Option<Arc<EventLog>>,
     /// A tenant name's id on this server.
@@ -273,7 +171,11 @@ impl Master {
         events: Option<Arc<EventLog>>,
     ) -> Master {
         Master {
-            state: Mutex::new(State::default()),
+            membership: RwLock::new(()),
+            nodes: RwLock::new(Nodes::default()),
+            tenants: RwLock::new(Tenants::default()),
+            // Keys for the events of a forget: as many as the ring holds.
+            blocks: BlockMap::new(events.as_ref().map_or(0, |e| e.capacity())),
             events,
             resolve,
             leading: true.into(),
@@ -291,28 +193,66 @@ impl Master {
     /// from the storage nodes' joins and announcements, and one that stopped must not answer
     /// from a view that no longer follows the nodes.
     pub fn set_leading(&self, on: bool) {
-        let mut st = self.state.lock();
-        let gone: Vec<Change> = (1..=st.nodes.len() as u32).flat_map(|id| st.forget(id)).collect();
-        self.publish(gone);
-        *st = State::default();
+        let _alone = self.membership.write();
+        let ids = 1..=self.nodes.read().list.len() as u32;
+        for id in ids {
+            self.forget(id);
+        }
+        self.blocks.clear();
+        *self.nodes.write() = Nodes::default();
+        *self.tenants.write() = Tenants::default();
         self.leading.store(on, std::sync::atomic::Ordering::Release);
     }
 
-    /// Log changes (the caller holds the state lock, so the log's order is the view's).
     fn publish(&self, changes: Vec<Change>) {
         if let Some(log) = &self.events {
             log.publish(changes);
         }
     }
 
+    /// Forget every copy on `node`, shard by shard; its `Removed` events are logged as each
+    /// shard is walked. The caller holds `membership` alone, or is the node's own report.
+    fn forget(&self, node: u32) {
+        if self.nodes.read().node(node).is_none_or(|n| n.copies == 0) {
+            return;
+        }
+        let done = self.blocks.forget(node, |gone| self.publish(gone));
+        if done.unknown > 0 {
+            if let Some(log) = &self.events {
+                log.skip(done.unknown);
+            }
+        }
+        if let Some(n) = self.nodes.write().node_mut(node) {
+            n.copies = 0;
+        }
+    }
+
     /// Name of a storage node, for its KV events.
     pub fn node_name(&self, id: u32) -> String {
-        self.state.lock().node(id).map_or_else(|| format!("node-{id}"), |n| n.name.clone())
+        self.nodes.read().node(id).map_or_else(|| format!("node-{id}"), |n| n.name.clone())
     }
 
     /// Name of a tenant id the nodes reported.
     pub fn tenant_name(&self, id: u32) -> Option<String> {
-        self.state.lock().names.get(&id).cloned()
+        self.tenants.read().names.get(&id).cloned()
+    }
+
+    fn tenant_id(&self, name: &str) -> Option<u32> {
+        self.tenants.read().ids.get(name).copied()
+    }
+
+    fn tenant(&self, name: &str) -> u32 {
+        if let Some(t) = self.tenant_id(name) {
+            return t;
+        }
+        let mut ts = self.tenants.write();
+        if let Some(&t) = ts.ids.get(name) {
+            return t;
+        }
+        let t = (self.resolve)(name);
+        ts.ids.insert(name.to_string(), t);
+        ts.names.insert(t, name.to_string());
+        t
     }
 
     /// Who leads, as last read from etcd (for followers' answers).
@@ -327,7 +267,7 @@ impl Master {
     /// A node joins (or joins again under its name, keeping its id): its earlier copies are
     /// forgotten until it re-announces them.
     pub fn join(&self, req: NodeJoinRequest) -> NodeJoined {
-        let mut st = self.state.lock();
+        let _alone = self.membership.write();
         let entry = NodeEntry {
             name: req.name.clone(),
             addr: req.addr,
@@ -340,23 +280,24 @@ impl Master {
             copies: 0,
             placed: 0,
         };
-        let id = match st.by_name.get(&req.name).copied() {
+        let known = self.nodes.read().by_name.get(&req.name).copied();
+        let id = match known {
             Some(id) => {
-                if let Some(old) = st.node(id).filter(|n| n.live && n.addr != entry.addr) {
+                if let Some(old) = self.nodes.read().node(id).filter(|n| n.live && n.addr != entry.addr) {
                     // Two live nodes under one name would take turns replacing each other.
                     warn!(node = id, name = %req.name, old = %old.addr, new = %entry.addr,
                         "a node joined under the name of a live node at another address: it replaces it \
                          (give every storage node its own cluster.node_name)");
                 }
-                let gone = st.forget(id);
-                self.publish(gone);
-                *st.node_mut(id).expect("named nodes exist") = entry;
+                self.forget(id);
+                *self.nodes.write().node_mut(id).expect("named nodes exist") = entry;
                 id
             }
             None => {
-                st.nodes.push(entry);
-                let id = st.nodes.len() as u32;
-                st.by_name.insert(req.name.clone(), id);
+                let mut nodes = self.nodes.write();
+                nodes.list.push(entry);
+                let id = nodes.list.len() as u32;
+                nodes.by_name.insert(req.name.clone(), id);
                 id
             }
         };
@@ -366,54 +307,78 @@ impl Master {
 
     /// Apply a node's report (also its heartbeat).
     pub fn report(&self, req: NodeReportRequest) -> Result<(), ReportError> {
-        let mut st = self.state.lock();
-        let n = st.node_mut(req.node).filter(|n| n.live).ok_or(ReportError::Unknown(req.node))?;
-        if n.incarnation != req.incarnation {
-            return Err(ReportError::Stale(req.node));
+        let _shared = self.membership.read();
+        {
+            let mut nodes = self.nodes.write();
+            let n = nodes.node_mut(req.node).filter(|n| n.live).ok_or(ReportError::Unknown(req.node))?;
+            if n.incarnation != req.incarnation {
+                return Err(ReportError::Stale(req.node));
+            }
+            n.last = Instant::now();
+            n.tiers = req.tiers;
+            n.placed = 0;
         }
-        n.last = Instant::now();
-        n.tiers = req.tiers;
-        n.placed = 0;
-        let mut changes = if req.reset { st.forget(req.node) } else { Vec::new() };
+        if req.reset {
+            self.forget(req.node);
+        }
+        let mut changes = Vec::new();
+        let mut delta: i64 = 0;
+        // A report names one tenant for long runs: resolve it once per run.
+        let mut last: Option<(String, u32)> = None;
         for b in req.blocks {
-            changes.extend(st.apply(req.node, b, &*self.resolve));
+            let Some(tier) = Tier::from_u8(b.tier) else { continue };
+            let tenant = match &last {
+                Some((name, t)) if *name == b.tenant => *t,
+                _ => {
+                    let t = self.tenant(&b.tenant);
+                    last = Some((b.tenant.clone(), t));
+                    t
+                }
+            };
+            let (changed, d) = self.blocks.apply(req.node, tenant, &b.key, b.kind, tier, b.size);
+            delta += d;
+            if changed {
+                let kind = match b.kind {
+                    KvEventKind::Stored => ChangeKind::Stored,
+                    KvEventKind::Removed => ChangeKind::Removed,
+                    KvEventKind::Evicted => ChangeKind::Evicted,
+                };
+                changes.push(change(kind, tier, tenant, &b.key, b.parent.as_deref(), b.size, req.node));
+            }
+        }
+        if delta != 0 {
+            if let Some(n) = self.nodes.write().node_mut(req.node) {
+                n.copies = n.copies.saturating_add_signed(delta);
+            }
         }
         self.publish(changes);
         Ok(())
     }
 
     /// Declare dead every live node silent for longer than the timeout; returns how many.
+    /// A dead node is out of every route at once; its copies are forgotten after, shard by
+    /// shard, while routes go on.
     pub fn sweep(&self, now: Instant) -> usize {
         let dead: Vec<u32> = {
-            let mut st = self.state.lock();
-            let dead: Vec<u32> = (1..=st.nodes.len() as u32)
+            let mut nodes = self.nodes.write();
+            let dead: Vec<u32> = (1..=nodes.list.len() as u32)
                 .filter(|&id| {
-                    st.node(id).is_some_and(|n| n.live && now.saturating_duration_since(n.last) > self.timeout)
+                    nodes.node(id).is_some_and(|n| n.live && now.saturating_duration_since(n.last) > self.timeout)
                 })
                 .collect();
             for &id in &dead {
-                // Routes skip a node that is not live: from here on none names it.
-                let n = st.node_mut(id).expect("listed");
+                let n = nodes.node_mut(id).expect("listed");
                 n.live = false;
                 warn!(node = id, name = %n.name, "storage node is silent past the timeout: dead, its blocks are misses");
             }
             dead
         };
-        // Its copies go a shard at a time, the lock released in between, so routes and reports
-        // are held up for a shard's walk, not the whole map's. A node that joins again meanwhile
-        // was forgotten whole by its join: what is left is its new inventory.
-        for &id in &dead {
-            for shard in 0..SHARDS {
-                let mut st = self.state.lock();
-                if st.node(id).is_none_or(|n| n.live) {
-                    break;
-                }
-                let gone = st.forget_shard(id, shard);
-                self.publish(gone);
-                if shard + 1 == SHARDS {
-                    if let Some(n) = st.node_mut(id) {
-                        n.copies = 0;
-                    }
+        if !dead.is_empty() {
+            let _alone = self.membership.write();
+            for &id in &dead {
+                // It may have joined again while this waited: its join forgot the copies then.
+                if !self.nodes.read().live(id) {
+                    self.forget(id);
                 }
             }
         }
@@ -421,10 +386,10 @@ impl Master {
     }
 
     pub fn nodes(&self) -> NodeList {
-        let st = self.state.lock();
+        let st = self.nodes.read();
         let now = Instant::now();
         let nodes = st
-            .nodes
+            .list
             .iter()
             .enumerate()
             .map(|(i, n)| NodeInfo {
@@ -444,16 +409,27 @@ impl Master {
 
     /// (live nodes, copies known) for the gauges.
     pub fn counts(&self) -> (usize, u64) {
-        let st = self.state.lock();
-        (st.nodes.iter().filter(|n| n.live).count(), st.nodes.iter().map(|n| n.copies).sum())
+        let st = self.nodes.read();
+        (st.list.iter().filter(|n| n.live).count(), st.list.iter().map(|n| n.copies).sum())
+    }
+
+    /// Live holders of `key` of `tenant`, DRAM copies first.
+    fn holders(&self, nodes: &Nodes, tenant: Option<u32>, key: &[u8]) -> Vec<u32> {
+        match tenant {
+            Some(t) => self.blocks.holders(t, key, |n| nodes.live(n)),
+            None => Vec::new(),
+        }
     }
 
     /// Where each key of `tenant` is: live holders, DRAM copies first.
     pub fn route(&self, tenant: &str, keys: &[Vec<u8>]) -> Routes {
-        let st = self.state.lock();
-        let t = st.tenants.get(tenant).copied();
-        let items = keys.iter().map(|k| st.holders(t, k)).collect();
-        st.routes(items)
+        let t = self.tenant_id(tenant);
+        let nodes = self.nodes.read();
+        let items = match t {
+            Some(t) => self.blocks.holders_many(t, keys, |n| nodes.live(n)),
+            None => vec![Vec::new(); keys.len()],
+        };
+        nodes.routes(items)
     }
 
     /// Choose nodes for new blocks of `tenant`: `policy` (the master's placement module) when
@@ -467,16 +443,16 @@ impl Master {
         client: Option<std::net::IpAddr>,
         policy: impl FnOnce(&PlaceBatch, &NodeSet) -> Option<Placements>,
     ) -> Routes {
-        let mut st = self.state.lock();
-        let t = st.tenants.get(tenant).copied();
+        let t = self.tenant_id(tenant);
+        let mut st = self.nodes.write();
         let mut nodes = NodeSet::default();
-        for (i, n) in st.nodes.iter().enumerate().filter(|(_, n)| n.live) {
+        for (i, n) in st.list.iter().enumerate().filter(|(_, n)| n.live) {
             nodes.push(i as u64 + 1, [0, n.free(Tier::Dram), n.free(Tier::Ssd)], n.load());
         }
         if nodes.is_empty() {
             return Routes { nodes: Vec::new(), items: vec![Vec::new(); items.len()] };
         }
-        let mut batch = place_batch(&st, t, items, replicas);
+        let mut batch = self.place_batch(&st, t, items, replicas);
         batch.client_node = client.and_then(|ip| st.node_at(ip)).map_or(NO_NODE, u64::from);
         let r = batch.effective_replicas(nodes.len());
         let valid = |p: &Placements| {
@@ -506,37 +482,37 @@ impl Master {
         }
         st.routes(out)
     }
-}
 
-/// The placement question: blocks in request order, a parent in the same batch named by its
-/// position, a parent already in the pool by the node that holds it.
-fn place_batch(st: &State, tenant: Option<u32>, items: &[PutItem], replicas: u32) -> PlaceBatch {
-    let mut b = PlaceBatch { replicas: replicas.max(1), ..PlaceBatch::default() };
-    let mut pos: HashMap<&[u8], u64> = HashMap::new();
-    for (i, it) in items.iter().enumerate() {
-        let id = i as u64 + 1;
-        let (parent, parent_node) = match it.parent.as_deref() {
-            None => (NO_PARENT, NO_NODE),
-            Some(p) => match pos.get(p) {
-                Some(&pid) => (pid, NO_NODE),
-                None => (NO_PARENT, st.holders(tenant, p).first().map_or(NO_NODE, |&n| u64::from(n))),
-            },
-        };
-        b.id.push(id);
-        b.size.push(it.size);
-        b.tokens.push(it.tokens);
-        b.parent.push(parent);
-        b.parent_node.push(parent_node);
-        b.tier.push(Tier::Dram as u8);
-        pos.insert(&it.key, id);
+    /// The placement question: blocks in request order, a parent in the same batch named by
+    /// its position, a parent already in the pool by the node that holds it.
+    fn place_batch(&self, nodes: &Nodes, tenant: Option<u32>, items: &[PutItem], replicas: u32) -> PlaceBatch {
+        let mut b = PlaceBatch { replicas: replicas.max(1), ..PlaceBatch::default() };
+        let mut pos: HashMap<&[u8], u64> = HashMap::new();
+        for (i, it) in items.iter().enumerate() {
+            let id = i as u64 + 1;
+            let (parent, parent_node) = match it.parent.as_deref() {
+                None => (NO_PARENT, NO_NODE),
+                Some(p) => match pos.get(p) {
+                    Some(&pid) => (pid, NO_NODE),
+                    None => (NO_PARENT, self.holders(nodes, tenant, p).first().map_or(NO_NODE, |&n| u64::from(n))),
+                },
+            };
+            b.id.push(id);
+            b.size.push(it.size);
+            b.tokens.push(it.tokens);
+            b.parent.push(parent);
+            b.parent_node.push(parent_node);
+            b.tier.push(Tier::Dram as u8);
+            pos.insert(&it.key, id);
+        }
+        b
     }
-    b
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvpool_proto::PinSpec;
+    use kvpool_proto::{NodeBlock, PinSpec};
 
     fn master(timeout: Duration) -> Master {
         let ids = std::sync::Mutex::new(HashMap::<String, u32>::new());
@@ -643,6 +619,71 @@ mod tests {
         // With no live node nothing is placed.
         m.sweep(Instant::now() + Duration::from_secs(10));
         assert_eq!(m.place("t", &[item("w", None)], 1, None, |_, _| None).items, vec![Vec::<u32>::new()]);
+    }
+
+    fn join_as(m: &Master, name: &str, incarnation: u64) -> u32 {
+        let tiers = vec![TierUse { tier: 1, capacity: 1000, used: 0 }];
+        let (addr, server_name, fingerprint) = (format!("{name}:1"), "localhost".into(), vec![0; 32]);
+        m.join(NodeJoinRequest { name: name.into(), addr, server_name, fingerprint, incarnation, tiers }).node
+    }
+
+    fn report_as(m: &Master, node: u32, incarnation: u64, reset: bool, blocks: Vec<NodeBlock>) {
+        let tiers = vec![TierUse { tier: 1, capacity: 10_000, used: 0 }];
+        m.report(NodeReportRequest { node, incarnation, reset, tiers, blocks }).unwrap();
+    }
+
+    fn keys(ks: &[&str]) -> Vec<Vec<u8>> {
+        ks.iter().map(|k| k.as_bytes().to_vec()).collect()
+    }
+
+    #[test]
+    fn a_dead_node_leaves_routes_logs_its_keys_as_removed_and_comes_back_with_a_new_incarnation() {
+        let log = Arc::new(EventLog::new(1000, 4, Arc::new(crate::metrics::Metrics::new())));
+        let ids = std::sync::Mutex::new(HashMap::<String, u32>::new());
+        let resolve = move |name: &str| {
+            let mut ids = ids.lock().unwrap();
+            let n = ids.len() as u32 + 5;
+            *ids.entry(name.to_string()).or_insert(n)
+        };
+        let m = Master::new(100, Duration::from_millis(300), Box::new(resolve), Some(log.clone()));
+        let (a, b) = (join_as(&m, "a", 1), join_as(&m, "b", 1));
+        report_as(&m, a, 1, true, vec![stored("k1", 1), stored("k1", 2), stored("k2", 1)]);
+        report_as(&m, b, 1, true, vec![stored("k1", 2), stored("k3", 2)]);
+        assert_eq!(m.route("t", &keys(&["k1", "k2", "k3"])).items, vec![vec![a, b], vec![a], vec![b]]);
+        let from = log.next_seq();
+        // `a` goes silent: out of every route, its copies logged as removed, one per tier.
+        std::thread::sleep(Duration::from_millis(20));
+        report_as(&m, b, 1, false, vec![]);
+        assert_eq!(m.sweep(Instant::now() + Duration::from_millis(290)), 1);
+        assert_eq!(m.route("t", &keys(&["k1", "k2", "k3"])).items, vec![vec![b], vec![], vec![b]]);
+        let mut gone: Vec<(Vec<u8>, u8, u32, u32)> = log
+            .read(from, 100, 100, |_| true)
+            .changes
+            .into_iter()
+            .map(|(_, c)| (c.key.to_vec(), c.tier as u8, c.node, c.tenant))
+            .collect();
+        gone.sort();
+        assert_eq!(gone, vec![(b"k1".to_vec(), 1, a, 5), (b"k1".to_vec(), 2, a, 5), (b"k2".to_vec(), 1, a, 5)]);
+        assert_eq!(m.counts(), (1, 2));
+        // It returns as another incarnation: the old one's reports are stale, its inventory counts.
+        assert_eq!(join_as(&m, "a", 2), a);
+        let tiers = vec![];
+        let old = NodeReportRequest { node: a, incarnation: 1, reset: false, tiers, blocks: vec![stored("k9", 1)] };
+        assert_eq!(m.report(old), Err(ReportError::Stale(a)));
+        report_as(&m, a, 2, true, vec![stored("k2", 2)]);
+        assert_eq!(m.route("t", &keys(&["k1", "k2", "k9"])).items, vec![vec![b], vec![a], vec![]]);
+        // A join under a live name forgets what the earlier incarnation announced.
+        assert_eq!(join_as(&m, "a", 3), a);
+        assert_eq!(m.route("t", &keys(&["k2"])).items, vec![Vec::<u32>::new()]);
+        assert_eq!(m.counts(), (2, 2));
+        // A chain's next block goes where its parent is, once the parent is reported there.
+        report_as(&m, a, 3, false, vec![stored("root", 1)]);
+        let r = m.place("t", &[item("next", Some("root"))], 1, None, |_, _| None);
+        assert_eq!(r.items, vec![vec![a]]);
+        // Losing the lead forgets the whole view.
+        m.set_leading(false);
+        assert!(m.nodes().nodes.is_empty());
+        assert_eq!(m.route("t", &keys(&["k1", "root"])).items, vec![Vec::<u32>::new(); 2]);
     }
 
     #[test]
