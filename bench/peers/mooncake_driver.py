@@ -37,7 +37,7 @@ def setup(args, segment, local_buffer):
     store = MooncakeDistributedStore()
     # P2PHANDSHAKE: peers exchange transfer metadata directly, no etcd/HTTP metadata server.
     rc = store.setup(
-        "127.0.0.1",
+        args.host,
         "P2PHANDSHAKE",
         segment,
         local_buffer,
@@ -198,6 +198,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("role", choices=["serve", "client"])
     p.add_argument("--master", required=True, help="mooncake_master RPC address, host:port")
+    p.add_argument("--host", default="127.0.0.1", help="this process's address, as its peers reach it")
     p.add_argument("--segment", type=int, default=1 << 30, help="serve: bytes of global segment")
     p.add_argument("--local-buffer", type=int, default=512 << 20, help="client: local transfer buffer")
     p.add_argument("--max-bytes", type=int, default=256 << 20, help="client: largest batch in bytes")

@@ -31,6 +31,45 @@ fn tail(path: &Path, n: usize) -> String {
     lines[lines.len().saturating_sub(n)..].join("\n")
 }
 
+/// Where the harness runs a peer's server side: on this host (loopback), or on a host of a
+/// [`kvpool_netns::Hosts`] while the clients stay in the root namespace (`--hosts`).
+#[derive(Clone, Debug)]
+pub struct Place {
+    /// Argv prefix that runs a program there (`ip netns exec <ns>`), empty on this host.
+    prefix: Vec<String>,
+    /// The server side's address.
+    pub ip: String,
+    /// The clients' address, as the server side reaches them.
+    pub client_ip: String,
+}
+
+impl Place {
+    pub fn local() -> Place {
+        Place { prefix: Vec::new(), ip: "127.0.0.1".into(), client_ip: "127.0.0.1".into() }
+    }
+
+    /// Host `i` of `hosts`, the clients in the root namespace.
+    pub fn host(hosts: &kvpool_netns::Hosts, i: usize) -> Result<Place> {
+        Ok(Place { prefix: hosts.prefix(i)?, ip: hosts.ip(i), client_ip: hosts.root_ip() })
+    }
+
+    pub fn is_local(&self) -> bool {
+        self.prefix.is_empty()
+    }
+
+    /// `program`, to be run there.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
+        match self.prefix.split_first() {
+            None => Command::new(program),
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(program);
+                c
+            }
+        }
+    }
+}
+
 /// A child process killed (and reaped) on drop.
 struct Reaped(Child);
 
@@ -48,6 +87,7 @@ impl Drop for Reaped {
 pub struct RedisServer {
     _child: Reaped,
     pub port: u16,
+    pub ip: String,
     _dir: tempfile::TempDir,
 }
 
@@ -56,13 +96,17 @@ impl RedisServer {
         which("redis-server")
     }
 
-    pub async fn start() -> Result<Self> {
+    pub async fn start(place: &Place) -> Result<Self> {
         let bin = Self::available().context("redis-server not found on PATH (bench/peers/setup.sh redis)")?;
         let dir = tempfile::Builder::new().prefix("kvpool-bench-redis-").tempdir()?;
         let port = free_port()?;
         let log = dir.path().join("redis.log");
-        let child = Command::new(&bin)
-            .args(["--port", &port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+        let child = place
+            .command(&bin)
+            .args(["--port", &port.to_string(), "--bind", &place.ip, "--save", "", "--appendonly", "no"])
+            // A password-less Redis refuses other hosts in protected mode; this one is a
+            // throw-away peer on a private bridge.
+            .args(["--protected-mode", if place.is_local() { "yes" } else { "no" }])
             .arg("--dir")
             .arg(dir.path())
             .arg("--logfile")
@@ -76,7 +120,7 @@ impl RedisServer {
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
         let mut child = Reaped(child);
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
+        let client = redis::Client::open(format!("redis://{}:{port}/", place.ip))?;
         let start = Instant::now();
         loop {
             if let Some(st) = child.0.try_wait()? {
@@ -92,7 +136,7 @@ impl RedisServer {
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
         }
-        Ok(RedisServer { _child: child, port, _dir: dir })
+        Ok(RedisServer { _child: child, port, ip: place.ip.clone(), _dir: dir })
     }
 
     pub fn version(&self) -> String {
@@ -111,8 +155,8 @@ pub struct RedisTarget {
 }
 
 impl RedisTarget {
-    pub async fn connect(port: u16) -> Result<Self> {
-        let client = redis::Client::open(format!("redis://127.0.0.1:{port}/"))?;
+    pub async fn connect(ip: &str, port: u16) -> Result<Self> {
+        let client = redis::Client::open(format!("redis://{ip}:{port}/"))?;
         // Large batches take seconds on a busy machine; the crate's default would cut them off.
         let cfg = redis::AsyncConnectionConfig::new()
             .set_response_timeout(Duration::from_secs(300))
@@ -268,9 +312,10 @@ struct Driver {
 }
 
 impl Driver {
-    fn spawn(install: &MooncakeInstall, args: &[String], log: PathBuf) -> Result<Self> {
+    fn spawn(install: &MooncakeInstall, place: &Place, args: &[String], log: PathBuf) -> Result<Self> {
         let err = std::fs::File::create(&log)?;
-        let mut child = Command::new(&install.python)
+        let mut child = place
+            .command(&install.python)
             .arg(&install.driver)
             .args(args)
             .stdin(Stdio::piped())
@@ -319,17 +364,19 @@ impl MooncakeCluster {
         local_buffer: u64,
         max_bytes: u64,
         workers: usize,
+        place: &Place,
     ) -> Result<Self> {
         let dir = tempfile::Builder::new().prefix("kvpool-bench-mooncake-").tempdir()?;
         let (rpc, metrics) = (free_port()?, free_port()?);
         let log = dir.path().join("master.log");
         let out = std::fs::File::create(&log)?;
-        let master = Command::new(&install.master)
+        let master = place
+            .command(&install.master)
             .args([
                 format!("--rpc_port={rpc}"),
-                "--rpc_address=127.0.0.1".into(),
+                format!("--rpc_address={}", place.ip),
                 format!("--metrics_port={metrics}"),
-                "--metrics_host=127.0.0.1".into(),
+                format!("--metrics_host={}", place.ip),
                 "--enable_http_metadata_server=false".into(),
             ])
             .current_dir(dir.path())
@@ -340,10 +387,12 @@ impl MooncakeCluster {
             .with_context(|| format!("starting {}", install.master.display()))?;
         let mut master = Reaped(master);
         // Ready when its RPC port accepts connections.
-        wait_listening(&mut master, rpc, "mooncake_master", &log, Duration::from_secs(30))?;
-        let addr = format!("127.0.0.1:{rpc}");
+        wait_listening(&mut master, &place.ip, rpc, "mooncake_master", &log, Duration::from_secs(30))?;
+        let addr = format!("{}:{rpc}", place.ip);
         let mut client_args = vec![
             "client".into(),
+            "--host".into(),
+            place.client_ip.clone(),
             "--master".into(),
             addr.clone(),
             "--local-buffer".into(),
@@ -355,7 +404,16 @@ impl MooncakeCluster {
             MooncakePath::Tcp => Storage::Driver(
                 Driver::spawn(
                     install,
-                    &["serve".into(), "--master".into(), addr, "--segment".into(), segment.to_string()],
+                    place,
+                    &[
+                        "serve".into(),
+                        "--host".into(),
+                        place.ip.clone(),
+                        "--master".into(),
+                        addr,
+                        "--segment".into(),
+                        segment.to_string(),
+                    ],
                     dir.path().join("storage.log"),
                 )
                 .context("starting the mooncake storage process")?,
@@ -372,7 +430,7 @@ impl MooncakeCluster {
                 Storage::RealClient { _process: real }
             }
         };
-        let client = Driver::spawn(install, &client_args, dir.path().join("client.log"))
+        let client = Driver::spawn(install, &Place::local(), &client_args, dir.path().join("client.log"))
             .context("starting the mooncake client process")?;
         Ok(MooncakeCluster { client, storage, _master: master, _dir: dir, version: install.version.clone() })
     }
@@ -409,7 +467,7 @@ impl MooncakeCluster {
             .spawn()
             .with_context(|| format!("starting {}", bin.display()))?;
         let mut child = Reaped(child);
-        wait_listening(&mut child, port, "mooncake_client", &log, Duration::from_secs(60))?;
+        wait_listening(&mut child, "127.0.0.1", port, "mooncake_client", &log, Duration::from_secs(60))?;
         Ok(child)
     }
 
@@ -439,11 +497,11 @@ impl MooncakeCluster {
     }
 }
 
-/// Wait until `child` accepts TCP connections on loopback `port`; fail with the tail of its
-/// log if it exits first or is not listening within `limit`.
-fn wait_listening(child: &mut Reaped, port: u16, name: &str, log: &Path, limit: Duration) -> Result<()> {
+/// Wait until `child` accepts TCP connections on `ip:port`; fail with the tail of its log if it
+/// exits first or is not listening within `limit`.
+fn wait_listening(child: &mut Reaped, ip: &str, port: u16, name: &str, log: &Path, limit: Duration) -> Result<()> {
     let start = Instant::now();
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+    while std::net::TcpStream::connect((ip, port)).is_err() {
         if let Some(st) = child.0.try_wait()? {
             bail!("{name} exited with {st}:\n{}", tail(log, 20));
         }

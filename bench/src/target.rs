@@ -6,7 +6,7 @@ use kvpool_client::{Client, ClientConfig, ErrorCode, PutEntry, PutMode};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::process::{Child, Command, Stdio};
+use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 pub type BoxFut<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
@@ -86,29 +86,37 @@ pub struct LocalServer {
     child: Child,
     pub data_dir: tempfile::TempDir,
     args: Vec<String>,
+    place: crate::peers::Place,
 }
 
 impl LocalServer {
     /// Start the server binary that sits next to this executable (same cargo target dir).
     pub fn start(dram: &str, extra: &[String]) -> Result<Self> {
+        Self::start_at(&crate::peers::Place::local(), dram, extra)
+    }
+
+    /// [`LocalServer::start`] at `place` (listening on its address).
+    pub fn start_at(place: &crate::peers::Place, dram: &str, extra: &[String]) -> Result<Self> {
+        let listen = format!("{}:0", place.ip);
         let mut args: Vec<String> =
-            ["--listen", "127.0.0.1:0", "--metrics-listen", "off", "--dram-size", dram].map(String::from).to_vec();
+            ["--listen", &listen, "--metrics-listen", "off", "--dram-size", dram].map(String::from).to_vec();
         // No SSD tier unless the caller asks for one.
         if !extra.iter().any(|a| a == "--ssd-capacity") {
             args.extend(["--ssd-capacity".to_string(), "0".to_string()]);
         }
         args.extend_from_slice(extra);
         let data_dir = tempfile::Builder::new().prefix("kvpool-bench-").tempdir()?;
-        let child = Self::spawn(data_dir.path(), &args)?;
-        let mut s = LocalServer { child, data_dir, args };
+        let child = Self::spawn(place, data_dir.path(), &args)?;
+        let mut s = LocalServer { child, data_dir, args, place: place.clone() };
         s.wait_ready(Duration::from_secs(60))?;
         Ok(s)
     }
 
-    fn spawn(dir: &Path, args: &[String]) -> Result<Child> {
+    fn spawn(place: &crate::peers::Place, dir: &Path, args: &[String]) -> Result<Child> {
         let bin = server_binary()?;
         let log = std::fs::OpenOptions::new().create(true).append(true).open(dir.join("server.log"))?;
-        Command::new(&bin)
+        place
+            .command(&bin)
             .arg("--data-dir")
             .arg(dir)
             .args(args)
@@ -131,7 +139,7 @@ impl LocalServer {
         self.child.wait()?;
         // The endpoint file is the readiness signal: remove the stale one first.
         let _ = std::fs::remove_file(self.path().join("endpoint.json"));
-        self.child = Self::spawn(self.data_dir.path(), &self.args)?;
+        self.child = Self::spawn(&self.place, self.data_dir.path(), &self.args)?;
         self.wait_ready(limit)
     }
 

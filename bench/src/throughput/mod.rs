@@ -3,7 +3,7 @@
 
 mod report;
 
-use crate::peers::{MooncakeCluster, MooncakeInstall, MooncakePath, RedisServer, RedisTarget};
+use crate::peers::{MooncakeCluster, MooncakeInstall, MooncakePath, Place, RedisServer, RedisTarget};
 use crate::plot;
 use crate::target::{KvpoolShmTarget, KvpoolTarget, LocalServer, Target};
 use anyhow::{bail, Context, Result};
@@ -75,6 +75,17 @@ pub struct ThroughputArgs {
     /// The Mooncake driver script
     #[arg(long, env = "KVPOOL_MOONCAKE_DRIVER", default_value = concat!(env!("CARGO_MANIFEST_DIR"), "/peers/mooncake_driver.py"))]
     mooncake_driver: PathBuf,
+    /// Across hosts: every server side (kvpool, Redis, Mooncake's master and storage process)
+    /// on a host of its own (a network namespace on a bridge), the clients in the root
+    /// namespace, once per `--mtus` link MTU (needs root; same-host paths are skipped)
+    #[arg(long, conflicts_with_all = ["server", "data_dir"])]
+    hosts: bool,
+    /// Link MTUs of the `--hosts` run, in order
+    #[arg(long, value_delimiter = ',', default_value = "1500,9000")]
+    mtus: Vec<u32>,
+    /// With `--hosts`: limit each direction of the link to this rate (bits per second, `tbf`)
+    #[arg(long)]
+    rate: Option<String>,
 }
 
 /// Every system `throughput` knows how to drive: kvpool over QUIC, kvpool over same-host
@@ -95,6 +106,61 @@ pub async fn throughput(mut a: ThroughputArgs) -> Result<()> {
         a.budget = "16MiB".into();
         a.min_ops = 1;
     }
+    if !a.hosts {
+        let report = run_link(&a, &Place::local(), "loopback", a.plot.clone()).await?;
+        if let Some(path) = &a.json {
+            std::fs::write(path, serde_json::to_string_pretty(&report)?)
+                .with_context(|| format!("writing {}", path.display()))?;
+        }
+        return Ok(());
+    }
+    if let Some(why) = kvpool_netns::unavailable() {
+        bail!("--hosts: {why}");
+    }
+    let rate = a
+        .rate
+        .as_deref()
+        .map(|r| r.parse::<bytesize::ByteSize>().map(|b| b.as_u64()).map_err(|e| anyhow::anyhow!("--rate {r:?}: {e}")))
+        .transpose()?;
+    let mut hosts = kvpool_netns::Hosts::new(1, *a.mtus.first().context("--mtus is empty")?)?;
+    let place = Place::host(&hosts, 1)?;
+    let mut runs = Vec::new();
+    for &mtu in &a.mtus.clone() {
+        hosts.set_mtu(mtu)?;
+        hosts.rate(1, rate)?;
+        let link = format!(
+            "across hosts, link MTU {mtu}{}: servers at {}, clients at {}",
+            rate.map(|r| format!(", {r} bit/s")).unwrap_or_default(),
+            place.ip,
+            place.client_ip
+        );
+        println!("\n== {link}");
+        let plot = a.plot.as_ref().map(|p| suffixed(p, &format!("mtu{mtu}")));
+        runs.push(HostsRun { mtu, report: run_link(&a, &place, &link, plot).await? });
+    }
+    if let Some(path) = &a.json {
+        std::fs::write(path, serde_json::to_string_pretty(&runs)?)
+            .with_context(|| format!("writing {}", path.display()))?;
+    }
+    Ok(())
+}
+
+/// One link MTU's run of `--hosts`.
+#[derive(Serialize)]
+struct HostsRun {
+    mtu: u32,
+    report: Report,
+}
+
+/// `path` with `-tag` before its extension.
+fn suffixed(path: &std::path::Path, tag: &str) -> PathBuf {
+    let stem = path.file_stem().map(|s| s.to_string_lossy().into_owned()).unwrap_or_default();
+    let ext = path.extension().map(|e| format!(".{}", e.to_string_lossy())).unwrap_or_default();
+    path.with_file_name(format!("{stem}-{tag}{ext}"))
+}
+
+/// Every target over one link: servers at `place`, clients here.
+async fn run_link(a: &ThroughputArgs, place: &Place, link: &str, plot_path: Option<PathBuf>) -> Result<Report> {
     let sizes: Vec<usize> = a.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?;
     let budget = parse_size(&a.budget)?;
     if sizes.contains(&0) || a.batches.contains(&0) || a.concurrency.contains(&0) {
@@ -122,7 +188,7 @@ pub async fn throughput(mut a: ThroughputArgs) -> Result<()> {
         a.dram.clone()
     };
 
-    let (targets, skipped) = select_targets(&a)?;
+    let (targets, skipped) = select_targets(a, place)?;
     for s in &skipped {
         tracing::warn!(target = %s.target, "skipped: {}", s.reason);
     }
@@ -164,7 +230,7 @@ pub async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                     }
                     (None, None) => {
                         let seg = a.quic_segmentation.to_string();
-                        let s = LocalServer::start(&dram, &["--quic-segmentation".into(), seg])?;
+                        let s = LocalServer::start_at(place, &dram, &["--quic-segmentation".into(), seg])?;
                         let cfg = ClientConfig::from_data_dir(s.path())?;
                         (Some(s), cfg)
                     }
@@ -203,9 +269,9 @@ pub async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                 }
             }
             "redis" => {
-                let srv = RedisServer::start().await?;
+                let srv = RedisServer::start(place).await?;
                 peers_seen.push(srv.version());
-                let target: Arc<dyn Target> = Arc::new(RedisTarget::connect(srv.port).await?);
+                let target: Arc<dyn Target> = Arc::new(RedisTarget::connect(&srv.ip, srv.port).await?);
                 run_in_process(&target, &plan, &pool, &run, &pb, &mut rows).await?;
             }
             "mooncake" | "mooncake-shm" => {
@@ -227,6 +293,7 @@ pub async fn throughput(mut a: ThroughputArgs) -> Result<()> {
                         local_buffer,
                         (max_size * max_batch) as u64,
                         max_conc,
+                        place,
                     )
                 })?;
                 peers_seen.push(format!("mooncake-transfer-engine-non-cuda {} (python client, {how})", mc.version));
@@ -265,7 +332,7 @@ pub async fn throughput(mut a: ThroughputArgs) -> Result<()> {
     let goals = goals(&rows, lookup.as_ref());
     print_goals(&goals);
 
-    if let Some(path) = &a.plot {
+    if let Some(path) = &plot_path {
         let mut points: Vec<plot::Point> = rows
             .iter()
             .map(|r| plot::Point {
@@ -281,40 +348,36 @@ pub async fn throughput(mut a: ThroughputArgs) -> Result<()> {
             block_size: r.block_size,
             mb_per_s: r.memcpy.mb_per_s,
         }));
-        match plot::write_png(path, &points, "kvpool-bench throughput (loopback)") {
+        match plot::write_png(path, &points, &format!("kvpool-bench throughput ({link})")) {
             Ok(()) => println!("plot: {}", path.display()),
             // A missing font must not throw away a long run's numbers.
             Err(e) => tracing::warn!("no plot written: {e:#}"),
         }
     }
 
-    if let Some(path) = &a.json {
-        let report = Report {
-            command: std::env::args().collect::<Vec<_>>().join(" "),
-            target: targets.join(","),
-            skipped,
-            peers: peers_seen,
-            server,
-            cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
-            mem_total: mem_total(),
-            started_unix: std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .map(|d| d.as_secs())
-                .unwrap_or(0),
-            quic: notes.join("\n"),
-            rows,
-            lookup,
-            goals,
-        };
-        std::fs::write(path, serde_json::to_string_pretty(&report)?)
-            .with_context(|| format!("writing {}", path.display()))?;
-    }
-    Ok(())
+    Ok(Report {
+        link: link.to_string(),
+        command: std::env::args().collect::<Vec<_>>().join(" "),
+        target: targets.join(","),
+        skipped,
+        peers: peers_seen,
+        server,
+        cpus: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        mem_total: mem_total(),
+        started_unix: std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs())
+            .unwrap_or(0),
+        quic: notes.join("\n"),
+        rows,
+        lookup,
+        goals,
+    })
 }
 
 /// Which targets run and which are skipped (peer not installed); a required one that is
 /// missing is an error.
-fn select_targets(a: &ThroughputArgs) -> Result<(Vec<String>, Vec<Skipped>)> {
+fn select_targets(a: &ThroughputArgs, place: &Place) -> Result<(Vec<String>, Vec<Skipped>)> {
     let asked: Vec<String> = if a.targets.is_empty() {
         // Default: everything, plus whatever --require names (already in TARGETS).
         TARGETS.iter().map(|s| s.to_string()).collect()
@@ -334,6 +397,11 @@ fn select_targets(a: &ThroughputArgs) -> Result<(Vec<String>, Vec<Skipped>)> {
             continue;
         }
         let missing = match t.as_str() {
+            "kvpool-shm" | "mooncake-shm" if !place.is_local() => {
+                // Skipped even when required: across hosts there is no same-host path to take.
+                skipped.push(Skipped { target: t, reason: "a same-host path: not run across hosts".into() });
+                continue;
+            }
             "redis" => RedisServer::available().is_none().then(|| "redis-server not found on PATH".to_string()),
             "mooncake" => MooncakeInstall::find(&a.python, &a.mooncake_driver).err(),
             "mooncake-shm" => MooncakeInstall::find_shm(&a.python, &a.mooncake_driver).err(),

@@ -33,6 +33,8 @@ pub(super) struct Skipped {
 
 #[derive(Debug, Serialize)]
 pub(super) struct Report {
+    /// Loopback, or which link across hosts.
+    pub(super) link: String,
     pub(super) command: String,
     /// The systems measured, comma-separated, in run order.
     pub(super) target: String,
