@@ -37,11 +37,14 @@ pub struct Opts {
     pub cache: String,
     /// TOML appended at the end (new tables).
     pub extra: String,
+    /// Run on another host: `(argv prefix, address)`, from [`kvpool_netns::Hosts::prefix`] and
+    /// [`kvpool_netns::Hosts::ip`]. `None`: this host, on loopback.
+    pub host: Option<(Vec<String>, String)>,
 }
 
 impl Default for Opts {
     fn default() -> Self {
-        Opts { dram: "256MiB", ssd: "0", cache: String::new(), extra: String::new() }
+        Opts { dram: "256MiB", ssd: "0", cache: String::new(), extra: String::new(), host: None }
     }
 }
 
@@ -71,12 +74,13 @@ impl TestServer {
     fn spawn(&mut self) {
         let d = self.dir.path();
         // Started again, a server comes back at its address (clients reconnect to it).
-        let listen = self.endpoint["quic_addr"].as_str().unwrap_or("127.0.0.1:0").to_string();
+        let ip = self.opts.host.as_ref().map_or("127.0.0.1", |(_, ip)| ip.as_str()).to_string();
+        let listen = self.endpoint["quic_addr"].as_str().map_or(format!("{ip}:0"), str::to_string);
         let cfg = format!(
             r#"
 [server]
 listen = "{listen}"
-metrics_listen = "127.0.0.1:0"
+metrics_listen = "{ip}:0"
 data_dir = "{data}"
 
 [dram]
@@ -115,7 +119,15 @@ sha256 = "{bob}"
         std::fs::write(self.config_path(), cfg).expect("write config");
         let _ = std::fs::remove_file(d.join("endpoint.json"));
         let log = std::fs::OpenOptions::new().create(true).append(true).open(d.join("server.log")).expect("log file");
-        let child = Command::new(bin("kvpool-server"))
+        let mut cmd = match &self.opts.host {
+            None => Command::new(bin("kvpool-server")),
+            Some((prefix, _)) => {
+                let mut c = Command::new(&prefix[0]);
+                c.args(&prefix[1..]).arg(bin("kvpool-server"));
+                c
+            }
+        };
+        let child = cmd
             .arg("--config")
             .arg(self.config_path())
             .env("RUST_LOG", "info")
