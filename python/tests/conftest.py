@@ -161,9 +161,9 @@ def cluster() -> Iterator[Cluster]:
 
 class Etcd:
     """A real etcd (Debian's etcd-server, installed by ``bench/peers/setup.sh etcd``) on free
-    loopback ports."""
+    ports of ``ip`` (loopback unless the hosts of a test must reach it)."""
 
-    def __init__(self) -> None:
+    def __init__(self, ip: str = "127.0.0.1") -> None:
         import socket
         import urllib.request
 
@@ -174,8 +174,8 @@ class Etcd:
 
         self.dir = Path(tempfile.mkdtemp(prefix="kvpool-pytest-etcd-"))
         client, peer = free(), free()
-        self.url = f"http://127.0.0.1:{client}"
-        peer_url = f"http://127.0.0.1:{peer}"
+        self.url = f"http://{ip}:{client}"
+        peer_url = f"http://{ip}:{peer}"
         self.log = open(self.dir / "etcd.log", "ab")
         self.proc = subprocess.Popen(
             ["etcd", "--data-dir", str(self.dir / "data"), "--listen-client-urls", self.url,

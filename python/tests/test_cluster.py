@@ -142,45 +142,50 @@ def test_a_killed_master_is_replaced_through_etcd_and_every_block_stays(etcd: Et
     which join the new leader and report what they hold) read back, and new puts work."""
     c = Cluster(nodes=2, etcd=etcd.url, masters=2)
     try:
-        deadline = time.monotonic() + 20
-        while True:
-            try:
-                client = kvpool.Client(api_key=c.api_key, etcd=etcd.url, timeout=5.0, dead_after=1.0)
-                break
-            except kvpool.KvpoolError as e:
-                assert time.monotonic() < deadline, f"no leader in etcd: {e}"
-                time.sleep(0.1)
-        keys = [f"fo/{i}" for i in range(8)]
-        values = [bytes([i]) * 4096 for i in range(8)]
-        until("both nodes joined", lambda: client.put_batch(keys, values) == ["ok"] * 8, within=20)
-        until("puts visible", lambda: client.exists(keys) == [True] * 8)
-
-        def leads(m: Server) -> bool:
-            direct = kvpool.Client(m.addr, c.api_key, fingerprint=m.fingerprint, transport="quic")
-            try:
-                direct.exists(["x"])  # routed: a standby answers not-leader
-                return True
-            except kvpool.KvpoolError:
-                return False
-            finally:
-                direct.close()
-
-        leader = next(m for m in c.masters if leads(m))
-        leader.kill()
-        # Calls may fail while the standby takes over and the nodes join it; never wrong bytes.
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                got = client.get_batch(keys)
-                assert all(st != "ok" or v == values[i] for i, (st, v) in enumerate(got)), got
-                if [st for st, _ in got] == ["ok"] * 8:
-                    break
-            except kvpool.KvpoolError:
-                pass
-            assert time.monotonic() < deadline, "the blocks never served through the new leader"
-            time.sleep(0.1)
-        assert client.put_batch(["fo/new"], [b"after"]) == ["ok"]
-        until("new put visible", lambda: client.get_batch(["fo/new"]) == [("ok", b"after")])
-        client.close()
+        a_killed_master_is_replaced(c, etcd.url)
     finally:
         c.stop()
+
+
+def a_killed_master_is_replaced(c: Cluster, etcd_url: str) -> None:
+    """The failover test's steps on cluster ``c`` (two masters, found through etcd)."""
+    deadline = time.monotonic() + 20
+    while True:
+        try:
+            client = kvpool.Client(api_key=c.api_key, etcd=etcd_url, timeout=5.0, dead_after=1.0)
+            break
+        except kvpool.KvpoolError as e:
+            assert time.monotonic() < deadline, f"no leader in etcd: {e}"
+            time.sleep(0.1)
+    keys = [f"fo/{i}" for i in range(8)]
+    values = [bytes([i]) * 4096 for i in range(8)]
+    until("both nodes joined", lambda: client.put_batch(keys, values) == ["ok"] * 8, within=20)
+    until("puts visible", lambda: client.exists(keys) == [True] * 8)
+
+    def leads(m: Server) -> bool:
+        direct = kvpool.Client(m.addr, c.api_key, fingerprint=m.fingerprint, transport="quic")
+        try:
+            direct.exists(["x"])  # routed: a standby answers not-leader
+            return True
+        except kvpool.KvpoolError:
+            return False
+        finally:
+            direct.close()
+
+    leader = next(m for m in c.masters if leads(m))
+    leader.kill()
+    # Calls may fail while the standby takes over and the nodes join it; never wrong bytes.
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            got = client.get_batch(keys)
+            assert all(st != "ok" or v == values[i] for i, (st, v) in enumerate(got)), got
+            if [st for st, _ in got] == ["ok"] * 8:
+                break
+        except kvpool.KvpoolError:
+            pass
+        assert time.monotonic() < deadline, "the blocks never served through the new leader"
+        time.sleep(0.1)
+    assert client.put_batch(["fo/new"], [b"after"]) == ["ok"]
+    until("new put visible", lambda: client.get_batch(["fo/new"]) == [("ok", b"after")])
+    client.close()

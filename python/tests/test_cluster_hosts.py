@@ -102,3 +102,22 @@ def test_an_engines_blocks_land_on_its_own_hosts_node_and_serve_every_host(hosts
         probe.close()
     finally:
         c.stop()
+
+
+def test_a_killed_master_is_replaced_through_etcd_across_hosts(hosts: netns.Hosts) -> None:
+    """The failover test with the storage nodes on their own hosts: they find the new leader in
+    etcd (on the root namespace's address) and report to it across the bridge."""
+    import shutil
+
+    from conftest import Etcd
+    from test_cluster import a_killed_master_is_replaced
+
+    if shutil.which("etcd") is None and os.environ.get("KVPOOL_REQUIRE_PEERS", "") in ("", "0"):
+        pytest.skip("etcd not installed (bench/peers/setup.sh etcd) and KVPOOL_REQUIRE_PEERS unset")
+    etcd = Etcd(hosts.root_ip)
+    c = Cluster(nodes=2, etcd=etcd.url, masters=2, hosts=hosts)
+    try:
+        a_killed_master_is_replaced(c, etcd.url)
+    finally:
+        c.stop()
+        etcd.stop()
