@@ -165,7 +165,7 @@ impl Default for EventsSection {
 #[serde(default)]
 pub struct QuicSection {
     /// `auto` (large datagrams with offload off for same-host peers, segmentation offload with
-    /// the MTU capped at 6,500 bytes across a network), `offload`, or `large-datagrams`.
+    /// path-MTU discovery up to 8,972 bytes across a network), `offload`, or `large-datagrams`.
     pub segmentation: kvpool_net::Segmentation,
     /// UDP socket buffer to ask the kernel for (capped by `net.core.rmem_max` / `wmem_max`).
     pub udp_buffer: Size,

@@ -408,9 +408,8 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     })?;
     info!(recv = bufs.recv, send = bufs.send, "UDP socket buffers granted");
     let configs = quic_server_configs(&tls, &cfg, &bufs)?;
-    let runtime = quinn::default_runtime().ok_or_else(|| listen_err(std::io::Error::other("no async runtime")))?;
-    let endpoint = quinn::Endpoint::new(kvpool_net::endpoint_config(), Some((*configs.network).clone()), sock, runtime)
-        .map_err(listen_err)?;
+    let endpoint = kvpool_net::endpoint_on(sock, Some((*configs.network).clone()))
+        .map_err(|e| listen_err(std::io::Error::other(e.to_string())))?;
     let quic_addr = endpoint.local_addr().map_err(listen_err)?;
     let mut tasks = vec![
         tokio::spawn(service::serve(endpoint.clone(), shared.clone(), Arc::new(configs))),
