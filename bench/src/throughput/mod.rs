@@ -329,7 +329,7 @@ async fn run_link(a: &ThroughputArgs, place: &Place, link: &str, plot_path: Opti
     for n in &notes {
         println!("{n}");
     }
-    let goals = goals(&rows, lookup.as_ref());
+    let goals = if place.is_local() { goals(&rows, lookup.as_ref()) } else { hosts_goals(&rows) };
     print_goals(&goals);
 
     if let Some(path) = &plot_path {

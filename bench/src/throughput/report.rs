@@ -143,6 +143,42 @@ pub(super) fn goals(rows: &[Row], lookup: Option<&LookupLatency>) -> Vec<Goal> {
     out
 }
 
+/// The goals across hosts (issue 23), from this run's rows: kvpool against the better of Redis
+/// and Mooncake's TCP for each size and direction, and a single 64 KiB put's p50. kvpool's only
+/// path across hosts is QUIC so far, so "the best kvpool path" and "QUIC alone" are one figure.
+pub(super) fn hosts_goals(rows: &[Row]) -> Vec<Goal> {
+    let mb = |t: &str, size, op| best(rows, t, size, op, None).map(|r| r.result.mb_per_s);
+    let mut out = Vec::new();
+    for size in [1usize << 20, 4 << 20] {
+        for op in ["get", "put"] {
+            let label = bytesize::ByteSize(size as u64).to_string_as(true).replace(' ', "");
+            let peer = match (mb("redis", size, op), mb("mooncake", size, op)) {
+                (Some(a), Some(b)) => Some(a.max(b)),
+                (a, b) => a.or(b),
+            };
+            let measured = mb("kvpool", size, op).zip(peer).map(|(k, p)| k / p);
+            for (what, needed) in [("best kvpool path", 1.0), ("QUIC alone", 0.8)] {
+                out.push(Goal {
+                    goal: format!("{label} {op}: {what} / the better of Redis and Mooncake TCP (best of each)"),
+                    measured,
+                    needed,
+                    at_most: false,
+                });
+            }
+        }
+    }
+    let single = rows.iter().find(|r| {
+        r.target == "kvpool" && r.block_size == 64 << 10 && r.batch == 1 && r.concurrency == 1 && r.op == "put"
+    });
+    out.push(Goal {
+        goal: "64KiB single put across hosts: p50 (us)".into(),
+        measured: single.map(|r| r.result.p50_us as f64),
+        needed: 1000.0,
+        at_most: true,
+    });
+    out
+}
+
 pub(super) fn print_goals(goals: &[Goal]) {
     println!("\ngoals (measured in this run):");
     for g in goals {
