@@ -273,6 +273,13 @@ pub struct TransferArgs {
     /// Write the results as JSON
     #[arg(long)]
     pub json: Option<PathBuf>,
+    /// Across hosts: storage node i on host i (a network namespace on a bridge, at `--mtu`),
+    /// the master and the client on the root namespace (needs root)
+    #[arg(long)]
+    pub hosts: bool,
+    /// Link MTU with `--hosts`
+    #[arg(long, default_value_t = 1500)]
+    pub mtu: u32,
 }
 
 #[derive(Debug, Serialize)]
@@ -325,10 +332,23 @@ fn start_cluster(
     storage_extra: &str,
     dir: &std::path::Path,
 ) -> Result<(LocalServer, Vec<LocalServer>, ClientConfig)> {
+    start_cluster_at(n, dram, storage_extra, dir, None)
+}
+
+/// [`start_cluster`], with `hosts`: the master on the root namespace's address, storage node i
+/// on host i + 1.
+fn start_cluster_at(
+    n: usize,
+    dram: &str,
+    storage_extra: &str,
+    dir: &std::path::Path,
+    hosts: Option<&kvpool_netns::Hosts>,
+) -> Result<(LocalServer, Vec<LocalServer>, ClientConfig)> {
+    let root = hosts.map_or_else(crate::peers::Place::local, crate::peers::Place::root);
     let (key_file, auth) = cluster_auth(dir)?;
     let master_cfg = dir.join("master.toml");
     std::fs::write(&master_cfg, format!("{auth}\n[cluster]\nrole = \"master\"\nreport_ms = 200\n"))?;
-    let master = LocalServer::start("1MiB", &["--config".into(), master_cfg.display().to_string()])?;
+    let master = LocalServer::start_at(&root, "1MiB", &["--config".into(), master_cfg.display().to_string()])?;
     let ep = kvpool_client::EndpointInfo::read(master.path())?;
     let storage_cfg = dir.join("storage.toml");
     std::fs::write(&storage_cfg, format!("{auth}\n{storage_extra}"))?;
@@ -351,7 +371,11 @@ fn start_cluster(
         ]
         .map(String::from)
         .to_vec();
-        nodes.push(LocalServer::start(dram, &args)?);
+        let at = match hosts {
+            Some(h) => crate::peers::Place::host(h, i + 1)?,
+            None => root.clone(),
+        };
+        nodes.push(LocalServer::start_at(&at, dram, &args)?);
     }
     let mut cfg = ClientConfig::new(ep.quic_addr.clone(), KEY, ep.trust()?);
     cfg.server_name = ep.server_name.clone();
@@ -362,10 +386,19 @@ pub fn cluster_transfer(a: TransferArgs) -> Result<()> {
     let sizes: Vec<u64> = a.sizes.iter().map(|s| parse_size(s)).collect::<Result<_>>()?;
     let total = parse_size(&a.bytes)?;
     let dir = tempfile::tempdir()?;
-    // Room for every block of every size in each node (node 0 takes the direct puts and half
-    // of the cluster's): nothing is evicted while measuring.
-    let dram = format!("{}", 2 * total * sizes.len() as u64 + (256 << 20));
-    let (_master, nodes, mut cfg) = start_cluster(2, &dram, "", dir.path())?;
+    // Room for every block of every size in each node (node 0 takes the direct puts, half of
+    // the cluster's and a copy of every replicated one): nothing is evicted while measuring.
+    let dram = format!("{}", 3 * total * sizes.len() as u64 + (256 << 20));
+    let hosts = if a.hosts {
+        if let Some(why) = kvpool_netns::unavailable() {
+            bail!("--hosts: {why}");
+        }
+        println!("across hosts, link MTU {}: storage nodes on hosts 1 and 2, master and client on the root", a.mtu);
+        Some(kvpool_netns::Hosts::new(2, a.mtu)?)
+    } else {
+        None
+    };
+    let (_master, nodes, mut cfg) = start_cluster_at(2, &dram, "", dir.path(), hosts.as_ref())?;
     cfg.transport = kvpool_client::TransportChoice::Quic;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let cluster = rt.block_on(ClusterClient::connect(cfg.clone()))?;
@@ -402,18 +435,21 @@ pub fn cluster_transfer(a: TransferArgs) -> Result<()> {
         }
         mc.mb_s = (rounds as u64 * a.batch as u64 * size) as f64 / t0.elapsed().as_secs_f64() / 1e6;
         let mut results: Vec<(&str, &'static str, Timed)> = Vec::new();
-        for (path, cl) in [("single node (direct QUIC)", false), ("cluster (master + 2 nodes, QUIC)", true)] {
+        let paths =
+            [("single node (direct QUIC)", 0u32), ("cluster (master + 2 nodes, QUIC)", 1), ("cluster, 2 replicas", 2)];
+        for (path, replicas) in paths {
+            let cl = replicas > 0;
             for op in ["put", "get"] {
                 let mut t = Timed::new();
                 let t0 = Instant::now();
                 for r in 0..rounds {
                     let keys: Vec<Vec<u8>> =
-                        (0..a.batch).map(|b| format!("x{si}-{}-{r}-{b}", u8::from(cl)).into_bytes()).collect();
+                        (0..a.batch).map(|b| format!("x{si}-{replicas}-{r}-{b}").into_bytes()).collect();
                     let s = Instant::now();
                     if op == "put" {
                         let entries: Vec<PutEntry<'_>> = keys.iter().map(|k| PutEntry::new(k, &value)).collect();
                         let st = if cl {
-                            rt.block_on(cluster.put_batch(&entries, PutMode::Insert, 1))?
+                            rt.block_on(cluster.put_batch(&entries, PutMode::Insert, replicas))?
                         } else {
                             rt.block_on(direct.put_batch(&entries, PutMode::Insert))?
                         };
@@ -436,7 +472,7 @@ pub fn cluster_transfer(a: TransferArgs) -> Result<()> {
                 if cl && op == "put" {
                     // The cluster's gets need the master to know the blocks: wait for the reports.
                     let last: Vec<Vec<u8>> =
-                        (0..a.batch).map(|b| format!("x{si}-1-{}-{b}", rounds - 1).into_bytes()).collect();
+                        (0..a.batch).map(|b| format!("x{si}-{replicas}-{}-{b}", rounds - 1).into_bytes()).collect();
                     while rt.block_on(cluster.lookup(&last))? < last.len() {
                         std::thread::sleep(std::time::Duration::from_millis(5));
                     }

@@ -48,6 +48,11 @@ impl Place {
         Place { prefix: Vec::new(), ip: "127.0.0.1".into(), client_ip: "127.0.0.1".into() }
     }
 
+    /// The root namespace of `hosts`, at its address on the bridge.
+    pub fn root(hosts: &kvpool_netns::Hosts) -> Place {
+        Place { prefix: Vec::new(), ip: hosts.root_ip(), client_ip: hosts.root_ip() }
+    }
+
     /// Host `i` of `hosts`, the clients in the root namespace.
     pub fn host(hosts: &kvpool_netns::Hosts, i: usize) -> Result<Place> {
         Ok(Place { prefix: hosts.prefix(i)?, ip: hosts.ip(i), client_ip: hosts.root_ip() })
