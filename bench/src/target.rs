@@ -24,30 +24,52 @@ pub trait Target: Send + Sync {
     fn cleanup<'a>(&'a self, keys: &'a [Vec<u8>]) -> BoxFut<'a, Result<()>>;
 }
 
+/// kvpool over QUIC: one connection, or a batch striped over several (each part of a batch on
+/// a connection of its own, all at once), so that one large transfer spreads over cores.
 pub struct KvpoolTarget {
-    client: Client,
+    clients: Vec<Client>,
 }
 
 impl KvpoolTarget {
     pub async fn connect(cfg: ClientConfig) -> Result<Self> {
-        let client = Client::connect(cfg).await.context("connecting to kvpool")?;
-        Ok(KvpoolTarget { client })
+        Self::connect_striped(cfg, 1).await
+    }
+
+    /// `n` connections (at least one), a batch striped over them.
+    pub async fn connect_striped(cfg: ClientConfig, n: usize) -> Result<Self> {
+        let mut clients = Vec::new();
+        for _ in 0..n.max(1) {
+            clients.push(Client::connect(cfg.clone()).await.context("connecting to kvpool")?);
+        }
+        Ok(KvpoolTarget { clients })
     }
 
     pub fn client(&self) -> &Client {
-        &self.client
+        &self.clients[0]
+    }
+
+    /// Items per stripe of a batch of `n`.
+    fn stripe(&self, n: usize) -> usize {
+        n.div_ceil(self.clients.len()).max(1)
     }
 }
 
 impl Target for KvpoolTarget {
     fn name(&self) -> String {
-        "kvpool".into()
+        match self.clients.len() {
+            1 => "kvpool".into(),
+            n => format!("kvpool-{n}conn"),
+        }
     }
 
     fn put_batch<'a>(&'a self, keys: &'a [Vec<u8>], values: &'a [&'a [u8]]) -> BoxFut<'a, Result<()>> {
         Box::pin(async move {
-            let entries: Vec<PutEntry<'_>> = keys.iter().zip(values).map(|(k, v)| PutEntry::new(k, v)).collect();
-            let st = self.client.put_batch(&entries, PutMode::Insert).await?;
+            let k = self.stripe(keys.len());
+            let parts = keys.chunks(k).zip(values.chunks(k)).zip(&self.clients).map(|((keys, values), c)| async move {
+                let entries: Vec<PutEntry<'_>> = keys.iter().zip(values).map(|(k, v)| PutEntry::new(k, v)).collect();
+                c.put_batch(&entries, PutMode::Insert).await
+            });
+            let st: Vec<ErrorCode> = futures_util::future::try_join_all(parts).await?.concat();
             if let Some((i, c)) = st.iter().enumerate().find(|(_, c)| **c != ErrorCode::Ok) {
                 bail!("put of item {i} failed: {c}");
             }
@@ -57,7 +79,13 @@ impl Target for KvpoolTarget {
 
     fn get_batch<'a, 'b: 'a>(&'a self, keys: &'a [Vec<u8>], bufs: &'a mut [&'b mut [u8]]) -> BoxFut<'a, Result<u64>> {
         Box::pin(async move {
-            let r = self.client.get_batch_into(keys, bufs).await?;
+            let k = self.stripe(keys.len());
+            let parts = keys
+                .chunks(k)
+                .zip(bufs.chunks_mut(k))
+                .zip(&self.clients)
+                .map(|((keys, bufs), c)| c.get_batch_into(keys, bufs));
+            let r: Vec<_> = futures_util::future::try_join_all(parts).await?.into_iter().flatten().collect();
             let mut total = 0;
             for (i, item) in r.iter().enumerate() {
                 if item.status != ErrorCode::Ok {
@@ -72,9 +100,9 @@ impl Target for KvpoolTarget {
 
     fn cleanup<'a>(&'a self, keys: &'a [Vec<u8>]) -> BoxFut<'a, Result<()>> {
         Box::pin(async move {
-            let chunk = self.client.limits().max_batch.max(1) as usize;
+            let chunk = self.client().limits().max_batch.max(1) as usize;
             for part in keys.chunks(chunk) {
-                self.client.remove_batch(part, true).await?;
+                self.client().remove_batch(part, true).await?;
             }
             Ok(())
         })
@@ -280,9 +308,9 @@ impl Target for KvpoolShmTarget {
 
     fn cleanup<'a>(&'a self, keys: &'a [Vec<u8>]) -> BoxFut<'a, Result<()>> {
         Box::pin(async move {
-            let chunk = self.client.limits().max_batch.max(1) as usize;
+            let chunk = self.client().limits().max_batch.max(1) as usize;
             for part in keys.chunks(chunk) {
-                self.client.remove_batch(part, true).await?;
+                self.client().remove_batch(part, true).await?;
             }
             Ok(())
         })

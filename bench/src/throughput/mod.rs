@@ -80,6 +80,10 @@ pub struct ThroughputArgs {
     /// namespace, once per `--mtus` link MTU (needs root; same-host paths are skipped)
     #[arg(long, conflicts_with_all = ["server", "data_dir"])]
     hosts: bool,
+    /// kvpool over QUIC is also run with each batch striped over this many connections (rows
+    /// `kvpool-<n>conn`); 1 is the plain run
+    #[arg(long, value_delimiter = ',', default_value = "1")]
+    connections: Vec<usize>,
     /// Link MTUs of the `--hosts` run, in order
     #[arg(long, value_delimiter = ',', default_value = "1500,9000")]
     mtus: Vec<u32>,
@@ -242,10 +246,10 @@ async fn run_link(a: &ThroughputArgs, place: &Place, link: &str, plot_path: Opti
                 let shm = name == "kvpool-shm";
                 cfg.transport = if shm { TransportChoice::Shm } else { TransportChoice::Quic };
                 let (client, target): (kvpool_client::Client, Arc<dyn Target>) = if shm {
-                    let t = KvpoolShmTarget::connect(cfg, &pool, max_conc, max_size * max_batch).await?;
+                    let t = KvpoolShmTarget::connect(cfg.clone(), &pool, max_conc, max_size * max_batch).await?;
                     (t.client().clone(), Arc::new(t))
                 } else {
-                    let t = KvpoolTarget::connect(cfg).await?;
+                    let t = KvpoolTarget::connect(cfg.clone()).await?;
                     (t.client().clone(), Arc::new(t))
                 };
                 server = client.hello().server;
@@ -259,6 +263,10 @@ async fn run_link(a: &ThroughputArgs, place: &Place, link: &str, plot_path: Opti
                 }
                 run_in_process(&target, &plan, &pool, &run, &pb, &mut rows).await?;
                 if !shm {
+                    for &n in a.connections.iter().filter(|&&n| n > 1) {
+                        let striped: Arc<dyn Target> = Arc::new(KvpoolTarget::connect_striped(cfg.clone(), n).await?);
+                        run_in_process(&striped, &plan, &pool, &run, &pb, &mut rows).await?;
+                    }
                     notes.push(quic_summary(&client));
                     let l = lookup_latency(&client, &run, a.lookups).await?;
                     notes.push(format!(

@@ -144,10 +144,17 @@ pub(super) fn goals(rows: &[Row], lookup: Option<&LookupLatency>) -> Vec<Goal> {
 }
 
 /// The goals across hosts (issue 23), from this run's rows: kvpool against the better of Redis
-/// and Mooncake's TCP for each size and direction, and a single 64 KiB put's p50. kvpool's only
-/// path across hosts is QUIC so far, so "the best kvpool path" and "QUIC alone" are one figure.
+/// and Mooncake's TCP for each size and direction, and a single 64 KiB put's p50. kvpool's path
+/// across hosts is QUIC so far: its best is the best of one connection and striped batches.
 pub(super) fn hosts_goals(rows: &[Row]) -> Vec<Goal> {
     let mb = |t: &str, size, op| best(rows, t, size, op, None).map(|r| r.result.mb_per_s);
+    // Every kvpool path across hosts: one connection, or a batch striped over several.
+    let kvpool = |size, op| {
+        rows.iter()
+            .filter(|r| (r.target == "kvpool" || r.target.ends_with("conn")) && r.block_size == size && r.op == op)
+            .map(|r| r.result.mb_per_s)
+            .max_by(f64::total_cmp)
+    };
     let mut out = Vec::new();
     for size in [1usize << 20, 4 << 20] {
         for op in ["get", "put"] {
@@ -156,11 +163,13 @@ pub(super) fn hosts_goals(rows: &[Row]) -> Vec<Goal> {
                 (Some(a), Some(b)) => Some(a.max(b)),
                 (a, b) => a.or(b),
             };
-            let measured = mb("kvpool", size, op).zip(peer).map(|(k, p)| k / p);
-            for (what, needed) in [("best kvpool path", 1.0), ("QUIC alone", 0.8)] {
+            for (what, kv, needed) in [
+                ("best kvpool path", kvpool(size, op), 1.0),
+                ("QUIC alone, one connection", mb("kvpool", size, op), 0.8),
+            ] {
                 out.push(Goal {
                     goal: format!("{label} {op}: {what} / the better of Redis and Mooncake TCP (best of each)"),
-                    measured,
+                    measured: kv.zip(peer).map(|(k, p)| k / p),
                     needed,
                     at_most: false,
                 });
@@ -424,7 +433,7 @@ pub(super) fn fmt_us(us: u64) -> String {
 
 pub(super) fn print_header() {
     println!(
-        "{:<8} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10} {:>10} {:>10} {:>12} {:>10} {:>10} {:>7}",
+        "{:<12} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10} {:>10} {:>10} {:>12} {:>10} {:>10} {:>7}",
         "target",
         "block",
         "batch",
@@ -443,7 +452,7 @@ pub(super) fn print_header() {
 
 pub(super) fn print_row(r: &Row) {
     println!(
-        "{:<8} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10.0} {:>10} {:>10} {:>12.0} {:>10} {:>10} {:>6.1}%",
+        "{:<12} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10.0} {:>10} {:>10} {:>12.0} {:>10} {:>10} {:>6.1}%",
         r.target,
         bytesize::ByteSize(r.block_size as u64).to_string_as(true).replace(' ', ""),
         r.batch,
