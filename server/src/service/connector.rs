@@ -4,7 +4,8 @@
 //! `remove_by_regex`.
 
 use super::session::{LeaseHold, Session};
-use super::{check_keys, error, Fail, Shared};
+use super::stream::{check_keys, error, Fail};
+use super::Shared;
 use crate::store::Store;
 use kvpool_proto::{
     ErrorCode, LookupLeaseRequest, LookupLeased, RemoveAllResponse, RemoveMatchingRequest, Response, MAX_HOLD_MS,

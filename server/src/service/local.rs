@@ -11,7 +11,8 @@
 //! a connection close when the QUIC connection ends or attaches again.
 
 use super::memory::{MemRecv, MemSend};
-use super::{error, handle_stream, Session, Shared};
+use super::stream::error;
+use super::{handle_stream, Session, Shared};
 use kvpool_proto::frame::encode_frame;
 use kvpool_proto::{ErrorCode, LocalOffer, Response};
 use parking_lot::Mutex;
