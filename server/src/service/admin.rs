@@ -1,8 +1,8 @@
 //! Requests about the server rather than blocks: `Stats`, `Ping`, and the policy
 //! administration (`PolicyLoad`, `PolicyList`, `PolicyRollback`; admin keys only).
 
+use super::shared::Shared;
 use super::stream::{error, expect_end, read_exact_by, Fail, RequestRecv};
-use super::Shared;
 use crate::auth::Principal;
 use kvpool_proto::{
     ErrorCode, OpStats, Ping, PolicyLoadRequest, PolicyRollbackRequest, Pong, Response, StatsReport, TierStats,

@@ -1,8 +1,9 @@
 //! Same-host attachments of a connection (version 2): `ShmAttach` (the client's shared buffers,
 //! for `PutFrom` and `GetInto`) and `LocalAttach` (the Unix-socket control channel).
 
+use super::session::Session;
+use super::shared::Shared;
 use super::stream::{error, unsupported, Fail};
-use super::{Session, Shared};
 use kvpool_proto::{ErrorCode, Response, ShmOffer};
 use std::sync::Arc;
 

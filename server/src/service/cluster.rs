@@ -2,8 +2,9 @@
 //! clients asking the master where blocks are and where new ones go.
 
 use super::put::check_put;
+use super::session::Session;
+use super::shared::Shared;
 use super::stream::{check_keys, error, expect_end, Fail, RequestRecv};
-use super::{Session, Shared};
 use crate::cluster::master::ReportError;
 use kvpool_proto::{ErrorCode, Request, Response};
 use std::sync::Arc;

@@ -8,10 +8,10 @@
 //! lease) for one trait to pay for itself.
 
 use super::session::{expired, LeaseHold, Session};
+use super::shared::Shared;
 use super::shm::{copy, register, shm_peer, xfer};
 use super::stream::{error, invalid, write_by, write_owned_by, Fail, RequestSend};
-use super::Shared;
-use crate::store::{GetPlan, ReadError, Served};
+use crate::store::read::{GetPlan, ReadError, Served};
 use kvpool_proto::frame::encode_frame;
 use kvpool_proto::{
     DataHeader, ErrorCode, GetIntoRequest, GetItem, GetResponse, Located, LocatedItem, Location, ReadRequest,
@@ -92,7 +92,7 @@ pub(super) async fn get_into(g: GetIntoRequest, session: &Arc<Session>, s: &Shar
     if g.dests.len() != g.keys.len() {
         return Err(invalid(format!("{} keys but {} destinations", g.keys.len(), g.dests.len())));
     }
-    let (dp, peer) = shm_peer(session, s)?;
+    let (dp, peer) = shm_peer(session, s.data_path.as_ref())?;
     let t: &dyn Transport = &*dp.transport;
     let plans = s.store.plan_get(session.principal.tenant_id, &g.keys);
     let mut items = Vec::with_capacity(plans.len());

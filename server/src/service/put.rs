@@ -14,12 +14,13 @@
 //! [`Store::plan_put`]: crate::store::Store::plan_put
 
 use super::session::{expired, Session};
+use super::shared::Shared;
 use super::shm::shm_peer;
 use super::source::{Granted, ShmSource, StreamSource, ValueSource};
+use super::staged::{Room, Staged};
 use super::stream::{check_keys, error, expect_end, invalid, read_exact_by, Fail, RequestRecv};
-use super::Shared;
 use crate::auth::Principal;
-use crate::store::{DramBlock, PutError, PutPlan};
+use crate::store::put::{PutError, PutPlan};
 use kvpool_core::{PinRequest, PutSpec, PutStatus};
 use kvpool_proto::{
     ErrorCode, Grant, Limits, Location, NodePutRequest, PinSpec, PutDoneRequest, PutFromRequest, PutIntentRequest,
@@ -27,38 +28,6 @@ use kvpool_proto::{
 };
 use std::sync::Arc;
 use tokio::time::Instant as Deadline;
-
-/// A put item on its way in: planned, given its room, and (once its bytes arrived) hashed.
-pub(super) struct Staged {
-    /// The item as the client declared it.
-    pub item: PutItem,
-    pub upsert: bool,
-    pub room: Room,
-    /// The xxh3-64 of the bytes as they landed, when the source hashed them; otherwise the
-    /// commit hashes the block.
-    pub sum: Option<u64>,
-}
-
-/// Where a staged item's bytes go.
-pub(super) enum Room {
-    /// Not stored: this is its answer (the source drops its bytes, if it has any).
-    Skip(ErrorCode),
-    /// The index id planned for it, and the DRAM range reserved for its bytes.
-    Dram(u64, DramBlock),
-    /// The index id planned for it, and the buffer its bytes wait in before the SSD write.
-    Ssd(u64, Vec<u8>),
-}
-
-impl Room {
-    /// The bytes the value fills; `None` when it is skipped.
-    pub fn bytes_mut(&mut self) -> Option<&mut [u8]> {
-        match self {
-            Room::Skip(_) => None,
-            Room::Dram(_, b) => Some(b.bytes_mut()),
-            Room::Ssd(_, v) => Some(v),
-        }
-    }
-}
 
 /// The index's view of a wire item.
 fn spec(item: &PutItem) -> PutSpec<'_> {
@@ -220,7 +189,7 @@ pub(super) async fn put_from(p: PutFromRequest, session: &Arc<Session>, s: &Shar
     {
         return Err(invalid(format!("source {i} holds {} bytes for a value of {}", src.len, p.items[i].size)));
     }
-    let (dp, peer) = shm_peer(session, s)?;
+    let (dp, peer) = shm_peer(session, s.data_path.as_ref())?;
     let tenant = session.principal.tenant_id;
     let mut src = ShmSource::new(dp, peer, p.sources, s.timeouts.transfer(total), &s.metrics);
     let staged = stage(p.items, p.mode, tenant, &mut src, s).await?;

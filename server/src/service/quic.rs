@@ -1,9 +1,10 @@
 //! The QUIC front door: accept connections (up to the limit), run the hello on a connection's
-//! first stream, then hand every further stream to [`super::handle_stream`].
+//! first stream, then hand every further stream to `handle_stream` (in `dispatch`).
 
 use super::dispatch::{conclude, handle_stream, read_request};
+use super::session::Session;
+use super::shared::Shared;
 use super::stream::{error, expect_end, reply, BoxFuture, Fail, RequestRecv, RequestSend};
-use super::{Session, Shared};
 use crate::auth::Principal;
 use kvpool_proto::{close, ErrorCode, HelloOk, Request, Response, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
 use std::sync::Arc;
@@ -80,28 +81,6 @@ pub async fn serve(endpoint: quinn::Endpoint, shared: Arc<Shared>, configs: Arc<
             }
             .instrument(tracing::info_span!("conn", %remote)),
         );
-    }
-}
-
-/// QUIC path statistics of every connection, live and closed, for `/metrics`.
-#[derive(Default)]
-pub struct PathTally {
-    live: std::collections::HashMap<u64, quinn::Connection>,
-    next: u64,
-    closed: kvpool_net::PathReport,
-}
-
-impl PathTally {
-    /// Totals over all connections so far, and the (min, max) path MTU of the live ones.
-    pub fn totals(&self) -> (kvpool_net::PathReport, Option<(u16, u16)>) {
-        let mut t = self.closed;
-        let mut mtu: Option<(u16, u16)> = None;
-        for c in self.live.values() {
-            let r = kvpool_net::PathReport::of(c);
-            t.add_counters(&r);
-            mtu = Some(mtu.map_or((r.mtu, r.mtu), |(lo, hi)| (lo.min(r.mtu), hi.max(r.mtu))));
-        }
-        (t, mtu)
     }
 }
 

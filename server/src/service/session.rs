@@ -4,10 +4,11 @@
 //! reservations and leases also when their time is up (a client cannot pin memory by going
 //! quiet on a live connection).
 
-use super::put::Staged;
+use super::staged::Staged;
 use super::stream::{error, Fail};
 use crate::auth::Principal;
-use crate::store::Served;
+use crate::store::read::Served;
+use crate::store::Store;
 use kvpool_proto::ErrorCode;
 use kvpool_transport::shm::Ticket;
 use kvpool_transport::PeerId;
@@ -26,7 +27,20 @@ pub(super) type Reserved = tokio::sync::Mutex<Option<Staged>>;
 pub struct LeaseHold {
     pub blocks: Vec<Option<Served>>,
     /// The index's hold on the blocks a `LookupLease` counted; let go with the lease.
-    pub held: Option<super::connector::Held>,
+    pub held: Option<Held>,
+}
+
+/// A hold on blocks a `LookupLease` counted: let go when the lease ends (released, expired, or
+/// its connection gone), exactly once.
+pub struct Held {
+    pub(super) store: Arc<Store>,
+    pub(super) ids: Vec<u64>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.store.unhold(&self.ids);
+    }
 }
 
 pub struct Session {
@@ -38,7 +52,7 @@ pub struct Session {
     pub peer: Option<std::net::IpAddr>,
     shm: Mutex<Option<Ticket>>,
     /// Binding of same-host control sockets to this connection; dropping it closes them.
-    local: Mutex<Option<super::local::LocalTicket>>,
+    local: Mutex<Option<Box<dyn Send>>>,
     grants: Mutex<HashMap<u64, Arc<Reserved>>>,
     leases: Mutex<HashMap<u64, Arc<LeaseHold>>>,
     next: AtomicU64,
@@ -90,8 +104,8 @@ impl Session {
     }
 
     /// A new control-channel ticket for this connection (sockets bound by an earlier one close).
-    pub fn set_local(&self, ticket: super::local::LocalTicket) {
-        *self.local.lock() = Some(ticket);
+    pub fn set_local(&self, ticket: impl Send + 'static) {
+        *self.local.lock() = Some(Box::new(ticket));
     }
 
     /// Keep a granted put item for `ttl`; returns its reservation's name.

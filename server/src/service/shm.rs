@@ -2,8 +2,8 @@
 //! attached shared buffers its peer's. Puts (`PutFrom`) and gets (`GetInto`) post one batch of
 //! copies each through [`copy`].
 
+use super::session::Session;
 use super::stream::{error, invalid, unsupported, Fail};
-use super::{Session, Shared};
 use kvpool_proto::{BufSlice, ErrorCode};
 use kvpool_transport::local::Digests;
 use kvpool_transport::{MemKind, Op, Region, RegionId, Transport, Xfer};
@@ -17,13 +17,15 @@ pub struct DataPath {
     /// The Unix socket same-host clients attach their buffers through; `None` when disabled.
     pub shm: Option<kvpool_transport::shm::ShmServer>,
     /// The same-host control channel (requests over a Unix socket); `None` when disabled.
-    pub local: Option<super::local::LocalControl>,
+    pub local: Option<super::control::LocalControl>,
 }
 
 /// The data path and this connection's attached peer, or why shm cannot be used.
-pub(super) fn shm_peer<'a>(session: &Session, s: &'a Shared) -> Result<(&'a DataPath, kvpool_transport::PeerId), Fail> {
-    let dp =
-        s.data_path.as_ref().filter(|d| d.shm.is_some()).ok_or_else(|| unsupported("no shared-memory transport"))?;
+pub(super) fn shm_peer<'a>(
+    session: &Session,
+    data_path: Option<&'a DataPath>,
+) -> Result<(&'a DataPath, kvpool_transport::PeerId), Fail> {
+    let dp = data_path.filter(|d| d.shm.is_some()).ok_or_else(|| unsupported("no shared-memory transport"))?;
     let peer = session
         .shm_peer()
         .ok_or_else(|| unsupported("no shared buffers attached on this connection (ShmAttach first)"))?;

@@ -2,12 +2,11 @@
 //! come out hashed. One implementation per way bytes travel; a new transport (TCP bulk, HIXL)
 //! is one more here, and the put path itself does not change.
 //!
-//! [`stage`]: super::put
 
-use super::put::{Room, Staged};
+use super::shared::Shared;
 use super::shm::{copy, register, xfer, DataPath};
+use super::staged::{Room, Staged};
 use super::stream::{discard, expect_end, read_hashed_by, Fail, RequestRecv};
-use super::Shared;
 use kvpool_proto::BufSlice;
 use kvpool_transport::{Op, PeerId, RegionId, Transport, Xfer};
 use std::future::Future;

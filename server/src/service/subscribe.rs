@@ -3,8 +3,8 @@
 //! Nothing waits on a subscriber: it reads the log at its own pace and is told what it missed.
 
 use super::session::Session;
+use super::shared::Shared;
 use super::stream::{error, expect_end, write_by, Fail, RequestRecv, RequestSend};
-use super::Shared;
 use kvpool_core::{Change, ChangeKind};
 use kvpool_proto::{frame, ErrorCode, EventBatch, EventScope, KvEvent, KvEventKind, Response, SubscribeRequest};
 use std::sync::Arc;

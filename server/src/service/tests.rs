@@ -9,6 +9,7 @@ use kvpool_proto::{
     close, codec, ErrorCode, GetResponse, LookupResponse, PutRequest, Request, Response, StatsReport, StatusList,
 };
 use kvpool_proto::{KeysRequest, LookupRequest, PinSpec, PutItem, PutMode};
+use std::time::{Duration, Instant};
 
 const KEY_A: &str = "key-a";
 const KEY_B: &str = "key-b";

@@ -14,8 +14,8 @@
 pub mod dram;
 pub mod meta;
 mod open;
-mod put;
-mod read;
+pub mod put;
+pub mod read;
 mod remove;
 mod room;
 pub mod ssd;
@@ -24,8 +24,6 @@ mod tests;
 pub mod tier;
 
 pub use dram::{DramBlock, DramKept, DramRef, PinnedBlock};
-pub use put::{PutError, PutPlan};
-pub use read::{GetPlan, ReadError, Served};
 
 use crate::events::EventLog;
 use crate::metrics::Metrics;

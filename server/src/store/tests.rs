@@ -1,5 +1,7 @@
 //! The store with its real tiers and sled, in a temporary directory.
 
+use super::put::{PutError, PutPlan};
+use super::read::{GetPlan, ReadError};
 use super::*;
 use crate::metrics::Metrics;
 use kvpool_core::{BlockRecord, PinRequest, PutSpec, PutStatus};
