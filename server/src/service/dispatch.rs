@@ -3,18 +3,12 @@
 //! count it. The table below is the one list of requests; their facts (name, oldest version,
 //! whether they hold blocks) are `kvpool_proto::Request`'s methods.
 
-use super::admin;
-use super::attach;
-use super::cluster;
-use super::connector;
-use super::get;
-use super::put;
 use super::session::Session;
 use super::shared::Shared;
 use super::stream::{
     check_keys, error, expect_end, malformed, reply, unsupported, Fail, RequestRecv, RequestSend, Timeouts,
 };
-use super::subscribe;
+use super::{admin, attach, cluster, connector, get, put, subscribe};
 use kvpool_core::RemoveStatus;
 use kvpool_proto::frame::read_frame;
 use kvpool_proto::{
