@@ -58,7 +58,7 @@ pub struct LocalControl {
 
 impl LocalControl {
     /// Bind `path` (a stale socket there is replaced). Users other than the server's own and
-    /// `allowed_uids` are refused. Nothing is served until [`serve`] runs.
+    /// `allowed_uids` are refused. Nothing is served until `local::serve` runs.
     pub fn bind(path: &Path, allowed_uids: Vec<u32>, max_frame: u32) -> io::Result<LocalControl> {
         let _ = std::fs::remove_file(path);
         let listener = std::os::unix::net::UnixListener::bind(path)?;

@@ -6,7 +6,7 @@
 //! reservations, leased blocks) is released when the handler returns. A client that resets its
 //! stream or loses its connection cancels the request quietly.
 //!
-//! By file: [`stream`] (stream traits, deadlines, `Fail`), `quic` (the QUIC front door),
+//! By file: `stream` (stream traits, deadlines, `Fail`), `quic` (the QUIC front door),
 //! [`local`] (the Unix-socket front door), `dispatch` (the one request table), then one file per
 //! verb: `put` (with the value sources in `source`), `get`, `attach`, `admin`, `cluster`,
 //! `connector`, `subscribe`. `docs/SERVER-MAP.md` walks the routes.
@@ -27,7 +27,7 @@ mod shared;
 mod shm;
 mod source;
 mod staged;
-pub mod stream;
+mod stream;
 mod subscribe;
 #[cfg(test)]
 mod tests;
