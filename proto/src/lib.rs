@@ -2,6 +2,7 @@
 //! language-neutral description of the same thing; keep both in step.
 
 pub mod codec;
+mod facts;
 pub mod frame;
 mod messages;
 

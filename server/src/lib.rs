@@ -115,27 +115,11 @@ fn default_key(data_dir: &Path) -> Result<(ApiKeyEntry, PathBuf), ServerError> {
     Ok((entry, path))
 }
 
-/// Server configs per path: same-host peers get large datagrams, others segmentation offload with
-/// a capped MTU (`kvpool_net` says why).
-pub struct QuicServerConfigs {
-    pub same_host: Arc<quinn::ServerConfig>,
-    pub network: Arc<quinn::ServerConfig>,
-}
-
-impl QuicServerConfigs {
-    pub fn for_peer(&self, peer: std::net::IpAddr) -> Arc<quinn::ServerConfig> {
-        match kvpool_net::path_kind(peer) {
-            kvpool_net::PathKind::SameHost => self.same_host.clone(),
-            kvpool_net::PathKind::Network => self.network.clone(),
-        }
-    }
-}
-
 fn quic_server_configs(
     tls: &tls::TlsMaterial,
     cfg: &Config,
     bufs: &kvpool_net::SocketBuffers,
-) -> Result<QuicServerConfigs, ServerError> {
+) -> Result<service::QuicServerConfigs, ServerError> {
     let mut crypto = rustls::ServerConfig::builder_with_provider(kvpool_net::crypto_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls::TlsError::from)?
@@ -161,7 +145,7 @@ fn quic_server_configs(
         sc.transport_config(Arc::new(t));
         Arc::new(sc)
     };
-    Ok(QuicServerConfigs {
+    Ok(service::QuicServerConfigs {
         same_host: build(kvpool_net::PathKind::SameHost),
         network: build(kvpool_net::PathKind::Network),
     })
@@ -352,7 +336,7 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
     });
     let shared = Arc::new(service::Shared {
         store,
-        auth,
+        auth: Arc::new(auth),
         metrics,
         limits,
         timeouts: service::Timeouts {
@@ -368,7 +352,10 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
         data_path,
         events,
         node: node_name(cfg),
-        master,
+        role: match master {
+            Some(m) => service::Role::Master(m),
+            None => service::Role::Node,
+        },
     });
     Ok(Node { shared, data_dir, api_key_file, hixl })
 }
@@ -440,7 +427,7 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
         }
     }));
 
-    if let (Some(m), Some(etcd)) = (shared.master.clone(), etcd_of(&cfg)?) {
+    if let (Some(m), Some(etcd)) = (shared.role.master().cloned(), etcd_of(&cfg)?) {
         // Follow until elected.
         m.set_leading(false);
         let addr = advertised_addr(&cfg, quic_addr);
@@ -453,7 +440,7 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
         let (prefix, ttl) = (cfg.cluster.etcd_prefix.clone(), i64::from(cfg.cluster.leader_ttl_s));
         tasks.push(tokio::spawn(cluster::leader::campaign(m, etcd, prefix, me, ttl)));
     }
-    if let Some(m) = shared.master.clone() {
+    if let Some(m) = shared.role.master().cloned() {
         let every = Duration::from_millis(u64::from(cfg.cluster.report_ms).max(10) / 2);
         tasks.push(tokio::spawn(async move {
             loop {
@@ -468,11 +455,16 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
         let link = storage_link(&cfg, quic_addr, &tls.fingerprint)?;
         info!(master = %link.master, name = %link.name, addr = %link.addr, "storage node: joining the master");
         if cfg.cluster.offload_max_fill > 0.0 {
-            let o =
-                cluster::storage::Offloader::new(link.clone(), Arc::downgrade(&shared), cfg.cluster.offload_max_fill);
+            let o = cluster::storage::Offloader::new(link.clone(), shared.auth.clone(), cfg.cluster.offload_max_fill);
             store.set_offload(Arc::new(o));
         }
-        tasks.push(tokio::spawn(cluster::storage::run(shared.clone(), link)));
+        let node = cluster::storage::Local {
+            store: store.clone(),
+            auth: shared.auth.clone(),
+            metrics: shared.metrics.clone(),
+            events: shared.events.clone(),
+        };
+        tasks.push(tokio::spawn(cluster::storage::run(node, link)));
     }
 
     let endpoint_info = serde_json::json!({

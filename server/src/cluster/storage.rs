@@ -4,7 +4,10 @@
 //! session; the next one joins again and re-announces, so the master's view always converges
 //! on the node's own index.
 
-use crate::service::Shared;
+use crate::auth::Auth;
+use crate::events::EventLog;
+use crate::metrics::Metrics;
+use crate::store::Store;
 use kvpool_client::{Client, ClientConfig, ClientError, Trust};
 use kvpool_core::{Change, ChangeKind};
 use kvpool_policy_sdk::Tier;
@@ -12,6 +15,17 @@ use kvpool_proto::{ErrorCode, KvEventKind, NodeBlock, NodeJoinRequest, NodeRepor
 use std::sync::Arc;
 use std::time::Duration;
 use tracing::{info, warn};
+
+/// What the link needs of the node it speaks for.
+#[derive(Clone)]
+pub struct Local {
+    pub store: Arc<Store>,
+    /// Tenant names by id (reports and node puts name tenants).
+    pub auth: Arc<Auth>,
+    pub metrics: Arc<Metrics>,
+    /// The node's KV event log (a storage node needs it: it reports from it).
+    pub events: Option<Arc<EventLog>>,
+}
 
 /// Where the master is: fixed, or whoever leads according to etcd.
 #[derive(Debug, Clone)]
@@ -62,10 +76,10 @@ const REPORT_BLOCKS: usize = 4096;
 const REPORT_BYTES: usize = 512 << 10;
 
 /// Keep the node joined to the master for as long as the server runs.
-pub async fn run(shared: Arc<Shared>, link: Link) {
+pub async fn run(local: Local, link: Link) {
     let mut backoff = Duration::from_millis(200);
     loop {
-        match session(&shared, &link).await {
+        match session(&local, &link).await {
             Ok(()) => backoff = Duration::from_millis(200),
             Err(e) => {
                 warn!(master = %link.master, error = %e, "link to the master lost; joining again");
@@ -76,11 +90,11 @@ pub async fn run(shared: Arc<Shared>, link: Link) {
     }
 }
 
-fn tiers(shared: &Shared) -> Vec<TierUse> {
-    shared.store.tier_usage().into_iter().map(|(t, capacity, used)| TierUse { tier: t as u8, capacity, used }).collect()
+fn tiers(local: &Local) -> Vec<TierUse> {
+    local.store.tier_usage().into_iter().map(|(t, capacity, used)| TierUse { tier: t as u8, capacity, used }).collect()
 }
 
-fn block(shared: &Shared, c: Change) -> NodeBlock {
+fn block(local: &Local, c: Change) -> NodeBlock {
     NodeBlock {
         kind: match c.kind {
             ChangeKind::Stored => KvEventKind::Stored,
@@ -88,7 +102,7 @@ fn block(shared: &Shared, c: Change) -> NodeBlock {
             ChangeKind::Evicted => KvEventKind::Evicted,
         },
         tier: c.tier as u8,
-        tenant: shared.auth.tenant_name(c.tenant),
+        tenant: local.auth.tenant_name(c.tenant),
         key: c.key.to_vec(),
         parent: c.parent.map(|p| p.to_vec()),
         size: c.size,
@@ -98,7 +112,7 @@ fn block(shared: &Shared, c: Change) -> NodeBlock {
 /// Send `changes` in reports of bounded size; the first is a reset when `reset`.
 async fn send(
     master: &Client,
-    shared: &Shared,
+    local: &Local,
     node: u32,
     incarnation: u64,
     mut reset: bool,
@@ -115,11 +129,11 @@ async fn send(
                     node,
                     incarnation,
                     reset,
-                    tiers: tiers(shared),
+                    tiers: tiers(local),
                     blocks: std::mem::take(&mut blocks),
                 };
                 master.node_report(req).await?;
-                shared.metrics.cluster_reports.inc();
+                local.metrics.cluster_reports.inc();
                 reset = false;
                 bytes = 0;
             }
@@ -129,7 +143,7 @@ async fn send(
         }
         let c = it.next().expect("peeked");
         bytes += c.key.len() + 64;
-        blocks.push(block(shared, c));
+        blocks.push(block(local, c));
     }
 }
 
@@ -146,7 +160,7 @@ async fn connect_master(link: &Link) -> Result<Client, LinkError> {
     let mut cfg = ClientConfig::new(addr, link.api_key.clone(), trust);
     cfg.server_name = server_name;
     cfg.client_name = format!("kvpool-storage/{}", link.name);
-    // The master is reached for control only: no shared memory with it.
+    // The master is reached for control only: no local memory with it.
     cfg.transport = kvpool_client::TransportChoice::Quic;
     // A master that died must not hold the node for long: it rejoins whoever leads next. A
     // report is at most half a MiB, which a second carries even between distant hosts.
@@ -154,8 +168,8 @@ async fn connect_master(link: &Link) -> Result<Client, LinkError> {
     Ok(Client::connect_direct(cfg).await?)
 }
 
-async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
-    let log = shared.events.clone().ok_or(LinkError::NoEvents)?;
+async fn session(local: &Local, link: &Link) -> Result<(), LinkError> {
+    let log = local.events.clone().ok_or(LinkError::NoEvents)?;
     let master = connect_master(link).await?;
     let mut incarnation = [0u8; 8];
     getrandom::getrandom(&mut incarnation).map_err(|e| ClientError::Io(e.to_string()))?;
@@ -167,17 +181,17 @@ async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
             server_name: link.server_name.clone(),
             fingerprint: link.fingerprint.to_vec(),
             incarnation,
-            tiers: tiers(shared),
+            tiers: tiers(local),
         })
         .await?;
     let node = joined.node;
     link.me.store(node, std::sync::atomic::Ordering::Release);
-    shared.metrics.cluster_joins.inc();
+    local.metrics.cluster_joins.inc();
     let every = Duration::from_millis(u64::from(joined.report_ms.max(10)));
     let mut watch = log.watch();
-    let (mut cursor, inventory) = shared.store.inventory();
+    let (mut cursor, inventory) = local.store.inventory();
     info!(node, copies = inventory.len(), master = %link.master, "joined the master; announcing the inventory");
-    send(&master, shared, node, incarnation, true, inventory).await?;
+    send(&master, local, node, incarnation, true, inventory).await?;
     loop {
         // Seen: a publication after this line wakes the wait below.
         watch.borrow_and_update();
@@ -185,15 +199,15 @@ async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
         if batch.lagged > 0 {
             // Changes were lost to this reader: start the master's view of this node again.
             warn!(node, lagged = batch.lagged, "the event log outran the reports; announcing the inventory again");
-            let (c, inventory) = shared.store.inventory();
+            let (c, inventory) = local.store.inventory();
             cursor = c;
-            send(&master, shared, node, incarnation, true, inventory).await?;
+            send(&master, local, node, incarnation, true, inventory).await?;
             continue;
         }
         let more = batch.changes.len() == REPORT_BLOCKS;
         cursor = batch.next;
         let changes: Vec<Change> = batch.changes.into_iter().map(|(_, c)| c).collect();
-        match send(&master, shared, node, incarnation, false, changes).await {
+        match send(&master, local, node, incarnation, false, changes).await {
             Ok(()) => {}
             Err(e) if matches!(e.code(), ErrorCode::Expired | ErrorCode::NotLeader) => {
                 info!(node, reason = %e, "the master no longer takes this node's reports: joining again");
@@ -217,7 +231,7 @@ async fn session(shared: &Arc<Shared>, link: &Link) -> Result<(), LinkError> {
 /// between full nodes.
 pub struct Offloader {
     link: Link,
-    shared: std::sync::Weak<Shared>,
+    auth: Arc<Auth>,
     max_fill: f64,
     conns: tokio::sync::Mutex<Conns>,
 }
@@ -235,13 +249,12 @@ const OFFLOAD_BUDGET: Duration = Duration::from_millis(500);
 const VIEW_AGE: Duration = Duration::from_millis(200);
 
 impl Offloader {
-    pub fn new(link: Link, shared: std::sync::Weak<Shared>, max_fill: f64) -> Offloader {
-        Offloader { link, shared, max_fill, conns: tokio::sync::Mutex::default() }
+    pub fn new(link: Link, auth: Arc<Auth>, max_fill: f64) -> Offloader {
+        Offloader { link, auth, max_fill, conns: tokio::sync::Mutex::default() }
     }
 
     async fn try_offload(&self, blocks: &[(Change, &[u8])]) -> Result<Vec<bool>, LinkError> {
         let me = self.link.me.load(std::sync::atomic::Ordering::Acquire);
-        let Some(shared) = self.shared.upgrade() else { return Ok(vec![false; blocks.len()]) };
         if me == 0 || blocks.is_empty() {
             return Ok(vec![false; blocks.len()]);
         }
@@ -310,7 +323,7 @@ impl Offloader {
                 })
                 .collect();
             let codes =
-                match peer.node_put(&shared.auth.tenant_name(tenant), &entries, kvpool_proto::PutMode::Insert).await {
+                match peer.node_put(&self.auth.tenant_name(tenant), &entries, kvpool_proto::PutMode::Insert).await {
                     Ok(c) => c,
                     Err(e) => {
                         self.conns.lock().await.nodes.remove(&id);
@@ -326,7 +339,7 @@ impl Offloader {
 }
 
 impl crate::store::Offload for Offloader {
-    fn offload<'a>(&'a self, blocks: Vec<(Change, &'a [u8])>) -> crate::service::BoxFuture<'a, Vec<bool>> {
+    fn offload<'a>(&'a self, blocks: Vec<(Change, &'a [u8])>) -> crate::store::BoxFuture<'a, Vec<bool>> {
         Box::pin(async move {
             let n = blocks.len();
             match tokio::time::timeout(OFFLOAD_BUDGET, self.try_offload(&blocks)).await {

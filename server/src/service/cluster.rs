@@ -1,7 +1,10 @@
 //! Cluster requests (PROTOCOL.md 11.8): storage nodes joining and reporting to the master, and
 //! clients asking the master where blocks are and where new ones go.
 
-use super::{check_keys, check_put, error, expect_end, Fail, RequestRecv, Session, Shared};
+use super::put::check_put;
+use super::session::Session;
+use super::shared::Shared;
+use super::stream::{check_keys, error, expect_end, Fail, RequestRecv};
 use crate::cluster::master::ReportError;
 use kvpool_proto::{ErrorCode, Request, Response};
 use std::sync::Arc;
@@ -18,11 +21,8 @@ pub(super) async fn dispatch<R: RequestRecv>(
     s: &Shared,
     deadline: Deadline,
 ) -> Result<Response, Fail> {
-    if session.version < 2 {
-        return Err(Fail::Reply(error(ErrorCode::Unsupported, "this request needs a version 2 hello")));
-    }
     let p = &session.principal;
-    let m = s.master.as_ref().ok_or_else(not_master)?;
+    let m = s.role.master().ok_or_else(not_master)?;
     if !m.is_leading() {
         let who = m.leader().map_or_else(|| "no master leads yet".to_string(), |a| format!("the leader is {a}"));
         return Err(Fail::Reply(error(ErrorCode::NotLeader, format!("this master does not lead the cluster: {who}"))));

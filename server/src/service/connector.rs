@@ -3,27 +3,14 @@
 //! drops one model's blocks (a prefix-cache reset after a weight update) or Mooncake's
 //! `remove_by_regex`.
 
-use super::session::{LeaseHold, Session};
-use super::{check_keys, error, Fail, Shared};
-use crate::store::Store;
+use super::session::{Held, LeaseHold, Session};
+use super::shared::Shared;
+use super::stream::{check_keys, error, Fail};
 use kvpool_proto::{
     ErrorCode, LookupLeaseRequest, LookupLeased, RemoveAllResponse, RemoveMatchingRequest, Response, MAX_HOLD_MS,
 };
 use std::sync::Arc;
 use std::time::Duration;
-
-/// A hold on blocks a `LookupLease` counted: let go when the lease ends (released, expired, or
-/// its connection gone), exactly once.
-pub struct Held {
-    store: Arc<Store>,
-    ids: Vec<u64>,
-}
-
-impl Drop for Held {
-    fn drop(&mut self) {
-        self.store.unhold(&self.ids);
-    }
-}
 
 /// Largest compiled `RemoveMatching` pattern: a client's regex must not cost the server more.
 const MAX_REGEX_BYTES: usize = 1 << 20;

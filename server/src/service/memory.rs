@@ -1,7 +1,7 @@
 //! In-memory stream halves for running the request handler without QUIC: the fuzz driver and
 //! unit tests feed a request as bytes and read back what the server wrote.
 
-use super::{BoxFuture, RequestRecv, RequestSend};
+use super::stream::{BoxFuture, RequestRecv, RequestSend};
 use bytes::Bytes;
 use std::io;
 use std::pin::Pin;

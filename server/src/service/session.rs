@@ -4,9 +4,12 @@
 //! reservations and leases also when their time is up (a client cannot pin memory by going
 //! quiet on a live connection).
 
+use super::staged::Staged;
+use super::stream::{error, Fail};
 use crate::auth::Principal;
-use crate::store::{DramBlock, Served};
-use kvpool_proto::{PutItem, PutMode};
+use crate::store::read::Served;
+use crate::store::Store;
+use kvpool_proto::ErrorCode;
 use kvpool_transport::shm::Ticket;
 use kvpool_transport::PeerId;
 use parking_lot::Mutex;
@@ -15,22 +18,29 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Weak};
 use std::time::Duration;
 
-/// Space granted by `PutIntent`, waiting for its bytes and `PutDone`.
-pub struct Reserved {
-    /// Index id planned for the block.
-    pub id: u64,
-    pub item: PutItem,
-    pub mode: PutMode,
-    /// Taken out while a `Write` fills it or `PutDone` commits it.
-    pub block: tokio::sync::Mutex<Option<DramBlock>>,
-}
+/// A put item granted by `PutIntent`, waiting for its bytes (`Write`, or one-sided) and
+/// `PutDone`. Locked while a `Write` fills it; taken out when `PutDone` commits it.
+pub(super) type Reserved = tokio::sync::Mutex<Option<Staged>>;
 
 /// Blocks located by `GetLocate` (or held by `LookupLease`), kept in place until released or
 /// expired.
 pub struct LeaseHold {
     pub blocks: Vec<Option<Served>>,
     /// The index's hold on the blocks a `LookupLease` counted; let go with the lease.
-    pub held: Option<super::connector::Held>,
+    pub held: Option<Held>,
+}
+
+/// A hold on blocks a `LookupLease` counted: let go when the lease ends (released, expired, or
+/// its connection gone), exactly once.
+pub struct Held {
+    pub(super) store: Arc<Store>,
+    pub(super) ids: Vec<u64>,
+}
+
+impl Drop for Held {
+    fn drop(&mut self) {
+        self.store.unhold(&self.ids);
+    }
 }
 
 pub struct Session {
@@ -42,7 +52,7 @@ pub struct Session {
     pub peer: Option<std::net::IpAddr>,
     shm: Mutex<Option<Ticket>>,
     /// Binding of same-host control sockets to this connection; dropping it closes them.
-    local: Mutex<Option<super::local::LocalTicket>>,
+    local: Mutex<Option<Box<dyn Send>>>,
     grants: Mutex<HashMap<u64, Arc<Reserved>>>,
     leases: Mutex<HashMap<u64, Arc<LeaseHold>>>,
     next: AtomicU64,
@@ -94,14 +104,14 @@ impl Session {
     }
 
     /// A new control-channel ticket for this connection (sockets bound by an earlier one close).
-    pub fn set_local(&self, ticket: super::local::LocalTicket) {
-        *self.local.lock() = Some(ticket);
+    pub fn set_local(&self, ticket: impl Send + 'static) {
+        *self.local.lock() = Some(Box::new(ticket));
     }
 
-    /// Keep a reservation for `ttl`; returns its name.
-    pub fn grant(self: &Arc<Self>, r: Reserved, ttl: Duration) -> u64 {
+    /// Keep a granted put item for `ttl`; returns its reservation's name.
+    pub(super) fn grant(self: &Arc<Self>, staged: Staged, ttl: Duration) -> u64 {
         let id = self.next_id();
-        self.grants.lock().insert(id, Arc::new(r));
+        self.grants.lock().insert(id, Arc::new(tokio::sync::Mutex::new(Some(staged))));
         let weak = Arc::downgrade(self);
         expire(weak, ttl, move |s| {
             s.grants.lock().remove(&id);
@@ -109,11 +119,11 @@ impl Session {
         id
     }
 
-    pub fn reservation(&self, id: u64) -> Option<Arc<Reserved>> {
+    pub(super) fn reservation(&self, id: u64) -> Option<Arc<Reserved>> {
         self.grants.lock().get(&id).cloned()
     }
 
-    pub fn take_reservation(&self, id: u64) -> Option<Arc<Reserved>> {
+    pub(super) fn take_reservation(&self, id: u64) -> Option<Arc<Reserved>> {
         self.grants.lock().remove(&id)
     }
 
@@ -152,4 +162,12 @@ fn expire(session: Weak<Session>, ttl: Duration, f: impl FnOnce(&Session) + Send
             f(&s);
         }
     });
+}
+
+/// A reservation or lease this connection does not hold (any more).
+pub(super) fn expired(what: &str, id: u64) -> Fail {
+    Fail::Reply(error(
+        ErrorCode::Expired,
+        format!("no {what} {id} on this connection (expired, used, or never granted)"),
+    ))
 }

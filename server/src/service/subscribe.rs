@@ -3,7 +3,8 @@
 //! Nothing waits on a subscriber: it reads the log at its own pace and is told what it missed.
 
 use super::session::Session;
-use super::{error, expect_end, write_by, Fail, RequestRecv, RequestSend, Shared};
+use super::shared::Shared;
+use super::stream::{error, expect_end, write_by, Fail, RequestRecv, RequestSend};
 use kvpool_core::{Change, ChangeKind};
 use kvpool_proto::{frame, ErrorCode, EventBatch, EventScope, KvEvent, KvEventKind, Response, SubscribeRequest};
 use std::sync::Arc;
@@ -26,11 +27,11 @@ fn event(seq: u64, c: Change, node: &str, s: &Shared) -> KvEvent {
         },
         tier: c.tier as u8,
         // A master logs its storage nodes' copies under their ids.
-        node: match (&s.master, c.node) {
+        node: match (s.role.master(), c.node) {
             (Some(m), n) if n != 0 => m.node_name(n),
             _ => node.to_string(),
         },
-        tenant: s.master.as_ref().and_then(|m| m.tenant_name(c.tenant)).unwrap_or_else(|| s.auth.tenant_name(c.tenant)),
+        tenant: s.role.master().and_then(|m| m.tenant_name(c.tenant)).unwrap_or_else(|| s.auth.tenant_name(c.tenant)),
         key: c.key.to_vec(),
         parent: c.parent.map(|p| p.to_vec()),
         size: c.size,

@@ -2,8 +2,14 @@
 
 use super::memory::{MemRecv, MemSend};
 use super::*;
+use crate::auth::Principal;
 use crate::config::{ApiKeyEntry, Config, Size};
+use kvpool_proto::frame::encode_frame;
+use kvpool_proto::{
+    close, codec, ErrorCode, GetResponse, LookupResponse, PutRequest, Request, Response, StatsReport, StatusList,
+};
 use kvpool_proto::{KeysRequest, LookupRequest, PinSpec, PutItem, PutMode};
+use std::time::{Duration, Instant};
 
 const KEY_A: &str = "key-a";
 const KEY_B: &str = "key-b";
@@ -200,7 +206,9 @@ async fn a_reader_that_stops_reading_is_reset_and_releases_the_blocks() {
     assert_eq!(send.reset, Some(close::TIMEOUT));
     // The block can be removed and its memory is free again: nothing holds it.
     tokio::time::sleep(Duration::from_millis(60)).await;
-    assert_eq!(n.shared.store.remove(principal(&n, KEY_A).tenant_id, &[b"v".to_vec()], false), vec![ErrorCode::Ok]);
+    let removed = n.shared.store.remove(principal(&n, KEY_A).tenant_id, &[b"v".to_vec()], false);
+    let removed: Vec<ErrorCode> = removed.into_iter().map(super::dispatch::remove_code).collect();
+    assert_eq!(removed, vec![ErrorCode::Ok]);
     assert!(n.shared.store.dram_used() < used);
 }
 

@@ -1,8 +1,21 @@
 //! The store with its real tiers and sled, in a temporary directory.
 
+use super::put::{PutError, PutPlan};
+use super::read::{GetPlan, ReadError};
 use super::*;
 use crate::metrics::Metrics;
-use kvpool_core::BlockRecord;
+use kvpool_core::{BlockRecord, PinRequest, PutSpec, PutStatus};
+use kvpool_proto::ErrorCode;
+use std::time::Duration;
+
+/// A commit's outcome as the wire gives it (the service maps it so).
+fn code(r: Result<(), PutError>) -> ErrorCode {
+    match r {
+        Ok(()) => ErrorCode::Ok,
+        Err(PutError::Refused(PutStatus::AlreadyExists)) => ErrorCode::AlreadyExists,
+        Err(_) => ErrorCode::Internal,
+    }
+}
 
 fn cfg(dir: &std::path::Path) -> StoreConfig {
     StoreConfig {
@@ -42,7 +55,10 @@ fn record(size: u64, sum: u64, file: u64, created_ms: u64) -> BlockRecord {
 async fn read(store: &Arc<Store>, key: &str) -> Result<Vec<u8>, ErrorCode> {
     match store.plan_get(1, &[key.as_bytes().to_vec()]).remove(0) {
         GetPlan::Ssd { id, file, size, checksum } => {
-            store.read_ssd(id, file, size, checksum).await.map(|s| s.bytes().to_vec())
+            store.read_ssd(id, file, size, checksum).await.map(|s| s.bytes().to_vec()).map_err(|e| match e {
+                ReadError::NoSsd => ErrorCode::NotFound,
+                ReadError::Corrupt => ErrorCode::Corrupt,
+            })
         }
         GetPlan::Dram { block, .. } => Ok(block.bytes().to_vec()),
         GetPlan::Missing => Err(ErrorCode::NotFound),
@@ -105,20 +121,13 @@ async fn two_records_naming_one_extent_leave_it_to_the_newer() {
 async fn a_block_found_corrupt_on_the_way_out_is_counted_and_removed() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(cfg(dir.path()), Arc::new(Metrics::new()), crate::policy::builtin_policies(0)).unwrap();
-    let item = kvpool_proto::PutItem {
-        key: b"k".to_vec(),
-        size: 4096,
-        parent: None,
-        tokens: 0,
-        seq_tokens: 0,
-        pin: kvpool_proto::PinSpec::None,
-    };
-    let PutPlan::Dram(id) = store.plan_put(1, std::slice::from_ref(&item), PutMode::Insert).remove(0) else {
+    let item = PutSpec { key: b"k", size: 4096, parent: None, tokens: 0, seq_tokens: 0, pin: PinRequest::None };
+    let PutPlan::Dram(id) = store.plan_put(1, std::slice::from_ref(&item), false).remove(0) else {
         panic!("expected a DRAM plan");
     };
     let mut blk = store.reserve(1, 4096, tokio::time::Instant::now() + Duration::from_secs(1)).await.unwrap();
     blk.bytes_mut().fill(7);
-    assert_eq!(store.commit(1, id, &item, PutMode::Insert, blk, None), ErrorCode::Ok);
+    assert_eq!(code(store.commit(1, id, &item, false, blk, None)), ErrorCode::Ok);
     // Leased by a reader, as a get's block is while it is copied out.
     let plan = store.plan_get(1, &[b"k".to_vec()]);
     assert!(matches!(plan[0], GetPlan::Dram { .. }));

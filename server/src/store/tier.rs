@@ -4,7 +4,7 @@
 //!
 //! [`Space`] is the accounting half (object safe: the store keeps a list of them for gauges,
 //! placement input and the watermark sweep). [`Medium`] adds the bytes: an extent type of the
-//! tier's own (a [`super::DramBlock`] that frees itself when its last reference drops, an SSD
+//! tier's own (a `DramBlock` that frees itself when its last reference drops, an SSD
 //! offset that the index persists) and the copies in and out of it.
 
 use kvpool_policy_sdk::Tier;
@@ -90,21 +90,21 @@ impl Space for std::sync::Arc<super::dram::DramTier> {
 }
 
 impl Medium for std::sync::Arc<super::dram::DramTier> {
-    type Extent = super::DramBlock;
+    type Extent = super::dram::DramBlock;
 
-    fn reserve(&self, len: u64) -> Option<super::DramBlock> {
+    fn reserve(&self, len: u64) -> Option<super::dram::DramBlock> {
         self.allocate(len)
     }
-    fn release(&self, extent: super::DramBlock) {
+    fn release(&self, extent: super::dram::DramBlock) {
         // The range goes back to the allocator when the block drops.
         drop(extent);
     }
-    fn write(&self, extent: &mut super::DramBlock, at: u64, data: &[u8]) -> Result<(), MediumError> {
+    fn write(&self, extent: &mut super::dram::DramBlock, at: u64, data: &[u8]) -> Result<(), MediumError> {
         fits(at, data.len(), extent.len())?;
         extent.bytes_mut()[at as usize..at as usize + data.len()].copy_from_slice(data);
         Ok(())
     }
-    fn read_into(&self, extent: &super::DramBlock, at: u64, buf: &mut [u8]) -> Result<(), MediumError> {
+    fn read_into(&self, extent: &super::dram::DramBlock, at: u64, buf: &mut [u8]) -> Result<(), MediumError> {
         fits(at, buf.len(), extent.len())?;
         buf.copy_from_slice(&extent.bytes()[at as usize..at as usize + buf.len()]);
         Ok(())

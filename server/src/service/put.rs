@@ -1,0 +1,277 @@
+//! Every put, whatever carries its bytes: one path, [`stage`] then [`commit`].
+//!
+//! 1. plan: the store decides every item before any byte moves ([`Store::plan_put`]: existing
+//!    keys, admission, placement);
+//! 2. place: each stored item gets its room, a reserved DRAM range (or a buffer bound for SSD);
+//! 3. fill: a [`ValueSource`] moves the bytes into that room and hashes them as they land;
+//! 4. commit: the store publishes each filled block under its checksum.
+//!
+//! The sources are in [`super::source`]: the request's own stream (`Put`, `NodePut`, over QUIC
+//! or the Unix socket), the copy engine (`PutFrom`, shared memory), and one-sided writes
+//! (`PutIntent`, then `Write` or a transport such as HIXL, then `PutDone`). A one-sided put
+//! spans requests: its [`Staged`] items wait in the [`Session`] between them.
+//!
+//! [`Store::plan_put`]: crate::store::Store::plan_put
+
+use super::session::{expired, Session};
+use super::shared::Shared;
+use super::shm::shm_peer;
+use super::source::{Granted, ShmSource, StreamSource, ValueSource};
+use super::staged::{Room, Staged};
+use super::stream::{check_keys, error, expect_end, invalid, read_exact_by, Fail, RequestRecv};
+use crate::auth::Principal;
+use crate::store::put::{PutError, PutPlan};
+use kvpool_core::{PinRequest, PutSpec, PutStatus};
+use kvpool_proto::{
+    ErrorCode, Grant, Limits, Location, NodePutRequest, PinSpec, PutDoneRequest, PutFromRequest, PutIntentRequest,
+    PutItem, PutMode, Response, StatusList, WriteRequest,
+};
+use std::sync::Arc;
+use tokio::time::Instant as Deadline;
+
+/// The index's view of a wire item.
+fn spec(item: &PutItem) -> PutSpec<'_> {
+    PutSpec {
+        key: &item.key,
+        size: item.size,
+        parent: item.parent.as_deref(),
+        tokens: item.tokens,
+        seq_tokens: item.seq_tokens,
+        pin: match item.pin {
+            PinSpec::None => PinRequest::None,
+            PinSpec::Hard => PinRequest::Hard,
+            PinSpec::Soft { ttl_ms } => PinRequest::Soft { ttl_ms },
+        },
+    }
+}
+
+/// The wire answer for a put item the store did not take.
+fn put_code(e: &PutError) -> ErrorCode {
+    match e {
+        PutError::Refused(s) => match s {
+            PutStatus::Ok => ErrorCode::Ok,
+            PutStatus::AlreadyExists => ErrorCode::AlreadyExists,
+            PutStatus::Leased => ErrorCode::Leased,
+            PutStatus::Rejected => ErrorCode::Rejected,
+            PutStatus::NoSpace => ErrorCode::NoSpace,
+        },
+        // The client sees `internal`, as before; the log keeps the cause.
+        PutError::SsdWrite(_) | PutError::SsdTask(_) | PutError::Length { .. } => ErrorCode::Internal,
+    }
+}
+
+/// Request-level checks of put items (limits, empty keys); the sum of their sizes.
+pub(super) fn check_put(items: &[PutItem], l: &Limits) -> Result<u64, Fail> {
+    check_keys(items.iter().map(|i| &i.key), items.len(), l)?;
+    let mut total = 0u64;
+    for it in items {
+        if it.size > l.max_value_size {
+            return Err(Fail::Reply(error(
+                ErrorCode::ValueTooLarge,
+                format!("value of {} bytes; the limit is {}", it.size, l.max_value_size),
+            )));
+        }
+        if let Some(parent) = &it.parent {
+            if parent.len() > l.max_key_len as usize {
+                return Err(Fail::Reply(error(ErrorCode::KeyTooLong, "parent key too long")));
+            }
+            if parent.is_empty() {
+                return Err(Fail::Reply(error(ErrorCode::InvalidArgument, "empty parent key")));
+            }
+        }
+        total += it.size;
+    }
+    Ok(total)
+}
+
+/// Plan, place and fill every item of a put. Reservations live in the returned items until
+/// they are committed: dropping them (any early return) releases all of them.
+async fn stage<S: ValueSource>(
+    items: Vec<PutItem>,
+    mode: PutMode,
+    tenant: u32,
+    src: &mut S,
+    s: &Shared,
+) -> Result<Vec<Staged>, Fail> {
+    let upsert = mode == PutMode::Upsert;
+    // Space is waited for once per request, not per item.
+    let space_by = Deadline::now() + s.store.cfg.put_wait;
+    let plans = {
+        let specs: Vec<PutSpec<'_>> = items.iter().map(spec).collect();
+        s.store.plan_put(tenant, &specs, upsert)
+    };
+    let space_by = src.begin(space_by);
+    let mut staged = Vec::with_capacity(items.len());
+    for (item, plan) in items.into_iter().zip(plans) {
+        let room = match plan {
+            PutPlan::Skip(status) => Room::Skip(put_code(&PutError::Refused(status))),
+            PutPlan::Ssd(id) if !src.lands_in_dram() => Room::Ssd(id, vec![0u8; item.size as usize]),
+            PutPlan::Dram(id) | PutPlan::Ssd(id) => match s.store.reserve(tenant, item.size, space_by).await {
+                Ok(blk) => Room::Dram(id, blk),
+                Err(e) => Room::Skip(put_code(&e)),
+            },
+        };
+        let mut st = Staged { item, upsert, room, sum: None };
+        src.arrive(&mut st).await?;
+        staged.push(st);
+    }
+    src.settle(staged).await
+}
+
+/// Publish one filled item; its answer.
+async fn commit_one(tenant: u32, st: Staged, s: &Shared) -> ErrorCode {
+    let spec = spec(&st.item);
+    let r = match st.room {
+        Room::Skip(code) => return code,
+        Room::Dram(id, blk) => s.store.commit(tenant, id, &spec, st.upsert, blk, st.sum),
+        Room::Ssd(id, data) => s.store.commit_ssd(tenant, id, &spec, st.upsert, data, st.sum).await,
+    };
+    match r {
+        Ok(()) => ErrorCode::Ok,
+        Err(e) => put_code(&e),
+    }
+}
+
+/// Publish every filled item, in order; their answers.
+async fn commit(tenant: u32, staged: Vec<Staged>, s: &Shared) -> Vec<ErrorCode> {
+    let mut results = Vec::with_capacity(staged.len());
+    for st in staged {
+        results.push(commit_one(tenant, st, s).await);
+    }
+    results
+}
+
+/// `Put`: the values follow the frame on the request's stream.
+pub(super) async fn put<R: RequestRecv>(
+    items: Vec<PutItem>,
+    mode: PutMode,
+    recv: &mut R,
+    p: &Principal,
+    s: &Shared,
+) -> Result<Response, Fail> {
+    let total = check_put(&items, &s.limits)?;
+    let mut src = StreamSource::new(recv, total, s);
+    let staged = stage(items, mode, p.tenant_id, &mut src, s).await?;
+    Ok(Response::Put(StatusList { results: commit(p.tenant_id, staged, s).await }))
+}
+
+/// `NodePut`: another storage node hands over blocks it evicts (into this node's free DRAM): a
+/// put on behalf of their tenant, allowed to the cluster's admin keys only.
+pub(super) async fn node_put<R: RequestRecv>(
+    np: NodePutRequest,
+    recv: &mut R,
+    p: &Principal,
+    s: &Shared,
+) -> Result<Response, Fail> {
+    if !p.admin {
+        return Err(Fail::Reply(error(ErrorCode::Forbidden, "node puts need an admin api key")));
+    }
+    // Only a tenant this node has a key for: the cluster's nodes share their keys, and
+    // a node put must not conjure up a tenant nobody can read.
+    let Some(tenant_id) = s.auth.tenant_id_of(&np.tenant) else {
+        return Err(Fail::Reply(error(
+            ErrorCode::InvalidArgument,
+            format!("node put for tenant {:?}, which no api key of this node names", np.tenant),
+        )));
+    };
+    let on_behalf = Principal { tenant_id, tenant: np.tenant, admin: false };
+    put(np.items, np.mode, recv, &on_behalf, s).await
+}
+
+/// `PutFrom`: the server copies the values from the client's shared buffers.
+pub(super) async fn put_from(p: PutFromRequest, session: &Arc<Session>, s: &Shared) -> Result<Response, Fail> {
+    let total = check_put(&p.items, &s.limits)?;
+    if p.sources.len() != p.items.len() {
+        return Err(invalid(format!("{} items but {} sources", p.items.len(), p.sources.len())));
+    }
+    if let Some((i, src)) =
+        p.items.iter().zip(&p.sources).enumerate().find(|(_, (it, src))| src.len != it.size).map(|(i, (_, s))| (i, s))
+    {
+        return Err(invalid(format!("source {i} holds {} bytes for a value of {}", src.len, p.items[i].size)));
+    }
+    let (dp, peer) = shm_peer(session, s.data_path.as_ref())?;
+    let tenant = session.principal.tenant_id;
+    let mut src = ShmSource::new(dp, peer, p.sources, s.timeouts.transfer(total), &s.metrics);
+    let staged = stage(p.items, p.mode, tenant, &mut src, s).await?;
+    Ok(Response::Put(StatusList { results: commit(tenant, staged, s).await }))
+}
+
+/// `PutIntent`: room for values the client will write one-sidedly; each granted item waits in
+/// the session (for its time) until `PutDone` commits it.
+pub(super) async fn put_intent(p: PutIntentRequest, session: &Arc<Session>, s: &Shared) -> Result<Response, Fail> {
+    check_put(&p.items, &s.limits)?;
+    let staged = stage(p.items, p.mode, session.principal.tenant_id, &mut Granted, s).await?;
+    let none = Grant {
+        status: ErrorCode::Ok,
+        reservation: 0,
+        location: Location { node: 0, region: 0, offset: 0 },
+        expires_ms: 0,
+    };
+    let mut grants = Vec::with_capacity(staged.len());
+    for st in staged {
+        let offset = match &st.room {
+            Room::Skip(code) => {
+                grants.push(Grant { status: *code, ..none });
+                continue;
+            }
+            Room::Dram(_, blk) => blk.offset(),
+            // `Granted` lands every stored item in DRAM.
+            Room::Ssd(..) => return Err(Fail::Reply(error(ErrorCode::Internal, "a one-sided put staged for SSD"))),
+        };
+        let ttl = s.hold_for(st.item.size);
+        let reservation = session.grant(st, ttl);
+        grants.push(Grant {
+            status: ErrorCode::Ok,
+            reservation,
+            location: Location { node: 0, region: 0, offset },
+            expires_ms: ttl.as_millis().min(u32::MAX as u128) as u32,
+        });
+    }
+    Ok(Response::PutGrant(kvpool_proto::PutGrant { grants }))
+}
+
+/// `Write`: bytes of a granted item, at an offset, on the request's stream.
+pub(super) async fn write<R: RequestRecv>(
+    w: WriteRequest,
+    recv: &mut R,
+    session: &Arc<Session>,
+    s: &Shared,
+) -> Result<Response, Fail> {
+    let r = session.reservation(w.reservation).ok_or_else(|| expired("reservation", w.reservation))?;
+    let by = Deadline::now() + s.timeouts.transfer(w.size);
+    let mut guard = r.lock().await;
+    let room =
+        guard.as_mut().and_then(|st| st.room.bytes_mut()).ok_or_else(|| expired("reservation", w.reservation))?;
+    let len = room.len() as u64;
+    let end = w
+        .offset
+        .checked_add(w.size)
+        .filter(|&e| e <= len)
+        .ok_or_else(|| invalid(format!("write of {} bytes at {} into a block of {}", w.size, w.offset, len)))?;
+    let started = std::time::Instant::now();
+    read_exact_by(recv, &mut room[w.offset as usize..end as usize], by, "the declared bytes").await?;
+    expect_end(recv, by).await?;
+    s.metrics.transferred(recv.transport(), "in", w.size, started.elapsed());
+    Ok(Response::Done)
+}
+
+/// `PutDone`: commit granted items whose bytes are complete (hashed here: nobody saw them land).
+pub(super) async fn put_done(d: PutDoneRequest, session: &Arc<Session>, s: &Shared) -> Result<Response, Fail> {
+    if d.reservations.len() > s.limits.max_batch as usize {
+        return Err(Fail::Reply(error(ErrorCode::BatchTooLarge, "too many reservations")));
+    }
+    let tenant = session.principal.tenant_id;
+    let mut results = Vec::with_capacity(d.reservations.len());
+    for id in d.reservations {
+        let Some(r) = session.take_reservation(id) else {
+            results.push(ErrorCode::Expired);
+            continue;
+        };
+        let staged = r.lock().await.take();
+        results.push(match staged {
+            Some(st) => commit_one(tenant, st, s).await,
+            None => ErrorCode::Expired,
+        });
+    }
+    Ok(Response::Put(StatusList { results }))
+}
