@@ -8,7 +8,7 @@
 //! in one thread, the way the benchmark's replay and the unit tests do.
 
 mod blocks;
-pub use blocks::MAX_KEY_LEN;
+pub use blocks::{BlockRecord, CopyHandle, MAX_KEY_LEN};
 mod changes;
 mod index;
 mod policies;
@@ -17,8 +17,8 @@ mod tests;
 
 pub use changes::{Change, ChangeBatch, ChangeKind, ChangeLog, ChangeWindow};
 pub use index::{
-    BlockRecord, CopyHandle, Demoted, Evicted, Granularity, Index, Located, Pending, PutPlan, PutStatus, Recovered,
-    RemoveStatus, TenantCounters, DEFAULT_MISS_MEMORY,
+    Commit, Demoted, Evicted, Granularity, Index, Located, Pending, PutPlan, PutStatus, Recovered, RemoveStatus,
+    TenantCounters, DEFAULT_MISS_MEMORY,
 };
 pub use policies::{Admitter, Evictor, Native, NewSlot, Placer, Policies};
 

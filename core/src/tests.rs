@@ -50,7 +50,20 @@ fn put(p: &mut Pool<Copy>, tenant: u32, s: PutSpec<'_>, now: Instant) -> Result<
         PutPlan::Store { id, .. } => id,
         PutPlan::Skip(st) => return Err(st),
     };
-    p.index.commit(tenant, id, &s, false, 7, Some(copy(id)), None, now, 1_000, 60_000).map(|_| id)
+    p.index
+        .publish(Commit {
+            tenant,
+            id,
+            spec: s,
+            upsert: false,
+            checksum: 7,
+            dram: Some(copy(id)),
+            ssd: None,
+            now,
+            wall_ms: 1_000,
+            soft_pin_ttl_ms: 60_000,
+        })
+        .map(|_| id)
 }
 
 fn keys(ks: &[&str]) -> Vec<Vec<u8>> {
@@ -91,7 +104,21 @@ fn only_blocks_with_an_ssd_copy_are_persisted() {
     let s = spec(b"on-ssd", 100, None);
     let plans = p.plan_put(T1, &[s], false, 1 << 30, &NodeSet::default());
     let PutPlan::Store { id, .. } = plans[0] else { panic!() };
-    let (_, meta) = p.index.commit(T1, id, &s, false, 5, None, Some(8192), now, 0, 0).unwrap();
+    let (_, meta) = p
+        .index
+        .publish(Commit {
+            tenant: T1,
+            id,
+            spec: s,
+            upsert: false,
+            checksum: 5,
+            dram: None,
+            ssd: Some(8192),
+            now,
+            wall_ms: 0,
+            soft_pin_ttl_ms: 0,
+        })
+        .unwrap();
     assert!(matches!(&meta[..], [MetaOp::Put { record, .. }] if record.ssd_file == Some(8192)));
     // A DRAM block gets a record when it is demoted, and loses it with its SSD copy.
     let d = put(&mut p, T1, spec(b"dram", 100, None), now).unwrap();
@@ -109,10 +136,35 @@ fn upsert_replaces_unless_leased() {
     let id = put(&mut p, T1, spec(b"k", 100, None), now).unwrap();
     p.index.plan_get(T1, &keys(&["k"]), now + Duration::from_secs(1), 0);
     let s = spec(b"k", 200, None);
-    let r = p.index.commit(T1, id + 100, &s, true, 9, Some(copy(0)), None, now, 0, 0);
+    let r = p.index.publish(Commit {
+        tenant: T1,
+        id: id + 100,
+        spec: s,
+        upsert: true,
+        checksum: 9,
+        dram: Some(copy(0)),
+        ssd: None,
+        now,
+        wall_ms: 0,
+        soft_pin_ttl_ms: 0,
+    });
     assert_eq!(r.unwrap_err(), PutStatus::Leased);
     let later = now + Duration::from_secs(2);
-    let (replaced, meta) = p.index.commit(T1, id + 100, &s, true, 9, Some(copy(0)), None, later, 0, 0).unwrap();
+    let (replaced, meta) = p
+        .index
+        .publish(Commit {
+            tenant: T1,
+            id: id + 100,
+            spec: s,
+            upsert: true,
+            checksum: 9,
+            dram: Some(copy(0)),
+            ssd: None,
+            now: later,
+            wall_ms: 0,
+            soft_pin_ttl_ms: 0,
+        })
+        .unwrap();
     assert!(replaced.unwrap().dram.is_some(), "the old copy comes back to be freed");
     assert!(meta.is_empty(), "DRAM-only blocks have no records");
     assert_eq!(p.index.tenant_counters(T1).bytes[0], 256);
@@ -246,11 +298,37 @@ fn soft_pins_expire_by_wall_clock_and_hard_pins_stay() {
     let s = PutSpec { pin: PinRequest::Soft { ttl_ms: 500 }, ..spec(b"soft", 256, None) };
     let plans = p.plan_put(T1, &[s], false, 1 << 30, &NodeSet::default());
     let PutPlan::Store { id, .. } = plans[0] else { panic!() };
-    p.index.commit(T1, id, &s, false, 1, Some(copy(id)), None, now, 1_000, 60_000).unwrap();
+    p.index
+        .publish(Commit {
+            tenant: T1,
+            id,
+            spec: s,
+            upsert: false,
+            checksum: 1,
+            dram: Some(copy(id)),
+            ssd: None,
+            now,
+            wall_ms: 1_000,
+            soft_pin_ttl_ms: 60_000,
+        })
+        .unwrap();
     let h = PutSpec { pin: PinRequest::Hard, ..spec(b"hard", 256, None) };
     let plans = p.plan_put(T1, &[h], false, 1 << 30, &NodeSet::default());
     let PutPlan::Store { id: hid, .. } = plans[0] else { panic!() };
-    p.index.commit(T1, hid, &h, false, 1, Some(copy(hid)), None, now, 1_000, 60_000).unwrap();
+    p.index
+        .publish(Commit {
+            tenant: T1,
+            id: hid,
+            spec: h,
+            upsert: false,
+            checksum: 1,
+            dram: Some(copy(hid)),
+            ssd: None,
+            now,
+            wall_ms: 1_000,
+            soft_pin_ttl_ms: 60_000,
+        })
+        .unwrap();
     assert_eq!(IndexView::pin(&p.index, id), Pin::Soft);
     p.index.expire_soft_pins(1_499);
     assert_eq!(IndexView::pin(&p.index, id), Pin::Soft);
@@ -492,10 +570,36 @@ fn the_swap_snapshot_is_warm() {
     assert_eq!(p.index.lookup(T1, &keys(&["a", "b"]), 100_000), 0);
     let a = p.plan_put(T1, &[spec(b"a", 256, None)], false, 1 << 30, &NodeSet::default());
     let PutPlan::Store { id: a, .. } = a[0] else { panic!() };
-    p.index.commit(T1, a, &spec(b"a", 256, None), false, 1, Some(copy(a)), None, now, 100, 0).unwrap();
+    p.index
+        .publish(Commit {
+            tenant: T1,
+            id: a,
+            spec: spec(b"a", 256, None),
+            upsert: false,
+            checksum: 1,
+            dram: Some(copy(a)),
+            ssd: None,
+            now,
+            wall_ms: 100,
+            soft_pin_ttl_ms: 0,
+        })
+        .unwrap();
     let b = p.plan_put(T1, &[spec(b"b", 256, Some(b"a"))], false, 1 << 30, &NodeSet::default());
     let PutPlan::Store { id: b, .. } = b[0] else { panic!() };
-    p.index.commit(T1, b, &spec(b"b", 256, Some(b"a")), false, 1, Some(copy(b)), None, now, 100, 0).unwrap();
+    p.index
+        .publish(Commit {
+            tenant: T1,
+            id: b,
+            spec: spec(b"b", 256, Some(b"a")),
+            upsert: false,
+            checksum: 1,
+            dram: Some(copy(b)),
+            ssd: None,
+            now,
+            wall_ms: 100,
+            soft_pin_ttl_ms: 0,
+        })
+        .unwrap();
     p.index.plan_get(T1, &keys(&["a"]), now, 300_000);
     p.index.plan_get(T1, &keys(&["a"]), now, 400_000);
     assert_eq!(p.index.lookup(T1, &keys(&["a", "b", "c"]), 500_000), 2);
@@ -524,7 +628,7 @@ fn the_swap_snapshot_is_warm() {
 
 #[test]
 fn compact_locator() {
-    use crate::index::Locator;
+    use crate::blocks::Locator;
     let mut l = Locator::some(0);
     assert_eq!((l.get(), l.is_some()), (Some(0), true));
     assert_eq!(l.take(), Some(0));
@@ -574,7 +678,20 @@ fn the_change_feed_reports_every_copy_that_comes_or_goes_and_why() {
     let s = spec(b"off", 20, None);
     let plans = p.plan_put(T1, &[s], true, 1 << 30, &NodeSet::default());
     let PutPlan::Store { id, .. } = plans[0] else { panic!("{plans:?}") };
-    p.index.commit(T1, id, &s, true, 0, Some(copy(id)), None, now, 0, 0).unwrap();
+    p.index
+        .publish(Commit {
+            tenant: T1,
+            id,
+            spec: s,
+            upsert: true,
+            checksum: 0,
+            dram: Some(copy(id)),
+            ssd: None,
+            now,
+            wall_ms: 0,
+            soft_pin_ttl_ms: 0,
+        })
+        .unwrap();
     put(&mut p, T1, spec(b"z", 1, None), now).unwrap();
     p.index.remove(T1, &keys(&["z"]), false, now);
     p.index.remove_all(T1, false, now, |_| true);
@@ -598,7 +715,7 @@ fn the_change_feed_reports_every_copy_that_comes_or_goes_and_why() {
 /// never lowers them.
 #[test]
 fn stamps_order_accesses_and_keep_their_time() {
-    let mut s = crate::index::Stamp::default();
+    let mut s = crate::blocks::Stamp::default();
     let mut last = s;
     for _ in 0..10_000 {
         s = s.next(7);
@@ -623,7 +740,21 @@ fn record_times_never_go_backwards() {
         let s = spec(key, 100, None);
         let plans = p.plan_put(T1, &[s], false, 1 << 30, &NodeSet::default());
         let PutPlan::Store { id, .. } = plans[0] else { panic!("{plans:?}") };
-        let (_, meta) = p.index.commit(T1, id, &s, false, 7, None, Some(4096 * id), now, wall_ms, 60_000).unwrap();
+        let (_, meta) = p
+            .index
+            .publish(Commit {
+                tenant: T1,
+                id,
+                spec: s,
+                upsert: false,
+                checksum: 7,
+                dram: None,
+                ssd: Some(4096 * id),
+                now,
+                wall_ms,
+                soft_pin_ttl_ms: 60_000,
+            })
+            .unwrap();
         let Some(MetaOp::Put { record, .. }) = meta.into_iter().next() else { panic!("an SSD block has a record") };
         created.push(record.created_ms);
     }
