@@ -19,8 +19,8 @@
 //! the client implements it too (`crate::live`), and `kvpool-bench live-replay` checks that it
 //! agrees with a [`SimPool`] of [`Semantics::Server`] request by request.
 
-use kvpool_core::{Granularity, Index, IndexView, PinRequest, Policies, PutPlan, PutSpec, PutStatus};
-use kvpool_policy_sdk::{key_hash, AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, Tier};
+use kvpool_core::{Granularity, Index, PinRequest, Policies, PutPlan, PutSpec, PutStatus};
+use kvpool_policy_sdk::{key_hash, AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, IndexView, Tier};
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 

@@ -3,7 +3,9 @@
 //!
 //! Nothing here touches a socket, a file, sled or the clock: time is passed in, copies are
 //! opaque handles, and whatever must happen outside (free a copy, delete a file, write a sled
-//! record) comes back as data ([`Dropped`], [`MetaOp`]). The server wraps an [`Index`] and
+//! record) comes back as data ([`Dropped`], [`MetaOp`]). The index is what policies are shown
+//! through the SDK's [`IndexView`](kvpool_policy_sdk::IndexView), the one view the core's
+//! eviction slot and the Wasm host's guard share. The server wraps an [`Index`] and
 //! [`Policies`] in two locks, so that reads never wait on a policy call; [`Pool`] drives both
 //! in one thread, the way the benchmark's replay and the unit tests do.
 
@@ -22,21 +24,8 @@ pub use index::{
 };
 pub use policies::{Admitter, Evictor, Native, NewSlot, Placer, Policies};
 
-use kvpool_policy_sdk::{Admit, AdmitBatch, Events, NodeSet, Pin, PlaceBatch, Placements, Tier, NO_NODE, NO_PARENT};
+use kvpool_policy_sdk::{Admit, AdmitBatch, NodeSet, PlaceBatch, Placements, Tier, NO_NODE, NO_PARENT};
 use std::time::Instant;
-
-/// What the index can tell a policy's guard when it validates an answer.
-pub trait IndexView {
-    /// Size of the block when it has a copy in `tier`.
-    fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64>;
-    fn pin(&self, id: u64) -> Pin;
-    /// Bytes in `tier` of blocks that are neither hard-pinned nor in `exclude` (sorted).
-    fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64;
-    /// Resident blocks whose parent is `id` (the chain rule's input).
-    fn resident_children(&self, id: u64) -> Vec<u64>;
-    /// The warm snapshot ([`Index::snapshot`]), for starting or rebuilding a policy.
-    fn snapshot(&self) -> Events;
-}
 
 /// How a put asks to be pinned.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 
 use super::*;
 use kvpool_policies::{LeafLru, ThresholdAdmission};
-use kvpool_policy_sdk::{EventKind, Tier};
+use kvpool_policy_sdk::{AdmitBatch, EventKind, Events, IndexView, Pin, Tier, NO_PARENT};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 use super::Index;
 use crate::blocks::{CopyHandle, Stamp};
 use crate::changes::{Change, ChangeKind};
-use kvpool_policy_sdk::{Event, EventKind, Events, Pin, Tier, NO_PARENT};
+use kvpool_policy_sdk::{Event, EventKind, Events, IndexView, Pin, Tier, NO_PARENT};
 
 impl<D: CopyHandle> Index<D> {
     // ---- policy snapshot ----------------------------------------------------------------
@@ -81,7 +81,7 @@ impl<D: CopyHandle> Index<D> {
     }
 }
 
-impl<D: CopyHandle> crate::IndexView for Index<D> {
+impl<D: CopyHandle> IndexView for Index<D> {
     fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
         let b = self.blocks.get(id)?;
         b.has(tier).then_some(b.size())
