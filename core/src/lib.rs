@@ -14,6 +14,7 @@ pub use blocks::{BlockRecord, CopyHandle, MAX_KEY_LEN};
 mod changes;
 mod index;
 mod policies;
+mod put;
 #[cfg(test)]
 mod tests;
 
@@ -23,32 +24,10 @@ pub use index::{
     TenantCounters, DEFAULT_MISS_MEMORY,
 };
 pub use policies::{Admitter, Evictor, Native, NewSlot, Placer, Policies};
+pub use put::{placed_tiers, placement_batch, plan_put, PinRequest, PutDecision, PutSides, PutSpec};
 
-use kvpool_policy_sdk::{Admit, AdmitBatch, NodeSet, PlaceBatch, Placements, Tier, NO_NODE, NO_PARENT};
+use kvpool_policy_sdk::{Admit, NodeSet, Tier};
 use std::time::Instant;
-
-/// How a put asks to be pinned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PinRequest {
-    None,
-    /// `ttl_ms` 0 means the pool's default.
-    Soft {
-        ttl_ms: u64,
-    },
-    Hard,
-}
-
-/// One item of a put, as the index sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PutSpec<'a> {
-    pub key: &'a [u8],
-    pub size: u64,
-    /// Key of the previous block of the prefix chain.
-    pub parent: Option<&'a [u8]>,
-    pub tokens: u32,
-    pub seq_tokens: u64,
-    pub pin: PinRequest,
-}
 
 /// Copies that left the index: the caller frees the DRAM copy (by dropping it) and releases and
 /// deletes the SSD copy (locator, size), outside any lock.
@@ -63,26 +42,6 @@ pub struct Dropped<D> {
 pub enum MetaOp {
     Put { tenant: u32, key: Box<[u8]>, record: BlockRecord },
     Remove { tenant: u32, key: Box<[u8]> },
-}
-
-/// The placement question for a put's admitted blocks on a single node (node 0).
-pub fn placement_batch(batch: &AdmitBatch) -> PlaceBatch {
-    let mut pb = PlaceBatch::default();
-    for r in batch.iter() {
-        pb.id.push(r.id);
-        pb.size.push(r.size);
-        pb.tokens.push(r.tokens);
-        pb.parent.push(r.parent);
-        pb.parent_node.push(if r.parent == NO_PARENT { NO_NODE } else { 0 });
-        pb.tier.push(Tier::Dram as u8);
-    }
-    pb
-}
-
-/// Tiers chosen by a placement answer, one per block of the batch (DRAM where it said nothing
-/// usable).
-pub fn placed_tiers(p: &Placements, n: usize) -> Vec<Tier> {
-    (0..n).map(|i| p.tier.get(i).and_then(|&t| Tier::from_u8(t)).unwrap_or(Tier::Dram)).collect()
 }
 
 /// An index and its policies driven from one thread: the same decisions the server takes, in
@@ -103,8 +62,8 @@ impl<D: CopyHandle> Pool<D> {
         self.policies.feed(&ev);
     }
 
-    /// Plan a put: existing keys, admission, then placement when a placement policy is loaded
-    /// (`nodes` describes this node's free space).
+    /// Plan a put ([`plan_put`]): existing keys, admission, then placement when a placement
+    /// policy is loaded (`nodes` describes this node's free space).
     pub fn plan_put(
         &mut self,
         tenant: u32,
@@ -113,18 +72,19 @@ impl<D: CopyHandle> Pool<D> {
         max_copy: u64,
         nodes: &NodeSet,
     ) -> Vec<PutPlan> {
-        let (pending, batch) = self.index.plan_put(tenant, items, upsert, max_copy);
-        if batch.is_empty() {
-            return self.index.decide_put(tenant, &pending, &batch, &[], None);
-        }
-        self.flush();
-        let decisions = self.policies.admission.admit(&batch);
-        let placed = self
-            .policies
-            .placement
-            .as_mut()
-            .map(|p| placed_tiers(&p.place(&placement_batch(&batch), nodes), batch.len()));
-        self.index.decide_put(tenant, &pending, &batch, &decisions, placed.as_deref())
+        self.put_decision(tenant, items, upsert, max_copy, nodes).plans
+    }
+
+    /// [`Pool::plan_put`] with what admission answered.
+    pub fn put_decision(
+        &mut self,
+        tenant: u32,
+        items: &[PutSpec<'_>],
+        upsert: bool,
+        max_copy: u64,
+        nodes: &NodeSet,
+    ) -> PutDecision {
+        plan_put(&mut PoolSides { pool: self, nodes }, tenant, items, upsert, max_copy)
     }
 
     /// Choose victims in `tier` for `bytes`, validated against the index.
@@ -144,5 +104,23 @@ impl<D: CopyHandle> Pool<D> {
             Vec::new()
         };
         self.index.evict(&victims, tier, &decisions, now)
+    }
+}
+
+/// A [`Pool`] as the put decision's two sides, with the free space its caller gave.
+struct PoolSides<'a, D: CopyHandle> {
+    pool: &'a mut Pool<D>,
+    nodes: &'a NodeSet,
+}
+
+impl<D: CopyHandle> PutSides for PoolSides<'_, D> {
+    type Copy = D;
+    fn with_index<R>(&mut self, f: impl FnOnce(&mut Index<D>) -> R) -> R {
+        f(&mut self.pool.index)
+    }
+    fn with_policies<R>(&mut self, f: impl FnOnce(&mut Policies, &dyn Fn() -> NodeSet) -> R) -> R {
+        self.pool.flush();
+        let nodes = self.nodes;
+        f(&mut self.pool.policies, &|| nodes.clone())
     }
 }
