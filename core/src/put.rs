@@ -2,31 +2,10 @@
 //! decide. The server's store and [`Pool`](crate::Pool) (so the benchmark's replay) both take it
 //! through [`plan_put`]; each tells it through [`PutSides`] where its index and policies are.
 
-use crate::{CopyHandle, Index, Policies, PutPlan};
+use crate::blocks::CopyHandle;
+use crate::index::{Index, PutPlan, PutSpec};
+use crate::policies::Policies;
 use kvpool_policy_sdk::{Admit, AdmitBatch, NodeSet, PlaceBatch, Placements, Tier, NO_NODE, NO_PARENT};
-
-/// How a put asks to be pinned.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PinRequest {
-    None,
-    /// `ttl_ms` 0 means the pool's default.
-    Soft {
-        ttl_ms: u64,
-    },
-    Hard,
-}
-
-/// One item of a put, as the index sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct PutSpec<'a> {
-    pub key: &'a [u8],
-    pub size: u64,
-    /// Key of the previous block of the prefix chain.
-    pub parent: Option<&'a [u8]>,
-    pub tokens: u32,
-    pub seq_tokens: u64,
-    pub pin: PinRequest,
-}
 
 /// The placement question for a put's admitted blocks on a single node (node 0).
 pub fn placement_batch(batch: &AdmitBatch) -> PlaceBatch {

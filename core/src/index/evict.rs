@@ -4,7 +4,7 @@
 use super::{slot, Index};
 use crate::blocks::{CopyHandle, Locator};
 use crate::changes::ChangeKind;
-use crate::{Dropped, MetaOp};
+use crate::effects::{Dropped, MetaOp};
 use kvpool_policy_sdk::{key_hash, Admit, AdmitBatch, AdmitRequest, EventKind, Pin, Tier};
 use std::collections::HashSet;
 use std::time::Instant;

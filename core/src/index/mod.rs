@@ -19,12 +19,12 @@ mod recover;
 mod view;
 
 pub use evict::{Demoted, Evicted};
-pub use put::{Commit, Pending, PutPlan, PutStatus};
+pub use put::{Commit, Pending, PinRequest, PutPlan, PutSpec, PutStatus};
 pub use recover::Recovered;
 
 use crate::blocks::{BlockRecord, Blocks, CopyHandle, Stamp};
 use crate::changes::{Change, ChangeKind};
-use crate::{Dropped, MetaOp};
+use crate::effects::{Dropped, MetaOp};
 use kvpool_policy_sdk::{key_hash, Event, EventKind, Events, Pin, Tier, NO_PARENT};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;

@@ -2,12 +2,35 @@
 //! placement answers, the chain rule for admission), publish (a block whose bytes are complete).
 
 use super::{probe, saturate, Index};
-use crate::blocks::{Block, CopyHandle, KeyAt, Kids, Locator};
+use crate::blocks::{Block, CopyHandle, KeyAt, Kids, Locator, MAX_KEY_LEN};
 use crate::changes::ChangeKind;
-use crate::{Dropped, MetaOp, PinRequest, PutSpec};
+use crate::effects::{Dropped, MetaOp};
 use kvpool_policy_sdk::{key_hash, Admit, AdmitBatch, AdmitRequest, EventKind, Pin, Tier, NO_DEPTH, NO_PARENT};
 use std::sync::Arc;
 use std::time::Instant;
+
+/// How a put asks to be pinned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PinRequest {
+    None,
+    /// `ttl_ms` 0 means the pool's default.
+    Soft {
+        ttl_ms: u64,
+    },
+    Hard,
+}
+
+/// One item of a put, as the index sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PutSpec<'a> {
+    pub key: &'a [u8],
+    pub size: u64,
+    /// Key of the previous block of the prefix chain.
+    pub parent: Option<&'a [u8]>,
+    pub tokens: u32,
+    pub seq_tokens: u64,
+    pub pin: PinRequest,
+}
 
 /// How a put item will be handled, decided before its bytes are read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -88,7 +111,7 @@ impl<D: CopyHandle> Index<D> {
             // record's four-byte sizes (the server's configured key limit is below both).
             if self.gran.footprint(Tier::Dram, it.size) > max_copy
                 || it.size > u64::from(u32::MAX)
-                || it.key.len() > crate::MAX_KEY_LEN
+                || it.key.len() > MAX_KEY_LEN
             {
                 pending.push(Pending::Skip(PutStatus::NoSpace));
                 continue;
@@ -165,7 +188,7 @@ impl<D: CopyHandle> Index<D> {
     pub fn publish(&mut self, c: Commit<'_, D>) -> Result<(Option<Dropped<D>>, Vec<MetaOp>), PutStatus> {
         let Commit { tenant, id, spec, upsert, checksum, dram, ssd, now, wall_ms, soft_pin_ttl_ms } = c;
         let spec = &spec;
-        if spec.key.len() > crate::MAX_KEY_LEN || spec.size > u64::from(u32::MAX) {
+        if spec.key.len() > MAX_KEY_LEN || spec.size > u64::from(u32::MAX) {
             return Err(PutStatus::NoSpace);
         }
         let mut meta = Vec::with_capacity(2);

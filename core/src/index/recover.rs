@@ -1,8 +1,8 @@
 //! Rebuilding the index from persisted records after a restart (only SSD copies survive).
 
 use super::{saturate, Index};
-use crate::blocks::{Block, BlockRecord, CopyHandle, KeyAt, Kids, Locator, Stamp};
-use crate::MetaOp;
+use crate::blocks::{Block, BlockRecord, CopyHandle, KeyAt, Kids, Locator, Stamp, MAX_KEY_LEN};
+use crate::effects::MetaOp;
 use kvpool_policy_sdk::{Events, Pin, Tier, NO_DEPTH, NO_PARENT};
 use std::sync::Arc;
 
@@ -38,7 +38,7 @@ impl<D: CopyHandle> Index<D> {
         // dropped like one without an SSD copy, and its extent is not claimed.
         let candidate = move |key: &[u8], rec: &Option<BlockRecord>| {
             rec.as_ref()
-                .filter(|_| key.len() <= crate::MAX_KEY_LEN)
+                .filter(|_| key.len() <= MAX_KEY_LEN)
                 .and_then(|r| r.ssd_file.filter(|_| has_ssd).map(|f| (f, r.size)))
         };
         let extents: Vec<(u64, u64)> = records.iter().filter_map(|(_, k, r)| candidate(k, r)).collect();
