@@ -4,7 +4,7 @@
 //! pool of the same total size and the node-local caches, with the ratio the goal is about:
 //! the real cluster's block hit rate over the simulated pool's.
 
-use crate::pool::{trace_key, Pool, PoolStats, PutItem};
+use crate::pool::{trace_key, PoolStats, PutItem, ReplayPool};
 use crate::pooled::{self, parse_capacity, Routing};
 use crate::replay::{parse_params, resolve_trace};
 use crate::sim::CacheSim;
@@ -63,7 +63,7 @@ impl ClusterPool {
     }
 }
 
-impl Pool for ClusterPool {
+impl ReplayPool for ClusterPool {
     fn lookup(&mut self, chain: &[u64], _now_us: u64) -> usize {
         if self.error.borrow().is_some() || chain.is_empty() {
             return 0;
@@ -204,7 +204,7 @@ pub fn cluster_replay(a: ClusterArgs) -> Result<()> {
         stats: PoolStats::default(),
         stale: stale.clone(),
     };
-    let mut live = CacheSim::over(Box::new(pool), Rc::new(Cell::new(0)));
+    let mut live = CacheSim::over(Box::new(pool), crate::sim::Clock::default());
     eprintln!("replaying {} requests through a master and {} storage processes...", trace.requests.len(), a.nodes);
     let started = Instant::now();
     for (i, r) in trace.requests.iter().enumerate() {

@@ -9,7 +9,7 @@
 //! server is set up to be deterministic: a 0 ms lease, both DRAM watermarks at 1.0 (only a
 //! full reservation evicts), blocks of exactly one allocation unit.
 
-use crate::pool::{trace_key, Pool, PoolStats, PutItem, Semantics, SimPool};
+use crate::pool::{trace_key, PoolStats, PutItem, ReplayPool, Semantics, SimPool};
 use crate::replay::{parse_params, resolve_trace};
 use crate::sim::{self, CacheSim, Pair};
 use crate::target::LocalServer;
@@ -20,7 +20,6 @@ use kvpool_client::blocking::Client;
 use kvpool_client::proto::PolicyKind;
 use kvpool_client::{Buffer, ClientConfig, ErrorCode, PutMode, PutOptions, TransportChoice};
 use serde::Serialize;
-use std::cell::Cell;
 use std::collections::HashMap;
 use std::path::PathBuf;
 use std::rc::Rc;
@@ -37,7 +36,7 @@ pub struct LiveArgs {
     /// Requests replayed from the start of the trace
     #[arg(long, default_value_t = 2000)]
     pub limit: usize,
-    /// Pool capacity in blocks: a multiple of 64, at least 4096 (the server's smallest segment,
+    /// ReplayPool capacity in blocks: a multiple of 64, at least 4096 (the server's smallest segment,
     /// 1 MiB, in 256-byte blocks)
     #[arg(long, default_value_t = 4096)]
     pub capacity: usize,
@@ -90,7 +89,7 @@ impl LivePool {
     }
 }
 
-impl Pool for LivePool {
+impl ReplayPool for LivePool {
     fn lookup(&mut self, chain: &[u64], _now_us: u64) -> usize {
         if self.failed() || chain.is_empty() {
             return 0;
@@ -213,14 +212,14 @@ pub fn live_replay(a: LiveArgs) -> Result<()> {
         }
         let error = Rc::new(std::cell::RefCell::new(None));
         let live = LivePool { client, buf, max_batch, error: error.clone(), stats: PoolStats::default() };
-        let mut live = CacheSim::over(Box::new(live), Rc::new(Cell::new(0)));
+        let mut live = CacheSim::over(Box::new(live), crate::sim::Clock::default());
         let core = SimPool::with_semantics(
             sim::native_admission(&pair.admission, &params)?,
             sim::native_eviction(&pair.eviction, &params)?,
             a.capacity,
             Semantics::Server,
         );
-        let mut core = CacheSim::over(Box::new(core), Rc::new(Cell::new(0)));
+        let mut core = CacheSim::over(Box::new(core), crate::sim::Clock::default());
         let (mut mismatched, mut first) = (0, None);
         let started = std::time::Instant::now();
         for (i, r) in trace.requests.iter().enumerate() {

@@ -1,5 +1,5 @@
 //! What a replay drives: the client-facing operations of a kvpool store (`lookup`, `get`,
-//! `put`) behind the [`Pool`] trait, and [`SimPool`], which runs them through the server's own
+//! `put`) behind the [`ReplayPool`] trait, and [`SimPool`], which runs them through the server's own
 //! core (`kvpool_core::Index` and `kvpool_core::Policies`, no I/O): the same calls the store
 //! makes, in the same order, with one DRAM tier of `capacity` blocks of size 1:
 //!
@@ -7,11 +7,12 @@
 //!   ([`kvpool_policy_sdk::key_hash`] of the key bytes, tenant 0) across evictions and re-puts;
 //! - a `lookup` reports every absent key of the chain as a `Missed` event (key hash, chain
 //!   position, the resident block before it); a `get` reads (and leases) blocks, `Accessed`;
-//! - a `put` asks admission once for all its new blocks (`Index::plan_put`, parents named by
-//!   id, also within the batch; `Index::decide_put` applies the chain rule for admission), makes
-//!   room with one `victims` call whose `exclude` is the leased blocks, validated by the index
+//! - a `put` is decided by the server's own put decision (`kvpool_core::plan_put`, through
+//!   `kvpool_core::Pool::put_decision`): admission once for all its new blocks, parents named by
+//!   id, also within the batch, the chain rule for admission; then it makes room with one
+//!   `victims` call whose `exclude` is the leased blocks, validated by the index
 //!   (`Index::valid_victims`), evicts with the chain rule (`Index::evict`: cascade), then
-//!   commits the admitted blocks parents first;
+//!   publishes the admitted blocks parents first;
 //! - both policies see every event, flushed before each decision, as the store feeds them;
 //! - a snapshot for a swapped-in policy is the index's warm snapshot.
 //!
@@ -19,8 +20,8 @@
 //! the client implements it too (`crate::live`), and `kvpool-bench live-replay` checks that it
 //! agrees with a [`SimPool`] of [`Semantics::Server`] request by request.
 
-use kvpool_core::{Granularity, Index, IndexView, PinRequest, Policies, PutPlan, PutSpec, PutStatus};
-use kvpool_policy_sdk::{key_hash, AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, Tier};
+use kvpool_core::{Commit, Granularity, Index, PinRequest, Policies, PutPlan, PutSpec, PutStatus};
+use kvpool_policy_sdk::{key_hash, AdmissionPolicy, EvictionPolicy, IndexView, NodeSet, Tier};
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
 
@@ -79,7 +80,7 @@ impl PoolStats {
 }
 
 /// The client-facing operations a replay needs, with kvpool's semantics.
-pub trait Pool {
+pub trait ReplayPool {
     /// Leading blocks of `chain` (keys, root first) that are resident. Every absent key of the
     /// chain is reported to the policies as a miss.
     fn lookup(&mut self, chain: &[u64], now_us: u64) -> usize;
@@ -103,39 +104,6 @@ pub fn trace_key_hash(key: u64) -> u64 {
     key_hash(0, &trace_key(key))
 }
 
-/// A policy of the bench in a core slot. The bench's policies (Wasm instances behind `Rc`
-/// probes among them) are not `Send`; a [`SimPool`] lives and dies on one thread and is
-/// never sent, which is what the core's `Send` bound protects.
-struct Local<P>(P);
-
-// SAFETY: a `SimPool` (the only owner of these) is neither `Send` nor `Sync` itself (it holds
-// a `PhantomData<Rc<()>>`), so the wrapped policy never leaves the thread that built it.
-unsafe impl<P> Send for Local<P> {}
-
-impl kvpool_core::Evictor for Local<Box<dyn EvictionPolicy>> {
-    fn on_events(&mut self, events: &Events) {
-        self.0.on_events(events)
-    }
-    fn victims(&mut self, _: &dyn IndexView, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
-        self.0.victims(tier, bytes, exclude)
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        &()
-    }
-}
-
-impl kvpool_core::Admitter for Local<Box<dyn AdmissionPolicy>> {
-    fn on_events(&mut self, events: &Events) {
-        self.0.on_events(events)
-    }
-    fn admit(&mut self, batch: &AdmitBatch) -> Vec<Admit> {
-        self.0.admit(batch)
-    }
-    fn as_any(&self) -> &dyn std::any::Any {
-        &()
-    }
-}
-
 /// How a [`SimPool`] leases and makes room.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Semantics {
@@ -154,38 +122,39 @@ pub enum Semantics {
 /// The server's core as a replay pool: capacity in blocks (every block has size 1, as in
 /// libCacheSim).
 pub struct SimPool {
-    index: Index<u64>,
-    policies: Policies,
+    /// The server's core driven from one thread (its put decision included).
+    core: kvpool_core::Pool<u64>,
     capacity: usize,
     semantics: Semantics,
     /// Leases last until the request ends: time for the index is `base` + 2 ns per request.
     base: Instant,
     request: u64,
     stats: PoolStats,
-    _not_send: std::marker::PhantomData<std::rc::Rc<()>>,
 }
 
 impl SimPool {
-    pub fn new(admission: Box<dyn AdmissionPolicy>, eviction: Box<dyn EvictionPolicy>, capacity: usize) -> SimPool {
+    pub fn new(
+        admission: Box<dyn AdmissionPolicy + Send>,
+        eviction: Box<dyn EvictionPolicy + Send>,
+        capacity: usize,
+    ) -> SimPool {
         SimPool::with_semantics(admission, eviction, capacity, Semantics::Replay)
     }
 
     pub fn with_semantics(
-        admission: Box<dyn AdmissionPolicy>,
-        eviction: Box<dyn EvictionPolicy>,
+        admission: Box<dyn AdmissionPolicy + Send>,
+        eviction: Box<dyn EvictionPolicy + Send>,
         capacity: usize,
         semantics: Semantics,
     ) -> SimPool {
-        let policies = Policies::new(Box::new(Local(eviction)), Box::new(Local(admission)));
+        let policies = Policies::new(Box::new(eviction), Box::new(admission));
         SimPool {
-            index: Index::new(Granularity { dram: 1, ssd: 1 }, false),
-            policies,
+            core: kvpool_core::Pool::new(Index::new(Granularity { dram: 1, ssd: 1 }, false), policies),
             capacity,
             semantics,
             base: Instant::now(),
             request: 0,
             stats: PoolStats::default(),
-            _not_send: std::marker::PhantomData,
         }
     }
 
@@ -203,8 +172,7 @@ impl SimPool {
     }
 
     fn flush(&mut self) {
-        let ev = self.index.take_events();
-        self.policies.feed(&ev);
+        self.core.flush();
     }
 
     /// Free `need` blocks with one `victims` call, validated and evicted by the index (chain
@@ -212,18 +180,20 @@ impl SimPool {
     fn make_room(&mut self, need: usize) -> usize {
         let now = self.now();
         self.flush();
-        let exclude = self.index.excluded(now, Tier::Dram);
-        let proposed = self.policies.eviction.victims(&self.index, Tier::Dram, need as u64, &exclude);
+        let exclude = self.core.index.excluded(now, Tier::Dram);
+        let proposed = self.core.policies.eviction.victims(&self.core.index, Tier::Dram, need as u64, &exclude);
         let mut seen = HashSet::with_capacity(proposed.len());
         for &v in &proposed {
-            if !seen.insert(v) || exclude.binary_search(&v).is_ok() || self.index.size_in_tier(v, Tier::Dram).is_none()
+            if !seen.insert(v)
+                || exclude.binary_search(&v).is_ok()
+                || self.core.index.size_in_tier(v, Tier::Dram).is_none()
             {
                 self.stats.invalid_victims += 1;
             }
         }
         // The simulator reads no copy while evicting: none is in use.
-        let victims = self.index.valid_victims(&proposed, Tier::Dram, need as u64, &exclude, |_| false);
-        let out = self.index.evict(&victims, Tier::Dram, &[], now);
+        let victims = self.core.index.valid_victims(&proposed, Tier::Dram, need as u64, &exclude, |_| false);
+        let out = self.core.index.evict(&victims, Tier::Dram, &[], now);
         self.stats.cascaded += out.cascaded as u64;
         self.stats.refused += out.refused as u64;
         out.gone
@@ -236,7 +206,7 @@ impl SimPool {
         let mut reserved = Vec::with_capacity(admitted.len());
         for &(i, id) in admitted {
             loop {
-                let used = self.index.counts().1 as usize + reserved.len();
+                let used = self.core.index.counts().1 as usize + reserved.len();
                 if used < self.capacity {
                     reserved.push((i, id));
                     break;
@@ -252,45 +222,61 @@ impl SimPool {
         }
         let now = self.now();
         for (i, id) in reserved {
-            if self.index.commit(self.tenant(), id, &specs[i], false, 0, Some(id), None, now, now_us / 1000, 0).is_ok()
-            {
+            if self.publish(id, specs[i], now, now_us).is_ok() {
                 self.stats.stored += 1;
             }
         }
     }
 
+    /// Publish an admitted block (insert mode, no checksum, its id as its DRAM copy).
+    fn publish(&mut self, id: u64, spec: PutSpec<'_>, now: Instant, now_us: u64) -> Result<(), PutStatus> {
+        let c = Commit {
+            tenant: self.tenant(),
+            id,
+            spec,
+            upsert: false,
+            checksum: 0,
+            dram: Some(id),
+            ssd: None,
+            now,
+            wall_ms: now_us / 1000,
+            soft_pin_ttl_ms: 0,
+        };
+        self.core.index.publish(c).map(|_| ())
+    }
+
     /// The warm snapshot a swapped-in policy is started from ([`Index::snapshot`]).
     #[cfg(test)]
-    pub fn warm_snapshot(&self) -> Events {
-        self.index.snapshot()
+    pub fn warm_snapshot(&self) -> kvpool_policy_sdk::Events {
+        self.core.index.snapshot()
     }
 
     /// Ask the eviction policy directly (tests), after flushing pending events.
     #[cfg(test)]
     pub fn ask_victims(&mut self, bytes: u64) -> Vec<u64> {
         self.flush();
-        self.policies.eviction.victims(&self.index, Tier::Dram, bytes, &[])
+        self.core.policies.eviction.victims(&self.core.index, Tier::Dram, bytes, &[])
     }
 
     /// The block id of a resident key.
     #[cfg(test)]
     pub fn resident_id(&self, key: u64) -> Option<u64> {
-        self.index.id_of(self.tenant(), &trace_key(key))
+        self.core.index.id_of(self.tenant(), &trace_key(key))
     }
 
     /// Resident blocks.
     #[cfg(test)]
     fn len(&self) -> usize {
-        self.index.counts().0 as usize
+        self.core.index.counts().0 as usize
     }
 }
 
-impl Pool for SimPool {
+impl ReplayPool for SimPool {
     fn lookup(&mut self, chain: &[u64], now_us: u64) -> usize {
         let keys: Vec<Vec<u8>> = chain.iter().map(|&k| trace_key(k)).collect();
-        let before = self.index.pending_events();
-        let hit = self.index.lookup(self.tenant(), &keys, now_us);
-        self.stats.misses += (self.index.pending_events() - before) as u64;
+        let before = self.core.index.pending_events();
+        let hit = self.core.index.lookup(self.tenant(), &keys, now_us);
+        self.stats.misses += (self.core.index.pending_events() - before) as u64;
         hit
     }
 
@@ -304,7 +290,7 @@ impl Pool for SimPool {
             // Over at once: a lease of 0 ms.
             Semantics::Server => self.now(),
         };
-        self.index.plan_get(self.tenant(), &keys, lease_until, now_us);
+        self.core.index.plan_get(self.tenant(), &keys, lease_until, now_us);
     }
 
     fn put(&mut self, items: &[PutItem], now_us: u64) {
@@ -322,20 +308,13 @@ impl Pool for SimPool {
                 pin: PinRequest::None,
             })
             .collect();
-        // Admission: Index::plan_put, the admission slot, Index::decide_put (chain rule).
-        let (pending, batch) = self.index.plan_put(self.tenant(), &specs, false, u64::MAX);
-        let mut policy_rejected = 0;
-        let plans = if batch.is_empty() {
-            self.index.decide_put(self.tenant(), &pending, &batch, &[], None)
-        } else {
-            self.flush();
-            let decisions = self.policies.admission.admit(&batch);
-            if decisions.len() != batch.len() {
-                self.stats.invalid_admissions += 1;
-            }
-            policy_rejected = decisions.iter().take(batch.len()).filter(|d| **d == Admit::Reject).count() as u64;
-            self.index.decide_put(self.tenant(), &pending, &batch, &decisions, None)
-        };
+        // The server's put decision: Index::plan_put, the admission slot, Index::decide_put
+        // (chain rule); no placement policy, so the admitted tier stands.
+        let decided = self.core.put_decision(self.tenant(), &specs, false, u64::MAX, &NodeSet::default());
+        if decided.answered != decided.asked {
+            self.stats.invalid_admissions += 1;
+        }
+        let (plans, policy_rejected) = (decided.plans, decided.policy_rejected as u64);
         let rejected = plans.iter().filter(|p| **p == PutPlan::Skip(PutStatus::Rejected)).count() as u64;
         self.stats.rejected += rejected;
         self.stats.chain_rejected += rejected.saturating_sub(policy_rejected);
@@ -354,7 +333,7 @@ impl Pool for SimPool {
             self.put_like_the_server(&specs, &admitted, now_us);
             return;
         }
-        let free = self.capacity.saturating_sub(self.index.counts().1 as usize);
+        let free = self.capacity.saturating_sub(self.core.index.counts().1 as usize);
         let mut room = free;
         if admitted.len() > free {
             room += self.make_room(admitted.len() - free);
@@ -366,13 +345,12 @@ impl Pool for SimPool {
         for (n, &(i, id)) in admitted.iter().enumerate() {
             // A parent that is neither resident nor stored by this put (not enough room, or
             // gone since the lookup) leaves the rest of the chain unreachable: the client stops.
-            let parent_gone = specs[i].parent.is_some_and(|p| !self.index.exists(self.tenant(), &[p.to_vec()])[0]);
+            let parent_gone = specs[i].parent.is_some_and(|p| !self.core.index.exists(self.tenant(), &[p.to_vec()])[0]);
             if n >= room || parent_gone {
                 self.stats.dropped += (admitted.len() - n) as u64;
                 break;
             }
-            let r = self.index.commit(self.tenant(), id, &specs[i], false, 0, Some(id), None, now, now_us / 1000, 0);
-            if r.is_ok() {
+            if self.publish(id, specs[i], now, now_us).is_ok() {
                 self.stats.stored += 1;
             }
         }
@@ -390,16 +368,15 @@ impl Pool for SimPool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvpool_policy_sdk::{Event, EventKind, Params, NO_ID, NO_PARENT};
-    use std::cell::RefCell;
-    use std::rc::Rc;
+    use kvpool_policy_sdk::{Admit, AdmitBatch, Event, EventKind, Events, Params, NO_ID, NO_PARENT};
+    use std::sync::{Arc, Mutex};
 
     /// Records every event it is given; victims from the wrapped policy.
-    struct Rec<P>(Rc<RefCell<Vec<Event>>>, P);
+    struct Rec<P>(Arc<Mutex<Vec<Event>>>, P);
 
     impl<P: EvictionPolicy> EvictionPolicy for Rec<P> {
         fn on_events(&mut self, events: &Events) {
-            self.0.borrow_mut().extend(events.iter());
+            self.0.lock().unwrap().extend(events.iter());
             self.1.on_events(events);
         }
         fn victims(&mut self, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
@@ -407,8 +384,8 @@ mod tests {
         }
     }
 
-    fn pool<P: EvictionPolicy + 'static>(p: P, cap: usize) -> (SimPool, Rc<RefCell<Vec<Event>>>) {
-        let log = Rc::new(RefCell::new(Vec::new()));
+    fn pool<P: EvictionPolicy + Send + 'static>(p: P, cap: usize) -> (SimPool, Arc<Mutex<Vec<Event>>>) {
+        let log = Arc::new(Mutex::new(Vec::new()));
         let admit_all = Box::new(kvpool_policies::ThresholdAdmission::new(0));
         (SimPool::new(admit_all, Box::new(Rec(log.clone(), p)), cap), log)
     }
@@ -442,7 +419,7 @@ mod tests {
         request(&mut p, &[8], 2); // evicts 7
         request(&mut p, &[7], 3); // 7 again, under a fresh id
         p.ask_victims(0);
-        let log = log.borrow();
+        let log = log.lock().unwrap();
         let ins: Vec<&Event> = log.iter().filter(|e| e.kind == EventKind::Inserted).collect();
         assert_eq!(ins.len(), 3);
         assert_ne!(ins[0].id, ins[2].id, "every put gets a fresh id");
@@ -458,10 +435,10 @@ mod tests {
         let (mut p, rec) = pool(kvpool_policies::LeafLru::new(), 10);
         request(&mut p, &[1], 1);
         let id1 = p.resident_id(1).unwrap();
-        rec.borrow_mut().clear();
+        rec.lock().unwrap().clear();
         assert_eq!(p.lookup(&[1, 2, 3], 5_000), 1);
         p.ask_victims(0);
-        let log = rec.borrow();
+        let log = rec.lock().unwrap();
         let m: Vec<(u64, u64, u32, u64, u32, u64)> = log
             .iter()
             .filter(|e| e.kind == EventKind::Missed)
@@ -479,7 +456,7 @@ mod tests {
         // Asked again: the host counts the misses of each key it remembers.
         p.lookup(&[1, 2], 6_000);
         p.ask_victims(0);
-        let last = rec.borrow().iter().rev().find(|e| e.kind == EventKind::Missed).copied().unwrap();
+        let last = rec.lock().unwrap().iter().rev().find(|e| e.kind == EventKind::Missed).copied().unwrap();
         assert_eq!((last.key, last.count), (trace_key_hash(2), 2));
         assert_eq!(p.stats().misses, 4);
     }
@@ -494,7 +471,7 @@ mod tests {
         p.ask_victims(0);
         assert_eq!(p.stats().cascaded, 2);
         assert_eq!(p.len(), 2);
-        let log = log.borrow();
+        let log = log.lock().unwrap();
         let removed: Vec<u64> = log.iter().filter(|e| e.kind == EventKind::Removed).map(|e| e.key).collect();
         assert_eq!(removed, vec![trace_key_hash(3), trace_key_hash(2), trace_key_hash(1)], "deepest first");
         // No resident block is left without its parent.

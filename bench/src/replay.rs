@@ -13,10 +13,8 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvpool_policy_host::PolicyKind;
 use kvpool_policy_sdk::{AdmissionPolicy, EvictionPolicy, Params};
 use serde::{Deserialize, Serialize};
-use std::cell::Cell;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::rc::Rc;
 use std::time::Instant;
 
 #[derive(Debug, Args)]
@@ -219,7 +217,7 @@ pub fn progress(len: u64, what: &str) -> ProgressBar {
 }
 
 /// Makes the pair of one run; the cell (Wasm runs) follows the eviction module's memory.
-type Made = (Box<dyn AdmissionPolicy>, Box<dyn EvictionPolicy>, Option<Rc<Cell<usize>>>);
+type Made = (Box<dyn AdmissionPolicy + Send>, Box<dyn EvictionPolicy + Send>, Option<sim::MemoryProbe>);
 type Factory<'a> = Box<dyn Fn() -> Result<Made> + 'a>;
 
 pub fn replay(a: ReplayArgs) -> Result<()> {
@@ -315,14 +313,21 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
             let (adm, ev, mem) = make()?;
             let mut s = CacheSim::pair(adm, ev, cap.1);
             s.run(&trace, || pb.inc(1));
-            rows.push(row(id, family, cap, &s, mem.map(|m| m.get()), t.elapsed().as_secs_f64()));
+            rows.push(row(
+                id,
+                family,
+                cap,
+                &s,
+                mem.map(|m| m.load(std::sync::atomic::Ordering::Relaxed)),
+                t.elapsed().as_secs_f64(),
+            ));
         }
     }
     if with_belady {
         for &cap in &caps {
             pb.set_message(format!("belady @ {}", cap.0));
             let t = Instant::now();
-            let clock = Rc::new(Cell::new(0));
+            let clock = sim::Clock::default();
             let mut s = CacheSim::with_clock(Box::new(Belady::new(&trace, clock.clone())), cap.1, clock);
             s.run(&trace, || pb.inc(1));
             rows.push(row("offline/belady", "offline", cap, &s, None, t.elapsed().as_secs_f64()));
@@ -332,7 +337,7 @@ pub fn replay(a: ReplayArgs) -> Result<()> {
         for &cap in &caps {
             pb.set_message(format!("oracle admission @ {}", cap.0));
             let t = Instant::now();
-            let clock = Rc::new(Cell::new(0));
+            let clock = sim::Clock::default();
             let admission = Box::new(OracleAdmission::new(&trace, clock.clone()));
             let eviction = sim::native_eviction("leaf-lru", &Params::new())?;
             let mut s = CacheSim::pair_with_clock(admission, eviction, cap.1, clock);

@@ -1,4 +1,4 @@
-//! Trace replay through a [`Pool`]: the driver a request goes through, kvpool's real policies
+//! Trace replay through a [`ReplayPool`]: the driver a request goes through, kvpool's real policies
 //! (native or Wasm) by name, in admission + eviction pairs, and Belady's offline optimum
 //! adapted to prefix hits.
 //!
@@ -7,25 +7,18 @@
 //! the request), then `put` of the rest (admission for all new blocks in one batch, room made
 //! with one `victims` call, the chain rules applied; see [`crate::pool`]).
 
-use crate::pool::{trace_key_hash, Pool, PoolStats, PutItem, SimPool};
+use crate::pool::{trace_key_hash, PoolStats, PutItem, ReplayPool, SimPool};
 use crate::trace::{Hits, Request, Trace};
 use kvpool_policy_host::{Deadline, HostConfig, LoadedModule, PolicyEngine, PolicyKind, WasmAdmission, WasmEviction};
-use kvpool_policy_sdk::{AdmissionPolicy, EventKind, Events, EvictionPolicy, FromParams, Params, Tier, NO_PARENT};
-use std::cell::Cell;
+// The standard policies by name come from the policies crate's one table, which the server's
+// built-ins and native fallbacks use too.
+use kvpool_policies::registry::{self, RegistryError, DEFAULT_ADMISSION};
+use kvpool_policy_sdk::{AdmissionPolicy, EventKind, Events, EvictionPolicy, Params, Tier, NO_PARENT};
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
-use std::rc::Rc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
-
-/// The standard eviction policies linked natively.
-pub const EVICTION: [&str; 6] = ["lru", "leaf-lru", "arc", "s3fifo", "sieve", "chain-experts"];
-
-/// The standard admission policies linked natively (`threshold` with its default
-/// `store_threshold` = 0 admits everything: the server's default).
-pub const ADMISSION: [&str; 5] = ["threshold", "seen-twice", "size-range", "doorkeeper", "ghost"];
-
-/// The server's default admission.
-pub const DEFAULT_ADMISSION: &str = "threshold";
 
 /// Pairs `replay` runs when none are given: every standard eviction policy behind the
 /// server's default admission, then the key-history admission filters with the default
@@ -71,35 +64,23 @@ fn unknown(kind: &'static str, name: &str, known: &[&str]) -> SimError {
     SimError::UnknownPolicy { kind, name: name.into(), known: known.join(", ") }
 }
 
-fn build<P: FromParams>(name: &str, params: &Params) -> Result<P, SimError> {
-    P::from_params(params).map_err(|e| SimError::Params { name: name.into(), message: e.0 })
+impl From<RegistryError> for SimError {
+    fn from(e: RegistryError) -> SimError {
+        match e {
+            RegistryError::Unknown { kind, name, known } => SimError::UnknownPolicy { kind, name, known },
+            RegistryError::Params { name, source } => SimError::Params { name, message: source.0 },
+        }
+    }
 }
 
-/// A native standard eviction policy by name.
-pub fn native_eviction(name: &str, params: &Params) -> Result<Box<dyn EvictionPolicy>, SimError> {
-    use kvpool_policies as p;
-    Ok(match name {
-        "lru" => Box::new(build::<p::Lru>(name, params)?),
-        "leaf-lru" => Box::new(build::<p::LeafLru>(name, params)?),
-        "arc" => Box::new(build::<p::Arc>(name, params)?),
-        "s3fifo" => Box::new(build::<p::S3Fifo>(name, params)?),
-        "sieve" => Box::new(build::<p::Sieve>(name, params)?),
-        "chain-experts" => Box::new(build::<p::ChainExperts>(name, params)?),
-        _ => return Err(unknown("eviction", name, &EVICTION)),
-    })
+/// A native standard eviction policy by name ([`registry::eviction`]).
+pub fn native_eviction(name: &str, params: &Params) -> Result<Box<dyn EvictionPolicy + Send>, SimError> {
+    Ok(registry::eviction(name, params)?)
 }
 
-/// A native standard admission policy by name.
-pub fn native_admission(name: &str, params: &Params) -> Result<Box<dyn AdmissionPolicy>, SimError> {
-    use kvpool_policies as p;
-    Ok(match name {
-        "threshold" => Box::new(build::<p::ThresholdAdmission>(name, params)?),
-        "seen-twice" => Box::new(build::<p::SeenTwice>(name, params)?),
-        "size-range" => Box::new(build::<p::SizeRange>(name, params)?),
-        "doorkeeper" => Box::new(build::<p::Doorkeeper>(name, params)?),
-        "ghost" => Box::new(build::<p::GhostAdmission>(name, params)?),
-        _ => return Err(unknown("admission", name, &ADMISSION)),
-    })
+/// A native standard admission policy by name ([`registry::admission`]).
+pub fn native_admission(name: &str, params: &Params) -> Result<Box<dyn AdmissionPolicy + Send>, SimError> {
+    Ok(registry::admission(name, params)?)
 }
 
 /// An admission + eviction pair, written `admission+eviction` (or `eviction` alone for the
@@ -181,22 +162,22 @@ impl WasmSet {
         self.module(name, kind).is_some()
     }
 
-    pub fn eviction(&self, name: &str) -> Result<Box<dyn EvictionPolicy>, SimError> {
+    pub fn eviction(&self, name: &str) -> Result<Box<dyn EvictionPolicy + Send>, SimError> {
         self.eviction_probed(name).map(|(p, _)| p)
     }
 
     /// An eviction instance, and a cell that follows the size of its linear memory.
-    pub fn eviction_probed(&self, name: &str) -> Result<(Box<dyn EvictionPolicy>, MemoryProbe), SimError> {
+    pub fn eviction_probed(&self, name: &str) -> Result<(Box<dyn EvictionPolicy + Send>, MemoryProbe), SimError> {
         let m = self.module(name, PolicyKind::Eviction).ok_or_else(|| unknown("Wasm eviction", name, &[]))?;
         let inner = WasmEviction::new(m).map_err(|source| SimError::Host { name: name.into(), source })?;
-        let memory = Rc::new(Cell::new(0));
+        let memory = MemoryProbe::default();
         Ok((Box::new(Probed { inner, memory: memory.clone() }), memory))
     }
 
-    pub fn admission(&self, name: &str) -> Result<Box<dyn AdmissionPolicy>, SimError> {
+    pub fn admission(&self, name: &str) -> Result<Box<dyn AdmissionPolicy + Send>, SimError> {
         let m = self.module(name, PolicyKind::Admission).ok_or_else(|| unknown("Wasm admission", name, &[]))?;
         WasmAdmission::new(m)
-            .map(|w| Box::new(w) as Box<dyn AdmissionPolicy>)
+            .map(|w| Box::new(w) as Box<dyn AdmissionPolicy + Send>)
             .map_err(|source| SimError::Host { name: name.into(), source })
     }
 }
@@ -204,13 +185,13 @@ impl WasmSet {
 /// A Wasm eviction module that reports how large its linear memory grew.
 struct Probed {
     inner: WasmEviction,
-    memory: Rc<Cell<usize>>,
+    memory: MemoryProbe,
 }
 
 impl EvictionPolicy for Probed {
     fn on_events(&mut self, events: &Events) {
         self.inner.on_events(events);
-        self.memory.set(self.inner.memory_bytes());
+        self.memory.store(self.inner.memory_bytes(), Ordering::Relaxed);
     }
     fn victims(&mut self, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
         self.inner.victims(tier, bytes, exclude)
@@ -224,7 +205,7 @@ pub fn wasm_name(path: &Path) -> String {
 
 /// An eviction policy given by name: a native standard one (`lru`), `wasm/<standard name>`,
 /// or a path to a `.wasm` eviction component.
-pub fn policy_by_name(spec: &str, params: &Params) -> Result<Box<dyn EvictionPolicy>, SimError> {
+pub fn policy_by_name(spec: &str, params: &Params) -> Result<Box<dyn EvictionPolicy + Send>, SimError> {
     if spec.ends_with(".wasm") {
         let mut set = WasmSet::new()?;
         let name = wasm_name(Path::new(spec));
@@ -240,12 +221,16 @@ pub fn policy_by_name(spec: &str, params: &Params) -> Result<Box<dyn EvictionPol
 }
 
 /// Size of a Wasm instance's linear memory, as last seen.
-pub type MemoryProbe = Rc<Cell<usize>>;
+pub type MemoryProbe = Arc<AtomicUsize>;
 
-/// A replay of requests through a [`Pool`].
+/// The index of the request being served, which offline policies read (atomic so that the
+/// policies holding it are `Send`, as the core's slots require).
+pub type Clock = Arc<AtomicUsize>;
+
+/// A replay of requests through a [`ReplayPool`].
 pub struct CacheSim {
-    pool: Box<dyn Pool>,
-    clock: Rc<Cell<usize>>,
+    pool: Box<dyn ReplayPool>,
+    clock: Clock,
     requests: usize,
     items: Vec<PutItem>,
     pub hits: Hits,
@@ -253,33 +238,37 @@ pub struct CacheSim {
 
 impl CacheSim {
     /// A pool of `capacity` blocks run by `policy` with the default admission (admit all).
-    pub fn new(policy: Box<dyn EvictionPolicy>, capacity: usize) -> CacheSim {
+    pub fn new(policy: Box<dyn EvictionPolicy + Send>, capacity: usize) -> CacheSim {
         CacheSim::pair(Box::new(kvpool_policies::ThresholdAdmission::new(0)), policy, capacity)
     }
 
     /// A pool of `capacity` blocks run by an admission + eviction pair.
-    pub fn pair(admission: Box<dyn AdmissionPolicy>, eviction: Box<dyn EvictionPolicy>, capacity: usize) -> CacheSim {
-        CacheSim::over(Box::new(SimPool::new(admission, eviction, capacity)), Rc::new(Cell::new(0)))
+    pub fn pair(
+        admission: Box<dyn AdmissionPolicy + Send>,
+        eviction: Box<dyn EvictionPolicy + Send>,
+        capacity: usize,
+    ) -> CacheSim {
+        CacheSim::over(Box::new(SimPool::new(admission, eviction, capacity)), Clock::default())
     }
 
     /// A replay through any pool; `clock` is set to the index of the request being served
     /// (Belady reads it).
-    pub fn over(pool: Box<dyn Pool>, clock: Rc<Cell<usize>>) -> CacheSim {
+    pub fn over(pool: Box<dyn ReplayPool>, clock: Clock) -> CacheSim {
         CacheSim { pool, clock, requests: 0, items: Vec::new(), hits: Hits::default() }
     }
 
     /// `policy` run with the default admission; the clock is shared with it.
-    pub fn with_clock(policy: Box<dyn EvictionPolicy>, capacity: usize, clock: Rc<Cell<usize>>) -> CacheSim {
+    pub fn with_clock(policy: Box<dyn EvictionPolicy + Send>, capacity: usize, clock: Clock) -> CacheSim {
         let pool = SimPool::new(Box::new(kvpool_policies::ThresholdAdmission::new(0)), policy, capacity);
         CacheSim::over(Box::new(pool), clock)
     }
 
     /// An admission + eviction pair where either may read the shared clock (offline policies).
     pub fn pair_with_clock(
-        admission: Box<dyn AdmissionPolicy>,
-        eviction: Box<dyn EvictionPolicy>,
+        admission: Box<dyn AdmissionPolicy + Send>,
+        eviction: Box<dyn EvictionPolicy + Send>,
         capacity: usize,
-        clock: Rc<Cell<usize>>,
+        clock: Clock,
     ) -> CacheSim {
         CacheSim::over(Box::new(SimPool::new(admission, eviction, capacity)), clock)
     }
@@ -290,7 +279,7 @@ impl CacheSim {
 
     /// Serve one request; returns its own hits (also added to `self.hits`).
     pub fn request(&mut self, r: &Request) -> Hits {
-        self.clock.set(self.requests);
+        self.clock.store(self.requests, Ordering::Relaxed);
         self.requests += 1;
         // Trace time is in ms; requests of the same ms keep their order by a µs offset.
         let now = r.timestamp.saturating_mul(1000);
@@ -346,7 +335,7 @@ impl CacheSim {
 pub struct Belady {
     /// Request indices at which each key (hash) is used, ascending.
     uses: HashMap<u64, Vec<u32>>,
-    clock: Rc<Cell<usize>>,
+    clock: Clock,
     /// Resident blocks: (next use key, depth, parent, key hash).
     resident: HashMap<u64, (u64, u32, u64, u64)>,
     /// Resident children of each block id.
@@ -386,14 +375,14 @@ fn next_use_after(uses: &HashMap<u64, Vec<u32>>, key: u64, now: usize) -> u64 {
 /// rate goal is within reach of admission at all.
 pub struct OracleAdmission {
     uses: HashMap<u64, Vec<u32>>,
-    clock: Rc<Cell<usize>>,
+    clock: Clock,
 }
 
 /// How the oracle admission is described in reports.
 pub const ORACLE_NOTE: &str = "oracle admission (offline): admits a block exactly when its key is requested again later in the trace, evicts with leaf-first LRU: the bound of any admission filter in front of leaf-lru";
 
 impl OracleAdmission {
-    pub fn new(trace: &Trace, clock: Rc<Cell<usize>>) -> OracleAdmission {
+    pub fn new(trace: &Trace, clock: Clock) -> OracleAdmission {
         OracleAdmission { uses: future_uses(trace), clock }
     }
 }
@@ -402,7 +391,7 @@ impl AdmissionPolicy for OracleAdmission {
     fn on_events(&mut self, _events: &Events) {}
 
     fn admit(&mut self, batch: &kvpool_policy_sdk::AdmitBatch) -> Vec<kvpool_policy_sdk::Admit> {
-        let now = self.clock.get();
+        let now = self.clock.load(Ordering::Relaxed);
         batch
             .iter()
             .map(|r| {
@@ -417,7 +406,7 @@ impl AdmissionPolicy for OracleAdmission {
 }
 
 impl Belady {
-    pub fn new(trace: &Trace, clock: Rc<Cell<usize>>) -> Belady {
+    pub fn new(trace: &Trace, clock: Clock) -> Belady {
         Belady {
             uses: future_uses(trace),
             clock,
@@ -428,7 +417,7 @@ impl Belady {
     }
 
     fn next_use(&self, key: u64) -> u64 {
-        next_use_after(&self.uses, key, self.clock.get())
+        next_use_after(&self.uses, key, self.clock.load(Ordering::Relaxed))
     }
 
     fn key(&self, hash: u64, parent: u64) -> u64 {
@@ -538,14 +527,14 @@ mod tests {
         assert_eq!((h.block_hits, h.blocks), (0, 8));
         assert_eq!(lru.stats().cascaded, 2);
 
-        let clock = Rc::new(Cell::new(0));
+        let clock = Clock::default();
         let mut b = CacheSim::with_clock(Box::new(Belady::new(&t, clock.clone())), 2, clock);
         let h = b.run(&t, || {});
         assert_eq!((h.block_hits, h.blocks), (2, 8));
         assert_eq!(b.stats().shortfalls, 0);
 
         // Unlimited capacity equals the unlimited rate for every policy.
-        for name in EVICTION {
+        for name in registry::EVICTION {
             let mut s = CacheSim::new(native_eviction(name, &Params::new()).unwrap(), 1000);
             assert_eq!(s.run(&t, || {}), u, "{name}");
         }
@@ -558,7 +547,7 @@ mod tests {
     #[test]
     fn oracle_admission_admits_exactly_the_reused_blocks() {
         let t = tiny();
-        let clock = Rc::new(Cell::new(0));
+        let clock = Clock::default();
         let admission = Box::new(OracleAdmission::new(&t, clock.clone()));
         let eviction = native_eviction("leaf-lru", &Params::new()).unwrap();
         let mut s = CacheSim::pair_with_clock(admission, eviction, 2, clock);
@@ -569,7 +558,7 @@ mod tests {
     #[test]
     fn belady_evicts_orphans_first() {
         use kvpool_policy_sdk::Event;
-        let clock = Rc::new(Cell::new(0));
+        let clock = Clock::default();
         let t = Trace::from_requests(vec![req(&[1, 2]), req(&[1, 2]), req(&[1, 2])]);
         let mut b = Belady::new(&t, clock);
         let (k1, k2) = (trace_key_hash(1), trace_key_hash(2));

@@ -1,9 +1,9 @@
 //! The policy slots of a pool: one eviction, one admission and (optionally) one placement policy,
 //! each a native SDK policy or a host-provided wrapper (the server's guarded Wasm modules).
 
-use crate::IndexView;
 use kvpool_policy_sdk::{
-    AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, NodeSet, PlaceBatch, PlacementPolicy, Placements, Tier,
+    AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, IndexView, NodeSet, PlaceBatch, PlacementPolicy,
+    Placements, Tier,
 };
 use std::any::Any;
 

@@ -6,30 +6,13 @@
 use crate::engine::LoadedModule;
 use crate::wasm::{CallError, WasmAdmission, WasmEviction, WasmPlacement};
 use crate::{HostError, PolicyKind};
+// The guard checks answers against the host's index through the SDK's one view of it.
 use kvpool_policy_sdk::{
-    AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, NodeSet, Params, Pin, PlaceBatch, PlacementPolicy,
-    Placements, Tier,
+    AdmissionPolicy, Admit, AdmitBatch, Events, EvictionPolicy, IndexView, NodeSet, Params, Pin, PlaceBatch,
+    PlacementPolicy, Placements, Tier,
 };
 use std::collections::{HashMap, HashSet};
 use std::time::SystemTime;
-
-/// Host truth the guard checks eviction answers against (the server's block store).
-pub trait BlockOracle {
-    /// Size of the copy of `id` resident in `tier`, or `None` when there is none.
-    fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64>;
-    /// Current pin of `id` (`Pin::None` for an unknown id).
-    fn pin(&self, id: u64) -> Pin;
-    /// Bytes that could be freed in `tier` without touching `exclude`d (sorted) or hard-pinned
-    /// copies: a module may return fewer bytes than asked only when this is smaller.
-    fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64;
-    /// Resident blocks (a copy in any tier) whose parent is `id`: the chain rule's input.
-    fn resident_children(&self, id: u64) -> Vec<u64>;
-    /// The warm snapshot (see the WIT `events` record): the host's recent misses as `Missed`
-    /// events, oldest first, then every block as `Inserted` events with its pin, read count and
-    /// last access, least recently used first and parents before children. Used to start a
-    /// swapped-in module and to rebuild one after a trap.
-    fn snapshot(&self) -> Events;
-}
 
 /// The chain rule applied to blocks that lose their last copy (see [`cascade`]).
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -54,7 +37,7 @@ pub struct Cascade {
 /// any flat cache; and a stranded descendant is worth nothing until its parent comes back, at
 /// which point the same request would have put the descendant again anyway. The blocks taken
 /// along are counted (`cascaded`) and reported to policies as `Removed` events like any other.
-pub fn cascade(gone: &[u64], oracle: &dyn BlockOracle, exclude: &[u64]) -> Cascade {
+pub fn cascade(gone: &[u64], oracle: &dyn IndexView, exclude: &[u64]) -> Cascade {
     let mut out = Cascade::default();
     let mut taken: HashSet<u64> = HashSet::with_capacity(gone.len());
     let named: HashSet<u64> = gone.iter().copied().collect();
@@ -364,7 +347,7 @@ impl GuardedEviction {
     /// Victims to free `bytes` in `tier`, validated against `oracle`; the fallback answers on
     /// any fault or while quarantined. A module that trapped earlier is rebuilt here from
     /// `oracle.snapshot()` first (at most `max_total_faults` times in its life).
-    pub fn victims(&mut self, oracle: &dyn BlockOracle, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
+    pub fn victims(&mut self, oracle: &dyn IndexView, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
         if self.needs_rebuild() {
             self.rebuild(&oracle.snapshot());
         }
@@ -444,7 +427,7 @@ fn prepare_both<W, F: ?Sized + Send>(
 /// not oversize, and enough bytes unless the tier has no more to give.
 pub fn validate_victims(
     ids: &[u64],
-    oracle: &dyn BlockOracle,
+    oracle: &dyn IndexView,
     tier: Tier,
     bytes: u64,
     exclude: &[u64],
@@ -647,7 +630,7 @@ mod tests {
     /// Blocks as id -> (parent, pin); every block resident in DRAM, size 1.
     struct Fake(BTreeMap<u64, (u64, Pin)>);
 
-    impl BlockOracle for Fake {
+    impl IndexView for Fake {
         fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
             (tier == Tier::Dram && self.0.contains_key(&id)).then_some(1)
         }

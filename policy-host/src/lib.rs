@@ -7,7 +7,7 @@
 //! 2. off the request path: [`PolicyEngine::load`] (compile or cache load, type check), then
 //!    [`GuardedEviction::new`] (instantiate, replay a snapshot of the block set into the module
 //!    and its native fallback); apply the events since the snapshot with `on_events`; swap it in;
-//! 3. on the request path: `on_events` with batched events, `victims(oracle, ...)`, `admit`,
+//! 3. on the request path: `on_events` with batched events, `victims(view, ...)` (the host's [`IndexView`](kvpool_policy_sdk::IndexView)), `admit`,
 //!    `place`; [`GuardedEviction::info`] for the admin `list`.
 
 pub mod bindings;
@@ -17,7 +17,7 @@ pub mod wasm;
 
 pub use engine::{Deadline, HostConfig, LoadedModule, PolicyEngine, WASMTIME_VERSION};
 pub use guard::{
-    cascade, decode_decisions, validate_placements, validate_victims, BlockOracle, Cascade, FaultCounts, FaultKind,
+    cascade, decode_decisions, validate_placements, validate_victims, Cascade, FaultCounts, FaultKind,
     GuardedAdmission, GuardedEviction, GuardedPlacement, Invalid, ModuleInfo,
 };
 pub use wasm::{CallError, WasmAdmission, WasmEviction, WasmPlacement};

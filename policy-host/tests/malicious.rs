@@ -6,12 +6,12 @@ mod common;
 use common::Oracle;
 use kvpool_policies::{LeafLru, LeastLoaded, ThresholdAdmission};
 use kvpool_policy_host::{
-    BlockOracle, Deadline, FaultKind, GuardedAdmission, GuardedEviction, GuardedPlacement, HostConfig, HostError,
-    PolicyEngine, PolicyKind,
+    Deadline, FaultKind, GuardedAdmission, GuardedEviction, GuardedPlacement, HostConfig, HostError, PolicyEngine,
+    PolicyKind,
 };
 use kvpool_policy_sdk::{
-    AdmissionPolicy, Admit, AdmitBatch, AdmitRequest, Event, Events, EvictionPolicy, NodeSet, Params, Pin, PlaceBatch,
-    PlaceRequest, PlacementPolicy, Tier, NO_NODE, NO_PARENT,
+    AdmissionPolicy, Admit, AdmitBatch, AdmitRequest, Event, Events, EvictionPolicy, IndexView, NodeSet, Params, Pin,
+    PlaceBatch, PlaceRequest, PlacementPolicy, Tier, NO_NODE, NO_PARENT,
 };
 use std::time::{Duration, Instant};
 

@@ -244,7 +244,8 @@ fn compile_cache_is_used_and_checked() {
 #[test]
 fn swap_prepare_replay_and_catch_up() {
     use common::Oracle;
-    use kvpool_policy_host::{BlockOracle, GuardedEviction};
+    use kvpool_policy_host::GuardedEviction;
+    use kvpool_policy_sdk::IndexView;
     let engine = PolicyEngine::new(HostConfig { replay_chunk: 100, ..HostConfig::default() }).unwrap();
     let mut oracle = Oracle::default();
     let mut rng = Rng(3);

@@ -2,12 +2,10 @@
 //! stopping requests, keeps a history for rollback, and persists the active modules in sled so
 //! that a restart restores them. It sees the store only through [`PolicySlots`].
 
-use kvpool_core::{Admitter, Evictor, IndexView, Native, NewSlot, Policies};
+use kvpool_core::{Admitter, Evictor, Native, NewSlot, Policies};
 use kvpool_policies::registry;
-use kvpool_policy_host::{
-    BlockOracle, GuardedAdmission, GuardedEviction, GuardedPlacement, HostConfig, ModuleInfo, PolicyEngine,
-};
-use kvpool_policy_sdk::{Events, Params, Pin, Tier};
+use kvpool_policy_host::{GuardedAdmission, GuardedEviction, GuardedPlacement, HostConfig, ModuleInfo, PolicyEngine};
+use kvpool_policy_sdk::{Events, IndexView, Params, Tier};
 use kvpool_proto::{codec, PolicyInfo, PolicyKind};
 use serde::{Deserialize, Serialize};
 use std::any::Any;
@@ -26,36 +24,17 @@ pub trait PolicySlots: Send + Sync {
     fn with_policies(&self, f: &mut dyn FnMut(&Policies));
 }
 
-/// A guarded Wasm eviction module in the core's eviction slot.
+/// A guarded Wasm eviction module in the core's eviction slot: the guard reads the index
+/// through the same [`IndexView`] the slot is given. (A newtype only because neither the slot
+/// trait nor the guard is this crate's.)
 pub struct WasmEviction(pub GuardedEviction);
-
-/// The index as the guard's oracle.
-struct Oracle<'a>(&'a dyn IndexView);
-
-impl BlockOracle for Oracle<'_> {
-    fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
-        self.0.size_in_tier(id, tier)
-    }
-    fn pin(&self, id: u64) -> Pin {
-        self.0.pin(id)
-    }
-    fn evictable_bytes(&self, tier: Tier, exclude: &[u64]) -> u64 {
-        self.0.evictable_bytes(tier, exclude)
-    }
-    fn resident_children(&self, id: u64) -> Vec<u64> {
-        self.0.resident_children(id)
-    }
-    fn snapshot(&self) -> Events {
-        self.0.snapshot()
-    }
-}
 
 impl Evictor for WasmEviction {
     fn on_events(&mut self, events: &Events) {
         self.0.on_events(events)
     }
     fn victims(&mut self, view: &dyn IndexView, tier: Tier, bytes: u64, exclude: &[u64]) -> Vec<u64> {
-        self.0.victims(&Oracle(view), tier, bytes, exclude)
+        self.0.victims(view, tier, bytes, exclude)
     }
     fn as_any(&self) -> &dyn Any {
         self

@@ -7,7 +7,7 @@
 
 use anyhow::Result;
 use clap::Parser;
-use kvpool_core::{BlockRecord, Granularity, Index, Native, PinRequest, Policies, PutPlan, PutSpec};
+use kvpool_core::{BlockRecord, Commit, Granularity, Index, Native, PinRequest, Policies, PutPlan, PutSpec};
 use kvpool_policies::{LeafLru, ThresholdAdmission};
 use kvpool_server::store::dram::DramTier;
 use kvpool_server::store::meta::Meta;
@@ -142,7 +142,21 @@ fn main() -> Result<()> {
             let plans = index.decide_put(0, &pending, &batch, &[], None);
             let PutPlan::Store { id, .. } = plans[0] else { anyhow::bail!("put {c}/{p} refused") };
             let copy = copies.next().expect("one per block");
-            if index.commit(0, id, &spec, false, 0, Some(copy), None, now, 0, 0).is_err() {
+            if index
+                .publish(Commit {
+                    tenant: 0,
+                    id,
+                    spec,
+                    upsert: false,
+                    checksum: 0,
+                    dram: Some(copy),
+                    ssd: None,
+                    now,
+                    wall_ms: 0,
+                    soft_pin_ttl_ms: 0,
+                })
+                .is_err()
+            {
                 anyhow::bail!("commit {c}/{p} refused");
             }
             done += 1;

@@ -3,8 +3,7 @@
 #![allow(dead_code)]
 
 use kvpool_policy_build::{build, BuildOptions, Built};
-use kvpool_policy_host::BlockOracle;
-use kvpool_policy_sdk::{key_hash, Event, EventKind, Events, Pin, Tier, NO_PARENT};
+use kvpool_policy_sdk::{key_hash, Event, EventKind, Events, IndexView, Pin, Tier, NO_PARENT};
 use std::collections::{BTreeMap, HashMap};
 use std::path::PathBuf;
 use std::sync::OnceLock;
@@ -72,7 +71,7 @@ impl Oracle {
     }
 }
 
-impl BlockOracle for Oracle {
+impl IndexView for Oracle {
     fn size_in_tier(&self, id: u64, tier: Tier) -> Option<u64> {
         self.blocks.get(&id).and_then(|b| b.1[tier as usize])
     }
