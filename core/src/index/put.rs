@@ -285,23 +285,4 @@ impl<D: CopyHandle> Index<D> {
         self.tenant_mut(tenant).resident += 1;
         Ok((replaced, meta))
     }
-
-    /// [`Index::publish`] with its fields as arguments: the server's store calls this until its
-    /// put builds a [`Commit`] (the store is being split by verb); remove it then.
-    #[allow(clippy::too_many_arguments)]
-    pub fn commit(
-        &mut self,
-        tenant: u32,
-        id: u64,
-        spec: &PutSpec<'_>,
-        upsert: bool,
-        checksum: u64,
-        dram: Option<D>,
-        ssd: Option<u64>,
-        now: Instant,
-        wall_ms: u64,
-        soft_pin_ttl_ms: u64,
-    ) -> Result<(Option<Dropped<D>>, Vec<MetaOp>), PutStatus> {
-        self.publish(Commit { tenant, id, spec: *spec, upsert, checksum, dram, ssd, now, wall_ms, soft_pin_ttl_ms })
-    }
 }

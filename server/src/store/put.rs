@@ -1,14 +1,15 @@
 //! A put, as the store sees it: plan every item before any byte is read (existing keys,
 //! admission, placement), reserve DRAM, and commit the filled block (or write it to SSD).
 //!
-//! The plan (index, then admission and placement, then the index's decision) is in
-//! [`Store::plan_put`] alone, so that one shared put decision can replace it in one place.
+//! The plan (index, then admission and placement, then the index's decision) is the core's one
+//! put decision, [`kvpool_core::plan_put`], which the benchmark's replay runs too; the store
+//! only says where its index and policies are ([`Sides`]).
 
 use super::dram::DramBlock;
 use super::tier::{Medium, MediumError};
 use super::{checksum, wall_ms, DramCopy, Store};
-use kvpool_core::{placed_tiers, placement_batch, PutSpec, PutStatus};
-use kvpool_policy_sdk::Tier;
+use kvpool_core::{Commit, Index, Policies, PutSides, PutSpec, PutStatus};
+use kvpool_policy_sdk::{NodeSet, Tier};
 use std::time::Instant;
 use tracing::warn;
 
@@ -49,22 +50,28 @@ fn outcome(s: PutStatus) -> Result<(), PutError> {
     }
 }
 
+/// The store's index and policies, as the core's put decision takes them: each behind its own
+/// lock, the index never held while a policy runs.
+struct Sides<'a>(&'a Store);
+
+impl PutSides for Sides<'_> {
+    type Copy = DramCopy;
+
+    fn with_index<R>(&mut self, f: impl FnOnce(&mut Index<DramCopy>) -> R) -> R {
+        f(&mut self.0.ix())
+    }
+
+    fn with_policies<R>(&mut self, f: impl FnOnce(&mut Policies, &dyn Fn() -> NodeSet) -> R) -> R {
+        let mut pol = self.0.policies.lock();
+        self.0.feed(&mut pol);
+        f(&mut pol, &|| self.0.nodes())
+    }
+}
+
 impl Store {
     /// Decide every item of a put before any byte is read: existing keys, admission, placement.
     pub fn plan_put(&self, tenant: u32, specs: &[PutSpec<'_>], upsert: bool) -> Vec<PutPlan> {
-        let (pending, batch) = self.ix().plan_put(tenant, specs, upsert, self.dram.capacity());
-        let (decisions, placed) = if batch.is_empty() {
-            (Vec::new(), None)
-        } else {
-            let mut pol = self.policies.lock();
-            self.feed(&mut pol);
-            let decisions = pol.admission.admit(&batch);
-            let nodes = self.nodes();
-            let placed =
-                pol.placement.as_mut().map(|p| placed_tiers(&p.place(&placement_batch(&batch), &nodes), batch.len()));
-            (decisions, placed)
-        };
-        let plans = self.ix().decide_put(tenant, &pending, &batch, &decisions, placed.as_deref());
+        let plans = kvpool_core::plan_put(&mut Sides(self), tenant, specs, upsert, self.dram.capacity()).plans;
         plans
             .into_iter()
             .map(|p| match p {
@@ -114,7 +121,18 @@ impl Store {
         }
         let soft_ttl = self.cfg.soft_pin_ttl.as_millis() as u64;
         let mut ix = self.ix();
-        let r = ix.commit(tenant, id, item, upsert, sum, dram, ssd, Instant::now(), wall_ms(), soft_ttl);
+        let r = ix.publish(Commit {
+            tenant,
+            id,
+            spec: *item,
+            upsert,
+            checksum: sum,
+            dram,
+            ssd,
+            now: Instant::now(),
+            wall_ms: wall_ms(),
+            soft_pin_ttl_ms: soft_ttl,
+        });
         match r {
             Ok((replaced, meta)) => {
                 self.meta.enqueue(meta);
