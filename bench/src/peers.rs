@@ -64,14 +64,7 @@ impl Place {
 
     /// `program`, to be run there.
     pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> Command {
-        match self.prefix.split_first() {
-            None => Command::new(program),
-            Some((first, rest)) => {
-                let mut c = Command::new(first);
-                c.args(rest).arg(program);
-                c
-            }
-        }
+        kvpool_netns::command_at(&self.prefix, program)
     }
 }
 

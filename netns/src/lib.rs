@@ -64,6 +64,18 @@ fn run(program: &str, args: &[&str]) -> Result<(), NetnsError> {
     }
 }
 
+/// `program` behind an argv `prefix` (from [`Hosts::prefix`]; empty: run here).
+pub fn command_at(prefix: &[String], program: impl AsRef<std::ffi::OsStr>) -> Command {
+    match prefix.split_first() {
+        None => Command::new(program),
+        Some((first, rest)) => {
+            let mut c = Command::new(first);
+            c.args(rest).arg(program);
+            c
+        }
+    }
+}
+
 /// `n` hosts, numbered 1..=n, at [`Hosts::ip`]; the root namespace at [`Hosts::root_ip`].
 pub struct Hosts {
     bridge: String,
@@ -134,9 +146,7 @@ impl Hosts {
     /// `program` to be run on host `i` (`ip netns exec`, which execs it: the child's pid is the
     /// program's own).
     pub fn command(&self, i: usize, program: impl AsRef<std::ffi::OsStr>) -> Result<Command, NetnsError> {
-        let mut c = Command::new("ip");
-        c.args(["netns", "exec", self.ns(i)?]).arg(program);
-        Ok(c)
+        Ok(command_at(&self.prefix(i)?, program))
     }
 
     /// The argv prefix that runs a command on host `i`.

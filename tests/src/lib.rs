@@ -119,15 +119,8 @@ sha256 = "{bob}"
         std::fs::write(self.config_path(), cfg).expect("write config");
         let _ = std::fs::remove_file(d.join("endpoint.json"));
         let log = std::fs::OpenOptions::new().create(true).append(true).open(d.join("server.log")).expect("log file");
-        let mut cmd = match &self.opts.host {
-            None => Command::new(bin("kvpool-server")),
-            Some((prefix, _)) => {
-                let mut c = Command::new(&prefix[0]);
-                c.args(&prefix[1..]).arg(bin("kvpool-server"));
-                c
-            }
-        };
-        let child = cmd
+        let prefix = self.opts.host.as_ref().map_or(&[][..], |(p, _)| &p[..]);
+        let child = kvpool_netns::command_at(prefix, bin("kvpool-server"))
             .arg("--config")
             .arg(self.config_path())
             .env("RUST_LOG", "info")
