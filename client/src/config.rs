@@ -40,6 +40,31 @@ impl std::str::FromStr for TransportChoice {
     }
 }
 
+/// Which path puts and gets of bulk bytes take between hosts (the same-host shared memory,
+/// when attached, comes first either way).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum BulkChoice {
+    /// The server's TCP bulk channel for a server on another host, QUIC on this host.
+    #[default]
+    Auto,
+    /// QUIC streams only.
+    Quic,
+    /// The TCP bulk channel whenever the server offers it (QUIC when it does not).
+    Tcp,
+}
+
+impl std::str::FromStr for BulkChoice {
+    type Err = String;
+    fn from_str(s: &str) -> std::result::Result<Self, String> {
+        match s {
+            "auto" => Ok(BulkChoice::Auto),
+            "quic" => Ok(BulkChoice::Quic),
+            "tcp" => Ok(BulkChoice::Tcp),
+            other => Err(format!("{other:?}: expected auto, quic or tcp")),
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct ClientConfig {
     /// `host:port` of the server's QUIC endpoint.
@@ -74,6 +99,13 @@ pub struct ClientConfig {
     /// Bounds what a killed node costs a read, where `dead_after` would cost a whole idle
     /// timeout.
     pub node_answer_within: Duration,
+    /// Path of bulk bytes to servers on other hosts (PROTOCOL.md 11.10).
+    pub bulk: BulkChoice,
+    /// Networks (CIDRs) this client trusts: to a server there, the bulk channel may run in
+    /// plaintext when the server trusts this client's network too. Empty: TLS always.
+    pub trusted_networks: Vec<ipnet::IpNet>,
+    /// Puts of at least this many value bytes take the bulk channel; smaller ones stay on QUIC.
+    pub bulk_min_put: u64,
 }
 
 impl ClientConfig {
@@ -91,6 +123,9 @@ impl ClientConfig {
             verify_shm_gets: false,
             dead_after: Duration::from_secs(60),
             node_answer_within: Duration::from_millis(250),
+            bulk: BulkChoice::Auto,
+            trusted_networks: Vec::new(),
+            bulk_min_put: 64 << 10,
         }
     }
 

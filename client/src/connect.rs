@@ -109,7 +109,7 @@ pub(crate) fn finish_session(conn: quinn::Connection, hello: Result<HelloOk>) ->
     match hello {
         Ok(hello) => {
             tracing::debug!(tenant = %hello.tenant, server = %hello.server, version = hello.version, "connected to kvpool");
-            Ok(Session { conn, hello, local: None })
+            Ok(Session { conn, hello, local: None, bulk: None })
         }
         Err(e) => {
             conn.close(kvpool_proto::close::OK.into(), b"hello failed");

@@ -1,9 +1,10 @@
-//! Reads: values over the QUIC stream (checked against the server's checksums as they land),
-//! or into caller buffers.
+//! Reads: values over the QUIC stream or the TCP bulk channel (checked against the server's
+//! checksums as they land), or into caller buffers.
 
-use crate::{expect_end, key_text, read_response, unexpected, Client, ClientError, GetIntoResult, GetResult, Result};
-use kvpool_proto::{ErrorCode, KeysRequest, Request, Response};
+use crate::{key_text, read_response, unexpected, Client, ClientError, GetIntoResult, GetResult, Result};
+use kvpool_proto::{ErrorCode, GetItem, KeysRequest, Request, Response};
 use quinn::RecvStream;
+use tokio::io::{AsyncRead, AsyncReadExt};
 
 impl Client {
     /// Read one block; `None` when it is not in the pool. A `Corrupt` answer is an error.
@@ -35,25 +36,18 @@ impl Client {
         let max_value = self.limits().max_value_size;
         let frame = self.get_frame(keys)?;
         self.timed(async {
-            let (items, mut rx) = self.get_open(&frame, keys.len()).await?;
-            let mut out = Vec::with_capacity(items.len());
-            for (i, item) in items.into_iter().enumerate() {
-                let mut value = None;
-                if item.status == ErrorCode::Ok {
-                    if item.size > max_value {
-                        return Err(ClientError::Protocol(format!(
-                            "server announced a value of {} bytes, above its own limit of {max_value}",
-                            item.size
-                        )));
-                    }
-                    let mut buf = vec![0u8; item.size as usize];
-                    read_verified(&mut rx, keys[i].as_ref(), item.checksum, &mut buf).await?;
-                    value = Some(buf);
+            if let Some((link, mut c)) = self.bulk_conn(u64::MAX).await {
+                c.send(&frame, &[]).await?;
+                let mut rx = c.answer();
+                let items = get_items(crate::bulk::read_answer(&mut rx).await?, keys.len())?;
+                let r = take_values(&mut rx, items, keys, max_value).await;
+                if rx.finished() {
+                    link.put_back(c);
                 }
-                out.push(GetResult { status: item.status, value, tier: item.tier, lease_ms: item.lease_ms });
+                return r;
             }
-            expect_end(&mut rx).await?;
-            Ok(out)
+            let (items, mut rx) = self.get_open(&frame, keys.len()).await?;
+            take_values(&mut rx, items, keys, max_value).await
         })
         .await
     }
@@ -118,24 +112,18 @@ impl Client {
         }
         let frame = self.get_frame(keys)?;
         self.timed(async {
-            let (items, mut rx) = self.get_open(&frame, keys.len()).await?;
-            let mut out = Vec::with_capacity(items.len());
-            for (i, item) in items.into_iter().enumerate() {
-                let buf: &mut [u8] = bufs[i];
-                let mut status = item.status;
-                if status == ErrorCode::Ok {
-                    if item.size > buf.len() as u64 {
-                        discard(&mut rx, item.size).await?;
-                        status = ErrorCode::ValueTooLarge;
-                    } else {
-                        let dst = &mut buf[..item.size as usize];
-                        read_verified(&mut rx, keys[i].as_ref(), item.checksum, dst).await?;
-                    }
+            if let Some((link, mut c)) = self.bulk_conn(u64::MAX).await {
+                c.send(&frame, &[]).await?;
+                let mut rx = c.answer();
+                let items = get_items(crate::bulk::read_answer(&mut rx).await?, keys.len())?;
+                let r = fill_values(&mut rx, items, keys, bufs).await;
+                if rx.finished() {
+                    link.put_back(c);
                 }
-                out.push(GetIntoResult { status, size: item.size, tier: item.tier, lease_ms: item.lease_ms });
+                return r;
             }
-            expect_end(&mut rx).await?;
-            Ok(out)
+            let (items, mut rx) = self.get_open(&frame, keys.len()).await?;
+            fill_values(&mut rx, items, keys, bufs).await
         })
         .await
     }
@@ -150,34 +138,110 @@ impl Client {
         let (conn, mut tx, mut rx) = self.open().await?;
         tx.write_all(frame).await?;
         tx.finish()?;
-        match read_response(&conn, &mut rx).await? {
-            Response::Get(g) if g.items.len() == n => Ok((g.items, rx)),
-            Response::Get(g) => {
-                Err(ClientError::Protocol(format!("get of {n} keys answered with {} items", g.items.len())))
-            }
-            other => Err(unexpected("Get", &other)),
-        }
+        Ok((get_items(read_response(&conn, &mut rx).await?, n)?, rx))
     }
+}
+
+/// The item headers of a `Get` answer for `n` keys.
+fn get_items(resp: Response, n: usize) -> Result<Vec<GetItem>> {
+    match resp {
+        Response::Get(g) if g.items.len() == n => Ok(g.items),
+        Response::Get(g) => {
+            Err(ClientError::Protocol(format!("get of {n} keys answered with {} items", g.items.len())))
+        }
+        other => Err(unexpected("Get", &other)),
+    }
+}
+
+/// The values a `Get` answer announced, each checked as it lands, then the end of the answer.
+async fn take_values<R: AsyncRead + Unpin, K: AsRef<[u8]>>(
+    rx: &mut R,
+    items: Vec<GetItem>,
+    keys: &[K],
+    max_value: u64,
+) -> Result<Vec<GetResult>> {
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        let mut value = None;
+        if item.status == ErrorCode::Ok {
+            if item.size > max_value {
+                return Err(ClientError::Protocol(format!(
+                    "server announced a value of {} bytes, above its own limit of {max_value}",
+                    item.size
+                )));
+            }
+            let mut buf = vec![0u8; item.size as usize];
+            read_verified(rx, keys[i].as_ref(), item.checksum, &mut buf).await?;
+            value = Some(buf);
+        }
+        out.push(GetResult { status: item.status, value, tier: item.tier, lease_ms: item.lease_ms });
+    }
+    end_of(rx).await?;
+    Ok(out)
+}
+
+/// As [`take_values`], into the caller's buffers (`bufs[i]` for `keys[i]`).
+async fn fill_values<R: AsyncRead + Unpin, K: AsRef<[u8]>>(
+    rx: &mut R,
+    items: Vec<GetItem>,
+    keys: &[K],
+    bufs: &mut [&mut [u8]],
+) -> Result<Vec<GetIntoResult>> {
+    let mut out = Vec::with_capacity(items.len());
+    for (i, item) in items.into_iter().enumerate() {
+        let buf: &mut [u8] = bufs[i];
+        let mut status = item.status;
+        if status == ErrorCode::Ok {
+            if item.size > buf.len() as u64 {
+                discard(rx, item.size).await?;
+                status = ErrorCode::ValueTooLarge;
+            } else {
+                let dst = &mut buf[..item.size as usize];
+                read_verified(rx, keys[i].as_ref(), item.checksum, dst).await?;
+            }
+        }
+        out.push(GetIntoResult { status, size: item.size, tier: item.tier, lease_ms: item.lease_ms });
+    }
+    end_of(rx).await?;
+    Ok(out)
+}
+
+/// After the last declared byte the server must end the answer.
+pub(crate) async fn end_of<R: AsyncRead + Unpin>(rx: &mut R) -> Result<()> {
+    let mut probe = [0u8; 1];
+    match rx.read(&mut probe).await.map_err(io_err)? {
+        0 => Ok(()),
+        _ => Err(ClientError::Protocol("bytes after the last declared value".into())),
+    }
+}
+
+fn io_err(e: std::io::Error) -> ClientError {
+    ClientError::Io(e.to_string())
 }
 
 /// Read exactly `dst.len()` value bytes and check them against `expected`, hashing each piece
 /// as it lands (while it is still in cache) rather than in a second pass over the value.
-pub(crate) async fn read_verified(rx: &mut RecvStream, key: &[u8], expected: u64, dst: &mut [u8]) -> Result<()> {
+pub(crate) async fn read_verified<R: AsyncRead + Unpin>(
+    rx: &mut R,
+    key: &[u8],
+    expected: u64,
+    dst: &mut [u8],
+) -> Result<()> {
     let mut h = xxhash_rust::xxh3::Xxh3Default::new();
     let mut filled = 0;
     while filled < dst.len() {
         // Pieces small enough to be hashed from L2.
         let end = dst.len().min(filled + (128 << 10));
-        match rx.read(&mut dst[filled..end]).await? {
-            Some(n) => {
-                h.update(&dst[filled..filled + n]);
-                filled += n;
-            }
-            None => {
+        match rx.read(&mut dst[filled..end]).await.map_err(io_err)? {
+            0 => {
                 return Err(ClientError::Protocol(format!(
                     "stream ended early, {} bytes short of a declared value size",
                     dst.len() - filled
                 )))
+            }
+            n => {
+                h.update(&dst[filled..filled + n]);
+                filled += n;
             }
         }
     }
@@ -196,11 +260,11 @@ pub(crate) fn verify(key: &[u8], expected: u64, bytes: &[u8]) -> Result<()> {
     Ok(())
 }
 
-pub(crate) async fn discard(rx: &mut RecvStream, mut n: u64) -> Result<()> {
+pub(crate) async fn discard<R: AsyncRead + Unpin>(rx: &mut R, mut n: u64) -> Result<()> {
     let mut scratch = vec![0u8; 64 << 10];
     while n > 0 {
         let take = n.min(scratch.len() as u64) as usize;
-        rx.read_exact(&mut scratch[..take]).await?;
+        rx.read_exact(&mut scratch[..take]).await.map_err(io_err)?;
         n -= take as u64;
     }
     Ok(())

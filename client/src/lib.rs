@@ -14,6 +14,7 @@
 
 mod admin;
 pub mod blocking;
+mod bulk;
 mod cluster;
 mod config;
 mod connect;
@@ -30,7 +31,7 @@ mod testing;
 pub mod tls;
 
 pub use cluster::{ClusterClient, ServerRole};
-pub use config::{parse_fingerprint, read_key_file, ClientConfig, EndpointInfo, TransportChoice, Trust};
+pub use config::{parse_fingerprint, read_key_file, BulkChoice, ClientConfig, EndpointInfo, TransportChoice, Trust};
 pub use connector::LookupLease;
 pub use error::{ClientError, Result};
 pub use events::{SubscribeOptions, Subscription};
@@ -118,6 +119,8 @@ struct Session {
     hello: HelloOk,
     /// The same-host control channel of this connection, when attached.
     local: Option<Arc<local::LocalLink>>,
+    /// The TCP bulk channel of this connection, when the configuration asks for it.
+    bulk: Option<Arc<bulk::BulkLink>>,
 }
 
 struct Inner {
@@ -269,6 +272,7 @@ impl Client {
         let mut session = establish(&endpoint, &quic, addr, &cfg).await?;
         let registry = Arc::new(shm::Registry::default());
         attach_shm(&mut session, &cfg, addr, &registry).await?;
+        session.bulk = bulk::BulkLink::for_server(&cfg, addr, session.hello.version)?;
         Ok(Client {
             inner: Arc::new(Inner {
                 cfg,
@@ -344,6 +348,7 @@ impl Client {
         tracing::info!(server = %self.inner.cfg.server, "connection lost, reconnecting");
         let mut fresh = establish(&self.inner.endpoint, &self.inner.quic, self.inner.addr, &self.inner.cfg).await?;
         attach_shm(&mut fresh, &self.inner.cfg, self.inner.addr, &self.inner.registry).await?;
+        fresh.bulk = bulk::BulkLink::for_server(&self.inner.cfg, self.inner.addr, fresh.hello.version)?;
         *self.inner.session.write().unwrap_or_else(|p| p.into_inner()) = fresh.clone();
         Ok(fresh)
     }
@@ -376,6 +381,15 @@ impl Client {
             Ok(resp)
         })
         .await
+    }
+
+    /// A bulk connection when this call should take the channel (`bytes` of values to put,
+    /// `u64::MAX` for a get); `None`: it goes over QUIC.
+    async fn bulk_conn(&self, bytes: u64) -> Option<(Arc<bulk::BulkLink>, bulk::BulkConn)> {
+        let s = self.session().await.ok()?;
+        let link = s.bulk.clone().filter(|l| bytes >= l.min_put)?;
+        let c = link.take(&s.conn).await?;
+        Some((link, c))
     }
 
     fn encode_checked(&self, req: &Request) -> Result<Vec<u8>> {
@@ -522,11 +536,32 @@ impl Client {
         self.put_request_inband(Request::Put(PutRequest { mode, items }), entries).await
     }
 
-    /// A put request, then the entries' values, on one QUIC stream.
+    /// A put request, then the entries' values, on one QUIC stream (or the bulk channel).
     async fn put_request_inband(&self, req: Request, entries: &[PutEntry<'_>]) -> Result<Vec<ErrorCode>> {
         let frame = self.encode_checked(&req)?;
+        let bytes: u64 = entries.iter().map(|e| e.value.len() as u64).sum();
         let resp = self
             .timed(async {
+                if let Some((link, mut c)) = self.bulk_conn(bytes).await {
+                    let values: Vec<&[u8]> = entries.iter().map(|e| e.value).collect();
+                    let sent = c.send(&frame, &values).await;
+                    let mut rx = c.answer();
+                    let resp = match bulk::read_answer(&mut rx).await {
+                        Ok(r) => get::end_of(&mut rx).await.map(|()| r),
+                        Err(e) => Err(e),
+                    };
+                    if rx.finished() && sent.is_ok() {
+                        link.put_back(c);
+                    }
+                    return match (resp, sent) {
+                        (Ok(r @ Response::Put(_)), Err(e)) => Err(ClientError::Protocol(format!(
+                            "server answered {r:?} but stopped reading the values: {e}"
+                        ))),
+                        (Ok(r), _) => Ok(r),
+                        (Err(e @ ClientError::Status { .. }), _) | (Err(e), Ok(())) => Err(e),
+                        (Err(_), Err(e)) => Err(e),
+                    };
+                }
                 let (conn, mut tx, mut rx) = self.open().await?;
                 let sent = async {
                     tx.write_all(&frame).await?;

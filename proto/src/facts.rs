@@ -54,6 +54,7 @@ impl Request {
             Request::NodePut(_) => ("node_put", 2, true),
             Request::LookupLease(_) => ("lookup_lease", 2, true),
             Request::RemoveMatching(_) => ("remove_matching", 2, true),
+            Request::BulkAttach(_) => ("bulk_attach", 2, true),
         };
         Facts { name, min_version, holds_blocks }
     }

@@ -41,6 +41,8 @@ pub fn parse_hex_dump(text: &str) -> Option<Vec<u8>> {
 
 /// QUIC ALPN of this protocol.
 pub const ALPN: &[u8] = b"kvpool/1";
+/// TLS ALPN of the TCP bulk channel (PROTOCOL.md 11.10).
+pub const BULK_ALPN: &[u8] = b"kvpool-bulk/1";
 /// Protocol version carried in `Hello`: the newest this build speaks. Servers accept 1 and 2.
 pub const PROTOCOL_VERSION: u16 = 2;
 /// The oldest version a server of this build still accepts.

@@ -5,6 +5,7 @@
 
 use serde::{Deserialize, Serialize};
 
+mod bulk;
 mod cluster;
 mod codes;
 mod connector;
@@ -13,6 +14,7 @@ mod one_sided;
 mod policy;
 mod v1;
 
+pub use bulk::*;
 pub use cluster::*;
 pub use codes::*;
 pub use connector::*;
@@ -91,10 +93,14 @@ pub enum Request {
     /// Remove the caller's blocks whose keys start with `prefix` and, when `pattern` is given,
     /// match that regular expression. Answered with `RemoveAll`.
     RemoveMatching(RemoveMatchingRequest),
+    // ---- version 2: the TCP bulk channel (PROTOCOL.md 11.10) ---------------------------------
+    /// Ask for a TCP connection that carries this connection's requests (bulk bytes over
+    /// TCP): answered with `BulkOffer`, one token per TCP connection.
+    BulkAttach(BulkAttachRequest),
 }
 
 /// Number of request variants this version knows (tags `0..REQUEST_TAGS`).
-pub const REQUEST_TAGS: u32 = 31;
+pub const REQUEST_TAGS: u32 = 32;
 
 /// Requests of version 1 (tags `0..V1_REQUEST_TAGS`); later tags need a version 2 hello.
 pub const V1_REQUEST_TAGS: u32 = 12;
@@ -142,6 +148,8 @@ pub enum Response {
     Routes(Routes),
     /// Answer to `LookupLease`.
     LookupLeased(LookupLeased),
+    /// Answer to `BulkAttach`.
+    BulkOffer(BulkOffer),
 }
 
 #[cfg(test)]

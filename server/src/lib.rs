@@ -115,6 +115,18 @@ fn default_key(data_dir: &Path) -> Result<(ApiKeyEntry, PathBuf), ServerError> {
     Ok((entry, path))
 }
 
+/// The bulk channel's TLS: the QUIC certificate, TLS 1.3, its own ALPN.
+fn bulk_tls(tls: &tls::TlsMaterial) -> Result<Arc<rustls::ServerConfig>, ServerError> {
+    let mut c = rustls::ServerConfig::builder_with_provider(kvpool_net::crypto_provider())
+        .with_protocol_versions(&[&rustls::version::TLS13])
+        .map_err(tls::TlsError::from)?
+        .with_no_client_auth()
+        .with_single_cert(tls.certs.clone(), tls.key.clone_key())
+        .map_err(tls::TlsError::from)?;
+    c.alpn_protocols = vec![kvpool_proto::BULK_ALPN.to_vec()];
+    Ok(Arc::new(c))
+}
+
 fn quic_server_configs(
     tls: &tls::TlsMaterial,
     cfg: &Config,
@@ -356,6 +368,7 @@ pub async fn open_node(cfg: &Config) -> Result<Node, ServerError> {
             Some(m) => service::Role::Master(m),
             None => service::Role::Node,
         },
+        bulk: Default::default(),
     });
     Ok(Node { shared, data_dir, api_key_file, hixl })
 }
@@ -398,9 +411,20 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     let endpoint = kvpool_net::endpoint_on(sock, Some((*configs.network).clone()))
         .map_err(|e| listen_err(std::io::Error::other(e.to_string())))?;
     let quic_addr = endpoint.local_addr().map_err(listen_err)?;
+    if cfg.bulk.tcp && shared.role.master().is_none() {
+        let door = service::bulk::BulkDoor::bind(
+            &cfg.bulk.listen,
+            quic_addr,
+            bulk_tls(&tls)?,
+            cfg.bulk.trusted_networks.clone(),
+        )
+        .map_err(|source| ServerError::Listen { addr: format!("bulk.listen {:?}", cfg.bulk.listen), source })?;
+        let _ = shared.bulk.set(door);
+    }
     let mut tasks = vec![
         tokio::spawn(service::serve(endpoint.clone(), shared.clone(), Arc::new(configs))),
         tokio::spawn(service::local::serve(shared.clone())),
+        tokio::spawn(service::bulk::serve(shared.clone())),
     ];
 
     let metrics_addr = match cfg.server.metrics_listen.trim() {

@@ -69,6 +69,9 @@ pub struct Metrics {
     /// Requests answered on the same-host control socket, and control sockets refused.
     pub local_requests: IntCounter,
     pub local_refused: IntCounter,
+    /// Requests answered on TCP bulk connections, and bulk connections refused.
+    pub bulk_requests: IntCounter,
+    pub bulk_refused: IntCounter,
     /// KV events logged, by kind; subscriptions open; events subscribers missed.
     pub events: IntCounterVec,
     pub event_subscribers: IntGauge,
@@ -225,6 +228,12 @@ impl Metrics {
                 &reg,
                 "local_refused_total",
                 "Control socket connections refused (user, token, or socket limit)",
+            ),
+            bulk_requests: counter(&reg, "bulk_requests_total", "Requests answered on TCP bulk connections"),
+            bulk_refused: counter(
+                &reg,
+                "bulk_refused_total",
+                "TCP bulk connections refused (TLS handshake, token, address, plaintext, or connection limit)",
             ),
             lookup_blocks: counter_vec(
                 &reg,

@@ -173,7 +173,7 @@ fn documented_connector_messages() {
     assert_eq!(dump(blocks[2]), crate::frame::encode_frame(&answer).unwrap());
     let rm = Request::RemoveMatching(RemoveMatchingRequest { prefix: vec![], pattern: None, force: false });
     assert_eq!(crate::message_tag(&codec::encode(&rm).unwrap()), Some(30));
-    assert_eq!(REQUEST_TAGS, 31);
+    assert_eq!(REQUEST_TAGS, 32);
 }
 
 fn doc_blocks(heading: &str) -> Vec<&'static str> {
@@ -218,7 +218,7 @@ fn documented_v2_examples() {
         ),
         Some(20)
     );
-    assert_eq!(REQUEST_TAGS, 31);
+    assert_eq!(REQUEST_TAGS, 32);
     assert_eq!(codec::encode(&Response::Done).unwrap(), vec![15, 0, 0, 0]);
     assert_eq!(codec::encode(&ErrorCode::Expired).unwrap(), vec![23, 0, 0, 0]);
 }

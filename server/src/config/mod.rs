@@ -6,10 +6,12 @@ use serde::{Deserialize, Deserializer, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
+mod bulk;
 mod foreign;
 #[cfg(test)]
 mod tests;
 
+pub use bulk::{BulkSection, PeerPath};
 use foreign::{apply_hixl, apply_mooncake, is_hixl_toml};
 
 #[derive(Debug, thiserror::Error)]
@@ -79,6 +81,7 @@ pub struct Config {
     pub quic: QuicSection,
     pub events: EventsSection,
     pub cluster: ClusterSection,
+    pub bulk: BulkSection,
 }
 
 /// What this process is in a pool.

@@ -1,10 +1,11 @@
-//! Same-host attachments of a connection (version 2): `ShmAttach` (the client's shared buffers,
-//! for `PutFrom` and `GetInto`) and `LocalAttach` (the Unix-socket control channel).
+//! Attachments of a connection (version 2): `ShmAttach` (the client's shared buffers, for
+//! `PutFrom` and `GetInto`), `LocalAttach` (the Unix-socket control channel) and `BulkAttach`
+//! (a TCP connection for bulk bytes).
 
 use super::session::Session;
 use super::shared::Shared;
 use super::stream::{error, unsupported, Fail};
-use kvpool_proto::{ErrorCode, Response, ShmOffer};
+use kvpool_proto::{BulkAttachRequest, ErrorCode, Response, ShmOffer};
 use std::sync::Arc;
 
 pub(super) fn shm_attach(session: &Arc<Session>, s: &Shared) -> Result<Response, Fail> {
@@ -24,4 +25,9 @@ pub(super) fn local_attach(session: &Arc<Session>, s: &Shared) -> Result<Respons
     let (ticket, offer) = local.issue(session).map_err(|e| Fail::Reply(error(ErrorCode::Internal, e.to_string())))?;
     session.set_local(ticket);
     Ok(Response::LocalOffer(offer))
+}
+
+pub(super) fn bulk_attach(r: BulkAttachRequest, session: &Arc<Session>, s: &Shared) -> Result<Response, Fail> {
+    let door = s.bulk.get().ok_or_else(|| unsupported("this server offers no TCP bulk channel (bulk.tcp is off)"))?;
+    Ok(Response::BulkOffer(door.issue(session, r.plaintext)?))
 }

@@ -236,6 +236,10 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
             expect_end(recv, deadline).await?;
             attach::local_attach(session, s)?
         }
+        Request::BulkAttach(r) => {
+            expect_end(recv, deadline).await?;
+            attach::bulk_attach(r, session, s)?
+        }
         Request::Subscribe(sub) => return subscribe::subscribe(sub, recv, send, session, s, deadline).await,
         // ---- the server itself
         Request::Stats => {

@@ -7,12 +7,15 @@
 //! stream or loses its connection cancels the request quietly.
 //!
 //! By file: `stream` (stream traits, deadlines, `Fail`), `quic` (the QUIC front door),
-//! [`local`] (the Unix-socket front door), `dispatch` (the one request table), then one file per
+//! [`local`] (the Unix-socket front door), [`bulk`] (the TCP bulk channel's front door, with its
+//! envelopes in `bulk_stream`), `dispatch` (the one request table), then one file per
 //! verb: `put` (with the value sources in `source`), `get`, `attach`, `admin`, `cluster`,
 //! `connector`, `subscribe`. `docs/SERVER-MAP.md` walks the routes.
 
 mod admin;
 mod attach;
+pub mod bulk;
+mod bulk_stream;
 mod cluster;
 mod connector;
 mod control;

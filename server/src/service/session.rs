@@ -56,6 +56,8 @@ pub struct Session {
     grants: Mutex<HashMap<u64, Arc<Reserved>>>,
     leases: Mutex<HashMap<u64, Arc<LeaseHold>>>,
     next: AtomicU64,
+    /// TCP bulk connections bound to this connection now.
+    bulk: Arc<std::sync::atomic::AtomicUsize>,
     /// Set when the connection ends.
     ended: tokio::sync::watch::Sender<bool>,
 }
@@ -71,6 +73,7 @@ impl Session {
             grants: Mutex::new(HashMap::new()),
             leases: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
+            bulk: Arc::default(),
             ended: tokio::sync::watch::Sender::new(false),
         })
     }
@@ -106,6 +109,13 @@ impl Session {
     /// A new control-channel ticket for this connection (sockets bound by an earlier one close).
     pub fn set_local(&self, ticket: impl Send + 'static) {
         *self.local.lock() = Some(Box::new(ticket));
+    }
+
+    /// Room for one more TCP bulk connection, held until the guard drops; `None` at `max`.
+    pub(super) fn bulk_slot(&self, max: usize) -> Option<BulkSlot> {
+        let n = self.bulk.fetch_add(1, Ordering::AcqRel);
+        let slot = BulkSlot(self.bulk.clone());
+        (n < max).then_some(slot)
     }
 
     /// Keep a granted put item for `ttl`; returns its reservation's name.
@@ -151,6 +161,15 @@ impl Session {
 
     pub fn release(&self, id: u64) -> bool {
         self.leases.lock().remove(&id).is_some()
+    }
+}
+
+/// One bound TCP bulk connection of a session.
+pub(super) struct BulkSlot(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Drop for BulkSlot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 

@@ -49,6 +49,8 @@ pub struct Shared {
     /// This node's name, as KV events give it.
     pub node: String,
     pub role: Role,
+    /// The TCP bulk channel, once the server listens (`bulk.tcp`).
+    pub bulk: std::sync::OnceLock<super::bulk::BulkDoor>,
 }
 
 impl Shared {

@@ -1,0 +1,295 @@
+//! The TCP bulk channel (PROTOCOL.md 11.10): puts and gets of a QUIC session carried by TCP
+//! connections (TLS, or plaintext on a network both sides list as trusted), so that bulk bytes
+//! ride the kernel's TCP offloads. Each connection is bound to the session by a one-time token
+//! from `BulkAttach`; idle connections are kept for the next call. Everything else (hello,
+//! lookups, small puts) stays on QUIC.
+
+use crate::config::BulkChoice;
+use crate::error::{ClientError, Result};
+use crate::{read_response, unexpected, ClientConfig};
+use kvpool_proto::frame::{encode_frame, read_message};
+use kvpool_proto::{BulkAttachRequest, ErrorCode, Request, Response, CLIENT_MAX_FRAME};
+use parking_lot::Mutex;
+use std::io;
+use std::net::SocketAddr;
+use std::pin::Pin;
+use std::sync::Arc;
+use std::task::{ready, Context, Poll};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, ReadBuf};
+use tokio::net::TcpStream;
+
+/// Chunk length that ends an answer.
+const END: u32 = u32::MAX;
+/// Idle connections kept per session.
+const MAX_IDLE: usize = 16;
+/// After the channel failed to open, calls use QUIC for this long before trying again.
+const BACK_OFF: Duration = Duration::from_secs(10);
+/// Bound on opening one connection (token, TCP, TLS, bind): a dead or unreachable channel
+/// costs a call at most this before it goes over QUIC.
+const OPEN_BUDGET: Duration = Duration::from_secs(2);
+
+trait Duplex: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Duplex for T {}
+
+/// One bound TCP connection.
+pub(crate) struct BulkConn {
+    io: BufReader<Box<dyn Duplex>>,
+}
+
+/// The bulk channel of one QUIC session: how to open connections, and the idle ones.
+pub(crate) struct BulkLink {
+    ip: std::net::IpAddr,
+    tls: tokio_rustls::TlsConnector,
+    server_name: rustls::pki_types::ServerName<'static>,
+    plaintext: bool,
+    /// Puts of at least this many value bytes take the channel.
+    pub(crate) min_put: u64,
+    idle: Mutex<Vec<BulkConn>>,
+    down_until: Mutex<Option<Instant>>,
+}
+
+impl BulkLink {
+    /// The channel for a session with the server at `addr`, when `cfg` asks for it.
+    pub(crate) fn for_server(cfg: &ClientConfig, addr: SocketAddr, version: u16) -> Result<Option<Arc<BulkLink>>> {
+        let wanted = match cfg.bulk {
+            BulkChoice::Quic => false,
+            BulkChoice::Tcp => true,
+            BulkChoice::Auto => kvpool_net::path_kind(addr.ip()) == kvpool_net::PathKind::Network,
+        };
+        if !wanted || version < 2 {
+            return Ok(None);
+        }
+        let mut tls = crate::tls::rustls_config(&cfg.trust)?;
+        tls.alpn_protocols = vec![kvpool_proto::BULK_ALPN.to_vec()];
+        let server_name = rustls::pki_types::ServerName::try_from(cfg.server_name.clone())
+            .map_err(|e| ClientError::Config(format!("server name {:?}: {e}", cfg.server_name)))?;
+        let ip = addr.ip().to_canonical();
+        Ok(Some(Arc::new(BulkLink {
+            ip,
+            tls: tokio_rustls::TlsConnector::from(Arc::new(tls)),
+            server_name,
+            plaintext: cfg.trusted_networks.iter().any(|n| n.contains(&ip)),
+            min_put: cfg.bulk_min_put,
+            idle: Mutex::new(Vec::new()),
+            down_until: Mutex::new(None),
+        })))
+    }
+
+    /// An idle connection, or a new one; `None` (use QUIC) while the channel is down.
+    pub(crate) async fn take(&self, conn: &quinn::Connection) -> Option<BulkConn> {
+        loop {
+            let Some(mut c) = self.idle.lock().pop() else { break };
+            // One the server closed while it sat idle (restart, the session ended) is dropped.
+            if c.alive() {
+                return Some(c);
+            }
+        }
+        if self.down_until.lock().is_some_and(|t| Instant::now() < t) {
+            return None;
+        }
+        match tokio::time::timeout(OPEN_BUDGET, self.open(conn)).await {
+            Ok(Ok(c)) => Some(c),
+            Ok(Err(e)) => {
+                self.fail(&e);
+                None
+            }
+            Err(_) => {
+                self.fail(&ClientError::Timeout(OPEN_BUDGET));
+                None
+            }
+        }
+    }
+
+    fn fail(&self, e: &ClientError) {
+        if e.code() == ErrorCode::Unsupported {
+            tracing::debug!("the server offers no bulk channel; bulk bytes go over QUIC");
+        } else {
+            tracing::warn!(error = %e, "TCP bulk channel not available; bulk bytes go over QUIC for {BACK_OFF:?}");
+        }
+        *self.down_until.lock() = Some(Instant::now() + BACK_OFF);
+    }
+
+    /// Keep a connection whose last exchange ended cleanly.
+    pub(crate) fn put_back(&self, c: BulkConn) {
+        let mut idle = self.idle.lock();
+        if idle.len() < MAX_IDLE {
+            idle.push(c);
+        }
+    }
+
+    async fn open(&self, conn: &quinn::Connection) -> Result<BulkConn> {
+        let (mut tx, mut rx) = conn.open_bi().await?;
+        let ask = Request::BulkAttach(BulkAttachRequest { plaintext: self.plaintext });
+        tx.write_all(&encode_frame(&ask)?).await?;
+        tx.finish()?;
+        let offer = match read_response(conn, &mut rx).await? {
+            Response::BulkOffer(o) => o,
+            other => return Err(unexpected("BulkOffer", &other)),
+        };
+        let addr = SocketAddr::new(self.ip, offer.port);
+        let tcp = TcpStream::connect(addr)
+            .await
+            .map_err(|e| ClientError::Connect { addr: addr.to_string(), message: format!("bulk channel: {e}") })?;
+        tcp.set_nodelay(true).map_err(io_err)?;
+        let mut io: Box<dyn Duplex> = if offer.tls {
+            let s =
+                self.tls.connect(self.server_name.clone(), tcp).await.map_err(|e| ClientError::Tls(e.to_string()))?;
+            Box::new(s)
+        } else {
+            Box::new(tcp)
+        };
+        io.write_all(&offer.token).await.map_err(io_err)?;
+        io.flush().await.map_err(io_err)?;
+        let mut io = BufReader::new(io);
+        let mut status = [0u8; 1];
+        io.read_exact(&mut status).await.map_err(io_err)?;
+        if status[0] != 0 {
+            return Err(match read_message::<_, Response>(&mut io, CLIENT_MAX_FRAME).await? {
+                Response::Error(b) => ClientError::Status { code: b.code, message: b.message },
+                other => unexpected("Error", &other),
+            });
+        }
+        Ok(BulkConn { io })
+    }
+}
+
+fn io_err(e: io::Error) -> ClientError {
+    ClientError::Io(format!("bulk channel: {e}"))
+}
+
+impl BulkConn {
+    /// Send one request: its frame, then `values`. The server reads values as they come and
+    /// answers after the last (or early, with an error, reading the rest), so the answer is
+    /// read after this returns.
+    pub(crate) async fn send(&mut self, frame: &[u8], values: &[&[u8]]) -> Result<()> {
+        let len = frame.len() as u64 + values.iter().map(|v| v.len() as u64).sum::<u64>();
+        let io = self.io.get_mut();
+        let mut head = Vec::with_capacity(8 + frame.len());
+        head.extend_from_slice(&len.to_le_bytes());
+        head.extend_from_slice(frame);
+        io.write_all(&head).await.map_err(io_err)?;
+        for v in values {
+            io.write_all(v).await.map_err(io_err)?;
+        }
+        io.flush().await.map_err(io_err)
+    }
+
+    /// The answer to the request just sent.
+    pub(crate) fn answer(&mut self) -> Answer<'_> {
+        Answer { inner: &mut self.io, state: State::Head, left: 0, head: [0; 5], have: 0 }
+    }
+
+    /// An idle connection the server has not closed (nothing to read, no end of stream).
+    fn alive(&mut self) -> bool {
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        matches!(Pin::new(&mut self.io).poll_fill_buf(&mut cx), Poll::Pending)
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum State {
+    Head,
+    Body,
+    Tail,
+    Done,
+    Reset(u32),
+}
+
+/// The answer to one request, de-chunked: its frame and value bytes, then the end of the stream
+/// (or a reset, read as an error).
+pub(crate) struct Answer<'a> {
+    inner: &'a mut BufReader<Box<dyn Duplex>>,
+    state: State,
+    left: u32,
+    head: [u8; 5],
+    have: usize,
+}
+
+impl Answer<'_> {
+    /// The answer ended (the server finished it and everything was read).
+    pub(crate) fn finished(&self) -> bool {
+        self.state == State::Done
+    }
+
+    /// Read up to `n` bytes of a chunk header or tail into `head`.
+    fn poll_head(&mut self, cx: &mut Context<'_>, n: usize) -> Poll<io::Result<()>> {
+        while self.have < n {
+            let mut b = [0u8; 5];
+            let mut rb = ReadBuf::new(&mut b[..n - self.have]);
+            ready!(Pin::new(&mut self.inner).poll_read(cx, &mut rb))?;
+            let got = rb.filled().len();
+            if got == 0 {
+                return Poll::Ready(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "bulk connection closed")));
+            }
+            self.head[self.have..self.have + got].copy_from_slice(rb.filled());
+            self.have += got;
+        }
+        self.have = 0;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl AsyncRead for Answer<'_> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let me = &mut *self;
+        loop {
+            match me.state {
+                State::Done => return Poll::Ready(Ok(())),
+                State::Reset(code) => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::ConnectionReset,
+                        format!("the server reset the answer (code {code})"),
+                    )))
+                }
+                State::Head => {
+                    ready!(me.poll_head(cx, 4))?;
+                    let n = u32::from_le_bytes(me.head[..4].try_into().expect("4 bytes"));
+                    if n == END {
+                        me.state = State::Tail;
+                    } else if n > END >> 1 {
+                        return Poll::Ready(Err(io::Error::new(io::ErrorKind::InvalidData, "bad bulk chunk length")));
+                    } else {
+                        me.left = n;
+                        me.state = State::Body;
+                    }
+                }
+                State::Tail => {
+                    ready!(me.poll_head(cx, 5))?;
+                    let code = u32::from_le_bytes(me.head[1..5].try_into().expect("4 bytes"));
+                    me.state = if me.head[0] == 0 { State::Done } else { State::Reset(code) };
+                }
+                State::Body if me.left == 0 => me.state = State::Head,
+                State::Body => {
+                    if buf.remaining() == 0 {
+                        return Poll::Ready(Ok(()));
+                    }
+                    let want = buf.remaining().min(me.left as usize);
+                    let mut part = buf.take(want);
+                    ready!(Pin::new(&mut me.inner).poll_read(cx, &mut part))?;
+                    let n = part.filled().len();
+                    if n == 0 {
+                        return Poll::Ready(Err(io::Error::new(
+                            io::ErrorKind::UnexpectedEof,
+                            "bulk connection closed",
+                        )));
+                    }
+                    // SAFETY: `part` filled these bytes of `buf`'s unfilled part.
+                    unsafe { buf.assume_init(n) };
+                    buf.advance(n);
+                    me.left -= n as u32;
+                    return Poll::Ready(Ok(()));
+                }
+            }
+        }
+    }
+}
+
+/// Read the answer's frame; a typed error becomes `ClientError::Status`.
+pub(crate) async fn read_answer(rx: &mut Answer<'_>) -> Result<Response> {
+    match read_message::<_, Response>(rx, CLIENT_MAX_FRAME).await {
+        Ok(Response::Error(body)) => Err(ClientError::Status { code: body.code, message: body.message }),
+        Ok(r) => Ok(r),
+        Err(e) => Err(e.into()),
+    }
+}

@@ -1,0 +1,229 @@
+//! The TCP bulk channel's front door: requests of an authenticated QUIC connection carried by a
+//! TCP connection, so that bulk bytes ride the kernel's TCP segmentation and receive offloads
+//! (one 64 KB `sendmsg`/`recvmsg` where QUIC pays per 1,500-byte packet in user space).
+//!
+//! A client asks `BulkAttach` on its QUIC connection and gets a port and a one-time token. It
+//! connects (TLS 1.3 with the server's QUIC certificate, or plaintext when it asked for that
+//! and its address is in `bulk.trusted_networks`), presents the token, and then sends one
+//! request at a time in envelopes (`bulk_stream.rs`, PROTOCOL.md 11.10). A token binds one TCP
+//! connection, from the QUIC connection's own address, to that connection's session (tenant,
+//! leases, reservations): a connection without a valid token, with a used one, or from
+//! another address is refused before it can read or store anything. Its connections close
+//! when the QUIC connection ends.
+
+use super::bulk_stream::{refuse, run};
+use super::session::Session;
+use super::shared::Shared;
+use super::stream::{error, Fail};
+use kvpool_proto::{BulkOffer, ErrorCode};
+use parking_lot::Mutex;
+use std::collections::HashMap;
+use std::io;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+use tracing::{debug, info, warn};
+
+/// Bytes of a token.
+pub const TOKEN_LEN: usize = 32;
+/// A token not presented within this long is forgotten.
+pub const TOKEN_TTL: Duration = Duration::from_secs(10);
+/// Time a new TCP connection has for its TLS handshake and token.
+const BIND_TIMEOUT: Duration = Duration::from_secs(5);
+/// Tokens waiting for their connection, over all sessions: a client asking without connecting
+/// cannot grow the table without bound.
+const MAX_PENDING: usize = 4096;
+/// TCP connections one QUIC connection may bind at once.
+pub const MAX_CONNECTIONS_PER_SESSION: usize = 64;
+/// First byte of a TLS record carrying a handshake message (a ClientHello).
+const TLS_HANDSHAKE: u8 = 0x16;
+
+struct Pending {
+    session: Weak<Session>,
+    peer: IpAddr,
+    tls: bool,
+    expires: Instant,
+}
+
+/// The bulk channel of a server: its listener, TLS, trusted networks and live tokens.
+pub struct BulkDoor {
+    listener: Mutex<Option<std::net::TcpListener>>,
+    port: u16,
+    tls: tokio_rustls::TlsAcceptor,
+    trusted: Vec<ipnet::IpNet>,
+    pending: Mutex<HashMap<[u8; TOKEN_LEN], Pending>>,
+}
+
+impl BulkDoor {
+    /// Listen on `listen`, or (empty) on the QUIC address's IP and port, or a free port there.
+    pub fn bind(
+        listen: &str,
+        quic: SocketAddr,
+        tls: Arc<rustls::ServerConfig>,
+        trusted: Vec<ipnet::IpNet>,
+    ) -> io::Result<BulkDoor> {
+        let listener = if listen.trim().is_empty() {
+            std::net::TcpListener::bind(quic).or_else(|_| std::net::TcpListener::bind(SocketAddr::new(quic.ip(), 0)))?
+        } else {
+            let addr: SocketAddr =
+                listen.parse().map_err(|_| io::Error::other(format!("bad bulk.listen {listen:?}")))?;
+            std::net::TcpListener::bind(addr)?
+        };
+        listener.set_nonblocking(true)?;
+        let port = listener.local_addr()?.port();
+        if trusted.iter().any(|n| n.prefix_len() == 0) {
+            warn!("bulk.trusted_networks lists a whole address family: any client may move bytes in plaintext");
+        }
+        Ok(BulkDoor {
+            listener: Mutex::new(Some(listener)),
+            port,
+            tls: tokio_rustls::TlsAcceptor::from(tls),
+            trusted,
+            pending: Mutex::new(HashMap::new()),
+        })
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    fn trusts(&self, ip: IpAddr) -> bool {
+        let ip = ip.to_canonical();
+        self.trusted.iter().any(|n| n.contains(&ip))
+    }
+
+    /// A token for one TCP connection of `session` (answer to `BulkAttach`).
+    pub(super) fn issue(&self, session: &Arc<Session>, plaintext: bool) -> Result<BulkOffer, Fail> {
+        let peer = session.peer.ok_or_else(|| {
+            Fail::Reply(error(ErrorCode::Unsupported, "the bulk channel is asked for on a QUIC connection"))
+        })?;
+        let mut token = [0u8; TOKEN_LEN];
+        getrandom::getrandom(&mut token).map_err(|e| Fail::Reply(error(ErrorCode::Internal, e.to_string())))?;
+        let tls = !(plaintext && self.trusts(peer));
+        let now = Instant::now();
+        let mut pending = self.pending.lock();
+        pending.retain(|_, p| p.expires > now && p.session.strong_count() > 0);
+        if pending.len() >= MAX_PENDING {
+            return Err(Fail::Reply(error(
+                ErrorCode::Rejected,
+                format!("{MAX_PENDING} bulk tokens wait for their connection; connect with the ones you have"),
+            )));
+        }
+        let p = Pending { session: Arc::downgrade(session), peer: peer.to_canonical(), tls, expires: now + TOKEN_TTL };
+        pending.insert(token, p);
+        Ok(BulkOffer { port: self.port, token: token.to_vec(), tls, expires_ms: TOKEN_TTL.as_millis() as u32 })
+    }
+
+    /// Spend `token` for a connection from `peer` that is (or is not) TLS. A token is spent
+    /// even when refused: one that leaked is never good again.
+    fn redeem(&self, token: &[u8; TOKEN_LEN], peer: IpAddr, tls: bool) -> Result<Arc<Session>, (ErrorCode, String)> {
+        let p = self.pending.lock().remove(token);
+        let unknown = || {
+            (
+                ErrorCode::Unauthorized,
+                "unknown bulk token (never issued, used already, expired, or its QUIC connection ended)".to_string(),
+            )
+        };
+        let p = p.filter(|p| p.expires > Instant::now()).ok_or_else(unknown)?;
+        if p.peer != peer.to_canonical() {
+            return Err((ErrorCode::Unauthorized, "the bulk token was issued to another address".into()));
+        }
+        if p.tls && !tls {
+            return Err((ErrorCode::Forbidden, "plaintext was not granted to this token: connect with TLS".into()));
+        }
+        p.session.upgrade().ok_or_else(unknown)
+    }
+}
+
+/// Accept bulk connections until the runtime stops; returns at once when the server has no
+/// bulk channel or it is already served.
+pub async fn serve(shared: Arc<Shared>) {
+    let Some(door) = shared.bulk.get() else { return };
+    let Some(std_listener) = door.listener.lock().take() else { return };
+    let listener = match tokio::net::TcpListener::from_std(std_listener) {
+        Ok(l) => l,
+        Err(e) => return warn!(error = %e, "cannot serve the bulk channel"),
+    };
+    info!(port = door.port, trusted = door.trusted.len(), "TCP bulk channel offered");
+    loop {
+        let (sock, addr) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                debug!(error = %e, "bulk accept failed");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                continue;
+            }
+        };
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            if let Err(e) = serve_tcp(sock, addr.ip(), &shared).await {
+                debug!(error = %e, %addr, "bulk connection ended");
+            }
+        });
+    }
+}
+
+/// One TCP connection: TLS unless its address is trusted and its first byte is not a TLS
+/// handshake, then the token and the envelopes.
+async fn serve_tcp(sock: tokio::net::TcpStream, peer: IpAddr, shared: &Arc<Shared>) -> io::Result<()> {
+    let Some(door) = shared.bulk.get() else { return Ok(()) };
+    sock.set_nodelay(true)?;
+    let plain = if door.trusts(peer) {
+        let mut first = [0u8; 1];
+        match tokio::time::timeout(BIND_TIMEOUT, sock.peek(&mut first)).await {
+            Ok(Ok(1)) => first[0] != TLS_HANDSHAKE,
+            Ok(Ok(_)) => return Ok(()),
+            Ok(Err(e)) => return Err(e),
+            Err(_) => return Ok(()),
+        }
+    } else {
+        false
+    };
+    if plain {
+        return serve_stream(sock, peer, false, shared).await;
+    }
+    let tls = match tokio::time::timeout(BIND_TIMEOUT, door.tls.accept(sock)).await {
+        Ok(Ok(s)) => s,
+        Ok(Err(e)) => {
+            shared.metrics.bulk_refused.inc();
+            return Err(e);
+        }
+        Err(_) => return Ok(()),
+    };
+    serve_stream(tls, peer, true, shared).await
+}
+
+/// A bulk connection after its transport handshake (TLS or plaintext TCP; an in-memory pipe
+/// in the fuzz driver): the token, then one envelope after another.
+pub async fn serve_stream<S>(mut stream: S, peer: IpAddr, tls: bool, shared: &Arc<Shared>) -> io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let Some(door) = shared.bulk.get() else { return Ok(()) };
+    let mut token = [0u8; TOKEN_LEN];
+    match tokio::time::timeout(BIND_TIMEOUT, stream.read_exact(&mut token)).await {
+        Ok(Ok(_)) => {}
+        Ok(Err(e)) => return Err(e),
+        Err(_) => return refuse(&mut stream, shared, ErrorCode::Timeout, "no token in time".into()).await,
+    }
+    let session = match door.redeem(&token, peer, tls) {
+        Ok(s) => s,
+        Err((code, message)) => return refuse(&mut stream, shared, code, message).await,
+    };
+    let Some(_count) = session.bulk_slot(MAX_CONNECTIONS_PER_SESSION) else {
+        let m = format!("at most {MAX_CONNECTIONS_PER_SESSION} bulk connections per QUIC connection");
+        return refuse(&mut stream, shared, ErrorCode::Rejected, m).await;
+    };
+    let weak = Arc::downgrade(&session);
+    let ended = {
+        let s = session.clone();
+        async move { s.ended().await }
+    };
+    drop(session);
+    tokio::select! {
+        r = run(stream, weak, if tls { "tls" } else { "tcp" }, shared) => r,
+        // The QUIC connection ended: its bulk connections go with it.
+        _ = ended => Ok(()),
+    }
+}

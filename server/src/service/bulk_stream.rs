@@ -1,0 +1,321 @@
+//! The envelopes of the TCP bulk channel (PROTOCOL.md 11.10), and the request stream halves
+//! they make for the one request handler.
+//!
+//! A request envelope is its length (u64 LE) and that many bytes: the request frame and the
+//! value bytes it declares, exactly as on a QUIC stream; its end is the stream's FIN. The
+//! answer is streamed in chunks, each a u32 LE length under 2^31 and its bytes, ended by
+//! `0xFFFF_FFFF`, a byte (0 finished, 1 reset) and a u32 LE code (the reset's). Values go
+//! from the socket straight into their DRAM range, and from DRAM to the socket, in one chunk
+//! each: no copy beyond TLS's own.
+
+use super::dispatch::handle_stream;
+use super::session::Session;
+use super::shared::Shared;
+use super::stream::{error, BoxFuture, RequestRecv, RequestSend};
+use bytes::Bytes;
+use kvpool_proto::frame::{encode_frame, read_frame};
+use kvpool_proto::{ErrorCode, ProtoError, Response};
+use std::io;
+use std::pin::Pin;
+use std::sync::{Arc, Weak};
+use std::task::{ready, Context, Poll};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, WriteHalf};
+
+/// Chunk length that ends an answer.
+pub const END: u32 = u32::MAX;
+/// Request bytes the server still reads (and drops) after answering early, to keep the
+/// connection; a client that would send more loses the connection instead.
+const DRAIN_LIMIT: u64 = 64 << 20;
+/// Answer bytes gathered before they go out as one chunk (frames; values go on their own).
+const GATHER: usize = 64 << 10;
+
+/// A refusal before any request: status 1, then an error frame; the server closes after it.
+pub(super) async fn refuse<S: AsyncWrite + Unpin>(
+    s: &mut S,
+    shared: &Shared,
+    code: ErrorCode,
+    message: String,
+) -> io::Result<()> {
+    shared.metrics.bulk_refused.inc();
+    tracing::debug!(%message, "bulk connection refused");
+    let mut out = vec![1u8];
+    out.extend(encode_frame(&Response::Error(error(code, message))).map_err(io::Error::other)?);
+    s.write_all(&out).await?;
+    s.shutdown().await
+}
+
+/// Tags of the requests that need a QUIC connection: `LocalAttach` and `BulkAttach` bind
+/// channels to it, and a subscription is a stream of answers that ends when the client says.
+const QUIC_ONLY: [u32; 3] = [21, 22, 31];
+
+/// Serve envelopes until the client closes, the session is gone, or the framing breaks.
+pub(super) async fn run<S>(
+    stream: S,
+    session: Weak<Session>,
+    transport: &'static str,
+    shared: &Arc<Shared>,
+) -> io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    let (mut rd, mut wr) = tokio::io::split(stream);
+    wr.write_all(&[0]).await?;
+    wr.flush().await?;
+    let max_request = max_envelope(shared);
+    loop {
+        let mut head = [0u8; 8];
+        match rd.read_exact(&mut head).await {
+            Ok(_) => {}
+            Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
+            Err(e) => return Err(e),
+        }
+        let len = u64::from_le_bytes(head);
+        let mut send = BulkSend::new(&mut wr, transport);
+        if len > max_request {
+            let m = format!("a request envelope of {len} bytes; the limit is {max_request}");
+            let frame = encode_frame(&Response::Error(error(ErrorCode::FrameTooLarge, m))).map_err(io::Error::other)?;
+            send.write_all(&frame).await?;
+            send.end(0, 0).await?;
+            return Ok(());
+        }
+        let Some(session) = session.upgrade() else { return Ok(()) };
+        let mut recv = BulkRecv { inner: &mut rd, left: len, prefix: Bytes::new(), transport };
+        // The frame is read here to refuse what must be asked on QUIC; the handler reads it again.
+        let deadline = tokio::time::Instant::now() + shared.timeouts.request;
+        let body = match tokio::time::timeout_at(deadline, read_frame(&mut recv, shared.limits.max_frame)).await {
+            Ok(Ok(Some(body))) => body,
+            Ok(Ok(None)) => Vec::new(),
+            Ok(Err(ProtoError::Cancelled(_))) => return Ok(()),
+            Ok(Err(e)) => {
+                let frame = encode_frame(&Response::Error(error(e.code(), e.to_string()))).map_err(io::Error::other)?;
+                send.write_all(&frame).await?;
+                send.end(0, 0).await?;
+                return Ok(());
+            }
+            Err(_) => {
+                let m = "no complete request frame in time".to_string();
+                let frame = encode_frame(&Response::Error(error(ErrorCode::Timeout, m))).map_err(io::Error::other)?;
+                send.write_all(&frame).await?;
+                send.end(0, 0).await?;
+                return Ok(());
+            }
+        };
+        if kvpool_proto::message_tag(&body).is_some_and(|t| QUIC_ONLY.contains(&t)) {
+            let m = "LocalAttach, Subscribe and BulkAttach are asked on the QUIC connection, not on its bulk channel";
+            let frame =
+                encode_frame(&Response::Error(error(ErrorCode::InvalidArgument, m))).map_err(io::Error::other)?;
+            send.write_all(&frame).await?;
+            send.end(0, 0).await?;
+            if !drain(&mut recv, shared).await {
+                return Ok(());
+            }
+            continue;
+        }
+        if !body.is_empty() {
+            let mut prefix = Vec::with_capacity(4 + body.len());
+            prefix.extend_from_slice(&(body.len() as u32).to_le_bytes());
+            prefix.extend_from_slice(&body);
+            recv.prefix = prefix.into();
+        }
+        handle_stream(&mut recv, &mut send, &session, shared).await;
+        drop(session);
+        shared.metrics.bulk_requests.inc();
+        if send.broken() {
+            // A value was abandoned halfway through its chunk: the framing cannot go on.
+            return Ok(());
+        }
+        let (end, code) = send.outcome();
+        send.end(end, code).await?;
+        if !drain(&mut recv, shared).await {
+            return Ok(());
+        }
+    }
+}
+
+/// Largest request envelope: a full batch of the largest values behind the largest frame.
+fn max_envelope(s: &Shared) -> u64 {
+    let l = &s.limits;
+    (l.max_value_size.saturating_mul(l.max_batch as u64)).saturating_add(l.max_frame as u64 + 4)
+}
+
+/// Read what the handler left of the request (it answered early); `false`: close instead.
+async fn drain<R: AsyncRead + Unpin>(recv: &mut BulkRecv<'_, R>, shared: &Shared) -> bool {
+    if recv.left == 0 {
+        return true;
+    }
+    if recv.left > DRAIN_LIMIT {
+        return false;
+    }
+    let deadline = shared.timeouts.transfer(recv.left);
+    let mut sink = tokio::io::sink();
+    matches!(tokio::time::timeout(deadline, tokio::io::copy(recv, &mut sink)).await, Ok(Ok(_))) && recv.left == 0
+}
+
+/// The receiving half of one request: its envelope's bytes, then the end of the stream.
+pub(super) struct BulkRecv<'a, R> {
+    inner: &'a mut ReadHalf<R>,
+    left: u64,
+    /// Bytes read ahead (the frame) and handed out first.
+    prefix: Bytes,
+    transport: &'static str,
+}
+
+impl<R: AsyncRead> AsyncRead for BulkRecv<'_, R> {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let me = &mut *self;
+        if !me.prefix.is_empty() {
+            let n = buf.remaining().min(me.prefix.len());
+            buf.put_slice(&me.prefix.split_to(n));
+            return Poll::Ready(Ok(()));
+        }
+        if me.left == 0 || buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        let want = buf.remaining().min(usize::try_from(me.left).unwrap_or(usize::MAX));
+        let mut part = buf.take(want);
+        ready!(Pin::new(&mut *me.inner).poll_read(cx, &mut part))?;
+        let n = part.filled().len();
+        if n == 0 {
+            // The connection closed inside an envelope: the client is gone.
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionReset, "bulk connection closed")));
+        }
+        // SAFETY: `part` filled these bytes of `buf`'s unfilled part.
+        unsafe { buf.assume_init(n) };
+        buf.advance(n);
+        me.left -= n as u64;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<R: AsyncRead + Send> RequestRecv for BulkRecv<'_, R> {
+    /// The rest of the envelope is drained (or the connection closed) after the answer.
+    fn stop(&mut self, _code: u32) {}
+    fn transport(&self) -> &'static str {
+        self.transport
+    }
+}
+
+/// The sending half of one answer: chunks, then the end.
+pub(super) struct BulkSend<'a, W> {
+    inner: &'a mut WriteHalf<W>,
+    /// Small writes gathered into one chunk, header first.
+    gather: Vec<u8>,
+    /// Bytes of gathered data written out so far.
+    flushed: usize,
+    /// Bytes of a large chunk declared and not yet written.
+    in_chunk: usize,
+    finished: bool,
+    reset: Option<u32>,
+    transport: &'static str,
+}
+
+impl<'a, W: AsyncWrite> BulkSend<'a, W> {
+    fn new(inner: &'a mut WriteHalf<W>, transport: &'static str) -> Self {
+        BulkSend { inner, gather: Vec::new(), flushed: 0, in_chunk: 0, finished: false, reset: None, transport }
+    }
+
+    fn broken(&self) -> bool {
+        self.in_chunk > 0
+    }
+
+    fn outcome(&self) -> (u8, u32) {
+        match self.reset {
+            Some(code) if !self.finished => (1, code),
+            _ => (0, 0),
+        }
+    }
+
+    /// Close the gathered bytes as a chunk (its header is at the front).
+    fn seal(&mut self) {
+        if self.gather.len() > 4 && self.flushed == 0 {
+            let n = (self.gather.len() - 4) as u32;
+            self.gather[..4].copy_from_slice(&n.to_le_bytes());
+        }
+    }
+
+    fn poll_gathered(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        while self.flushed < self.gather.len() {
+            let n = ready!(Pin::new(&mut *self.inner).poll_write(cx, &self.gather[self.flushed..]))?;
+            if n == 0 {
+                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
+            }
+            self.flushed += n;
+        }
+        self.gather.clear();
+        self.flushed = 0;
+        Poll::Ready(Ok(()))
+    }
+
+    /// The end of the answer, after what is gathered.
+    async fn end(&mut self, end: u8, code: u32) -> io::Result<()> {
+        self.seal();
+        let mut tail = [0u8; 9];
+        tail[..4].copy_from_slice(&END.to_le_bytes());
+        tail[4] = end;
+        tail[5..].copy_from_slice(&code.to_le_bytes());
+        self.gather.extend_from_slice(&tail);
+        std::future::poll_fn(|cx| self.poll_gathered(cx)).await?;
+        self.inner.flush().await
+    }
+}
+
+impl<W: AsyncWrite> AsyncWrite for BulkSend<'_, W> {
+    fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        let me = &mut *self;
+        // What is gathered goes out first: earlier chunks, and an open chunk's header.
+        if me.flushed > 0 || (me.in_chunk > 0 && !me.gather.is_empty()) {
+            ready!(me.poll_gathered(cx))?;
+        }
+        if me.in_chunk > 0 {
+            let want = buf.len().min(me.in_chunk);
+            let n = ready!(Pin::new(&mut *me.inner).poll_write(cx, &buf[..want]))?;
+            me.in_chunk -= n;
+            return Poll::Ready(Ok(n));
+        }
+        if buf.is_empty() {
+            return Poll::Ready(Ok(0));
+        }
+        if buf.len() < GATHER && me.gather.len() + buf.len() <= GATHER {
+            if me.gather.is_empty() {
+                me.gather.extend_from_slice(&[0; 4]);
+            }
+            me.gather.extend_from_slice(buf);
+            return Poll::Ready(Ok(buf.len()));
+        }
+        // A value: what is gathered, then this chunk's header, then its bytes straight from the
+        // caller's buffer. The chunk is open from here: a caller that gives up on it breaks the
+        // framing, and the connection is closed.
+        let len = buf.len().min((END >> 1) as usize);
+        me.seal();
+        me.gather.extend_from_slice(&(len as u32).to_le_bytes());
+        me.in_chunk = len;
+        ready!(me.poll_gathered(cx))?;
+        let n = ready!(Pin::new(&mut *me.inner).poll_write(cx, &buf[..len]))?;
+        me.in_chunk -= n;
+        Poll::Ready(Ok(n))
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut *self.inner).poll_flush(cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.finished = true;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl<W: AsyncWrite + Send> RequestSend for BulkSend<'_, W> {
+    fn write_owned(&mut self, bytes: Bytes) -> BoxFuture<'_, io::Result<()>> {
+        Box::pin(async move { self.write_all(&bytes).await })
+    }
+    fn finish(&mut self) {
+        self.finished = true;
+    }
+    fn reset(&mut self, code: u32) {
+        self.reset = Some(code);
+    }
+    fn transport(&self) -> &'static str {
+        self.transport
+    }
+}

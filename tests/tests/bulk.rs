@@ -1,0 +1,245 @@
+//! The TCP bulk channel against a real server: puts and gets through the client over TLS and
+//! over plaintext where both sides trust the network, and its door: tokens that are unknown,
+//! used, from another address or of an ended connection are refused and leak nothing.
+
+use kvpool_client::{BulkChoice, Client, GetIntoResult, PutEntry, RawConnection, TransportChoice, Trust};
+use kvpool_proto::frame::{encode_frame, read_message};
+use kvpool_proto::{
+    BulkAttachRequest, BulkOffer, ErrorCode, EventScope, Hello, KeysRequest, PutMode, Request, Response,
+    SubscribeRequest, PROTOCOL_VERSION,
+};
+use kvpool_tests::{metric, value_for, Opts, TestServer, ADMIN_KEY};
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
+use tokio::net::{TcpSocket, TcpStream};
+
+fn bulk_config(srv: &TestServer, trusted: &[&str]) -> kvpool_client::ClientConfig {
+    let mut cfg = srv.client_config_on(ADMIN_KEY, TransportChoice::Quic);
+    cfg.bulk = BulkChoice::Tcp;
+    cfg.trusted_networks = trusted.iter().map(|n| n.parse().unwrap()).collect();
+    cfg
+}
+
+fn moved(srv: &TestServer, transport: &str, direction: &str) -> f64 {
+    metric(
+        &srv.scrape(),
+        &format!("kvpool_transfer_bytes_total{{direction=\"{direction}\",transport=\"{transport}\"}}"),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn puts_and_gets_cross_the_tls_channel_and_small_puts_stay_on_quic() {
+    let srv = TestServer::start(Opts::default());
+    let c = Client::connect(bulk_config(&srv, &[])).await.unwrap();
+    let big = value_for("big", 3 << 20);
+    c.put("big", &big).await.unwrap();
+    let values: Vec<Vec<u8>> = (0..8).map(|i| value_for(&format!("b{i}"), 256 << 10)).collect();
+    let keys: Vec<String> = (0..8).map(|i| format!("b{i}")).collect();
+    let entries: Vec<PutEntry> = keys.iter().zip(&values).map(|(k, v)| PutEntry::new(k.as_bytes(), v)).collect();
+    assert!(c.put_batch(&entries, PutMode::Insert).await.unwrap().iter().all(|s| *s == ErrorCode::Ok));
+    let quic_in = moved(&srv, "quic", "in");
+    c.put("small", &value_for("small", 4096)).await.unwrap();
+    assert_eq!(moved(&srv, "quic", "in") - quic_in, 4096.0, "a 4 KiB put stays on QUIC");
+    assert!(moved(&srv, "tls", "in") >= (5 << 20) as f64, "the large puts came over TLS");
+
+    assert_eq!(c.get("big").await.unwrap().unwrap(), big);
+    let got = c.get_batch(&keys).await.unwrap();
+    assert!(got.iter().zip(&values).all(|(g, v)| g.value.as_ref() == Some(v)));
+    assert!(moved(&srv, "tls", "out") >= (5 << 20) as f64, "the gets went out over TLS");
+    // Into caller buffers: one fits, one is too small (its bytes are skipped, the stream goes on).
+    let (mut a, mut b) = (vec![0u8; 256 << 10], vec![0u8; 1000]);
+    let r = c.get_batch_into(&["b0", "b1", "nope"], &mut [&mut a[..], &mut b[..], &mut [][..]]).await.unwrap();
+    assert_eq!(r[0], GetIntoResult { status: ErrorCode::Ok, size: 256 << 10, tier: 1, lease_ms: r[0].lease_ms });
+    assert_eq!((r[1].status, r[2].status), (ErrorCode::ValueTooLarge, ErrorCode::NotFound));
+    assert_eq!(a, values[0]);
+    // The same connection goes on after an item-level refusal.
+    assert_eq!(c.put("big", &big).await.unwrap_err().code(), ErrorCode::AlreadyExists);
+    assert_eq!(c.get("big").await.unwrap().unwrap(), big);
+    assert!(metric(&srv.scrape(), "kvpool_bulk_requests_total") >= 6.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plaintext_only_where_both_sides_trust_the_network() {
+    let trusting =
+        TestServer::start(Opts { extra: "[bulk]\ntrusted_networks = [\"127.0.0.0/8\"]\n".into(), ..Opts::default() });
+    let v = value_for("p", 1 << 20);
+    // Both trust: plaintext TCP.
+    let c = Client::connect(bulk_config(&trusting, &["127.0.0.0/8"])).await.unwrap();
+    c.put("p", &v).await.unwrap();
+    assert_eq!(moved(&trusting, "tcp", "in"), (1 << 20) as f64);
+    // Only the server trusts: TLS.
+    let c = Client::connect(bulk_config(&trusting, &[])).await.unwrap();
+    assert_eq!(c.get("p").await.unwrap().unwrap(), v);
+    assert_eq!(moved(&trusting, "tls", "out"), (1 << 20) as f64);
+    // Only the client trusts: TLS.
+    let strict = TestServer::start(Opts::default());
+    let c = Client::connect(bulk_config(&strict, &["127.0.0.0/8"])).await.unwrap();
+    c.put("p", &v).await.unwrap();
+    assert_eq!((moved(&strict, "tls", "in"), moved(&strict, "tcp", "in")), ((1 << 20) as f64, 0.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_a_channel_the_bytes_go_over_quic() {
+    let srv = TestServer::start(Opts { extra: "[bulk]\ntcp = false\n".into(), ..Opts::default() });
+    let c = Client::connect(bulk_config(&srv, &[])).await.unwrap();
+    let v = value_for("q", 1 << 20);
+    let t = std::time::Instant::now();
+    c.put("q", &v).await.unwrap();
+    assert_eq!(c.get("q").await.unwrap().unwrap(), v);
+    assert!(t.elapsed() < Duration::from_secs(2), "no wait for a channel that is not offered");
+    assert_eq!(moved(&srv, "quic", "in"), (1 << 20) as f64);
+}
+
+// ---- the door, driven by hand --------------------------------------------------------------
+
+async fn session(srv: &TestServer) -> RawConnection {
+    let r = RawConnection::connect(&srv.client_config(ADMIN_KEY)).await.unwrap();
+    let h = Request::Hello(Hello { version: PROTOCOL_VERSION, api_key: ADMIN_KEY.into(), client_name: "t".into() });
+    assert!(matches!(r.request(&h).await.unwrap(), Response::Hello(_)));
+    r
+}
+
+async fn offer(r: &RawConnection, plaintext: bool) -> BulkOffer {
+    match r.request(&Request::BulkAttach(BulkAttachRequest { plaintext })).await.unwrap() {
+        Response::BulkOffer(o) => o,
+        other => panic!("{other:?}"),
+    }
+}
+
+trait Io: AsyncRead + AsyncWrite + Unpin + Send {}
+impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
+
+/// A TCP connection to the offer's port, from `from` when given, with TLS when `tls`.
+async fn dial(srv: &TestServer, port: u16, from: Option<IpAddr>, tls: bool) -> Box<dyn Io> {
+    let ip: IpAddr = srv.addr().parse::<SocketAddr>().unwrap().ip();
+    let sock = TcpSocket::new_v4().unwrap();
+    if let Some(from) = from {
+        sock.bind(SocketAddr::new(from, 0)).unwrap();
+    }
+    let tcp: TcpStream = sock.connect(SocketAddr::new(ip, port)).await.unwrap();
+    if !tls {
+        return Box::new(tcp);
+    }
+    let cert = std::path::PathBuf::from(srv.endpoint["cert_path"].as_str().unwrap());
+    let mut cfg = kvpool_client::tls::rustls_config(&Trust::CaFile(cert)).unwrap();
+    cfg.alpn_protocols = vec![kvpool_proto::BULK_ALPN.to_vec()];
+    let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
+    Box::new(tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg)).connect(name, tcp).await.unwrap())
+}
+
+/// Present `token`: `Ok` when bound, else the refusal's code (the server then closes).
+async fn present(io: &mut Box<dyn Io>, token: &[u8]) -> Result<(), ErrorCode> {
+    io.write_all(token).await.unwrap();
+    let mut status = [0u8; 1];
+    tokio::time::timeout(Duration::from_secs(5), io.read_exact(&mut status)).await.unwrap().unwrap();
+    if status[0] == 0 {
+        return Ok(());
+    }
+    match read_message::<_, Response>(io, 1 << 20).await.unwrap() {
+        Response::Error(e) => {
+            let mut rest = Vec::new();
+            let _ = tokio::time::timeout(Duration::from_secs(5), io.read_to_end(&mut rest)).await;
+            assert!(rest.is_empty(), "nothing after a refusal: {rest:?}");
+            Err(e.code)
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
+/// One envelope; the answer's chunks joined, and whether it ended (0) or was reset (1).
+async fn envelope(io: &mut Box<dyn Io>, bytes: &[u8]) -> (Vec<u8>, u8) {
+    io.write_all(&(bytes.len() as u64).to_le_bytes()).await.unwrap();
+    io.write_all(bytes).await.unwrap();
+    let mut out = Vec::new();
+    loop {
+        let n = io.read_u32_le().await.unwrap();
+        if n == u32::MAX {
+            let end = io.read_u8().await.unwrap();
+            let _code = io.read_u32_le().await.unwrap();
+            return (out, end);
+        }
+        let at = out.len();
+        out.resize(at + n as usize, 0);
+        io.read_exact(&mut out[at..]).await.unwrap();
+    }
+}
+
+fn get_frame(key: &str) -> Vec<u8> {
+    encode_frame(&Request::Get(KeysRequest { keys: vec![key.into()] })).unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_door_refuses_unknown_used_foreign_and_orphaned_tokens_and_leaks_nothing() {
+    let srv = TestServer::start(Opts::default());
+    let secret = value_for("secret", 200_000);
+    Client::connect(srv.client_config(ADMIN_KEY)).await.unwrap().put("secret", &secret).await.unwrap();
+    let r = session(&srv).await;
+    let o = offer(&r, false).await;
+    assert!(o.tls, "plaintext is never granted by default");
+
+    // A token nobody issued.
+    let mut io = dial(&srv, o.port, None, true).await;
+    assert_eq!(present(&mut io, &[7u8; 32]).await, Err(ErrorCode::Unauthorized));
+    // A good token from another address is refused, and spent: its owner cannot use it either.
+    let mut io = dial(&srv, o.port, Some("127.0.0.2".parse().unwrap()), true).await;
+    assert_eq!(present(&mut io, &o.token).await, Err(ErrorCode::Unauthorized));
+    let mut io = dial(&srv, o.port, None, true).await;
+    assert_eq!(present(&mut io, &o.token).await, Err(ErrorCode::Unauthorized));
+
+    // Plaintext to a server that does not trust this network: the TLS handshake fails on the
+    // token's bytes; the request that follows is never answered, and the token is not spent.
+    let o = offer(&r, true).await;
+    assert!(o.tls);
+    let mut plain = dial(&srv, o.port, None, false).await;
+    let mut probe = o.token.clone();
+    probe.extend_from_slice(&(get_frame("secret").len() as u64).to_le_bytes());
+    probe.extend_from_slice(&get_frame("secret"));
+    let _ = plain.write_all(&probe).await;
+    let mut seen = Vec::new();
+    let _ = tokio::time::timeout(Duration::from_secs(6), plain.read_to_end(&mut seen)).await;
+    assert!(!seen.windows(64).any(|w| secret.windows(64).next() == Some(w)), "no value bytes in the clear");
+    assert!(seen.first() != Some(&0), "never bound: {seen:?}");
+
+    // The right token, over TLS, from the right address: bound once, and serves.
+    let mut io = dial(&srv, o.port, None, true).await;
+    present(&mut io, &o.token).await.unwrap();
+    let (answer, end) = envelope(&mut io, &get_frame("secret")).await;
+    assert_eq!(end, 0);
+    let (resp, rest) = kvpool_client::parse_reply(&answer).unwrap();
+    assert!(matches!(resp, Response::Get(_)));
+    assert_eq!(rest, &secret[..]);
+    // Used: a second connection with it is refused.
+    let mut again = dial(&srv, o.port, None, true).await;
+    assert_eq!(present(&mut again, &o.token).await, Err(ErrorCode::Unauthorized));
+
+    // What must be asked on QUIC is refused on the channel, which goes on serving.
+    let sub = Request::Subscribe(SubscribeRequest { from: None, scope: EventScope::Tenant, max_batch: 0 });
+    let (answer, _) = envelope(&mut io, &encode_frame(&sub).unwrap()).await;
+    assert!(
+        matches!(kvpool_client::parse_reply(&answer).unwrap().0, Response::Error(e) if e.code == ErrorCode::InvalidArgument)
+    );
+    let (answer, _) = envelope(&mut io, &get_frame("secret")).await;
+    assert_eq!(kvpool_client::parse_reply(&answer).unwrap().1, &secret[..]);
+    // Garbage in an envelope is a typed error.
+    let (answer, _) = envelope(&mut io, &[9, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]).await;
+    assert!(matches!(kvpool_client::parse_reply(&answer).unwrap().0, Response::Error(_)));
+
+    // A token of a connection that has ended; and the ended connection's channel closes.
+    let o = offer(&r, false).await;
+    let o2 = offer(&r, false).await;
+    let mut bound = dial(&srv, o2.port, None, true).await;
+    present(&mut bound, &o2.token).await.unwrap();
+    r.close();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut io = dial(&srv, o.port, None, true).await;
+    assert_eq!(present(&mut io, &o.token).await, Err(ErrorCode::Unauthorized));
+    let mut rest = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(3), bound.read_to_end(&mut rest)).await;
+    assert!(closed.is_ok(), "the channel of an ended connection closes");
+    assert!(metric(&srv.scrape(), "kvpool_bulk_refused_total") >= 5.0);
+
+    // Through it all the pool serves.
+    let c = Client::connect(srv.client_config(ADMIN_KEY)).await.unwrap();
+    assert_eq!(c.get("secret").await.unwrap().unwrap(), secret);
+}
