@@ -28,6 +28,8 @@ pub trait Target: Send + Sync {
 /// a connection of its own, all at once), so that one large transfer spreads over cores.
 pub struct KvpoolTarget {
     clients: Vec<Client>,
+    /// Row name for one connection (`kvpool`, `kvpool-tls`, `kvpool-tcp`).
+    label: String,
 }
 
 impl KvpoolTarget {
@@ -41,7 +43,13 @@ impl KvpoolTarget {
         for _ in 0..n.max(1) {
             clients.push(Client::connect(cfg.clone()).await.context("connecting to kvpool")?);
         }
-        Ok(KvpoolTarget { clients })
+        Ok(KvpoolTarget { clients, label: "kvpool".into() })
+    }
+
+    /// The same target under another row name.
+    pub fn named(mut self, label: &str) -> Self {
+        self.label = label.into();
+        self
     }
 
     pub fn client(&self) -> &Client {
@@ -57,7 +65,7 @@ impl KvpoolTarget {
 impl Target for KvpoolTarget {
     fn name(&self) -> String {
         match self.clients.len() {
-            1 => "kvpool".into(),
+            1 => self.label.clone(),
             n => format!("kvpool-{n}conn"),
         }
     }

@@ -36,6 +36,14 @@ pub(crate) struct Cli {
     /// Request timeout in seconds
     #[arg(long, env = "KVPOOL_TIMEOUT", default_value_t = 30, global = true)]
     pub(crate) timeout: u64,
+    /// Path of bulk bytes: auto (the server's TCP bulk channel to another host, QUIC on this
+    /// one), quic, or tcp
+    #[arg(long, env = "KVPOOL_BULK", default_value = "auto", global = true)]
+    pub(crate) bulk: kvpool_client::BulkChoice,
+    /// Networks (CIDRs, comma-separated) trusted for plaintext bulk bytes, when the server
+    /// trusts this client's network too
+    #[arg(long, env = "KVPOOL_TRUSTED_NETWORKS", value_delimiter = ',', global = true)]
+    pub(crate) trusted_networks: Vec<ipnet::IpNet>,
     /// The server is a cluster master: put, get, lookup, exists and rm go to the storage nodes it
     /// names. Not needed: the CLI asks the server what it is (one round trip) and routes through
     /// a master by itself; kept so that scripts that pass it keep working

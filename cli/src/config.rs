@@ -65,6 +65,8 @@ pub(crate) fn client_config(cli: &Cli) -> Result<ClientConfig, Failure> {
         cfg.server_name = name;
     }
     cfg.request_timeout = Duration::from_secs(cli.timeout.max(1));
+    cfg.bulk = cli.bulk;
+    cfg.trusted_networks = cli.trusted_networks.clone();
     Ok(cfg)
 }
 

@@ -161,6 +161,7 @@ fn request_v2(rng: &mut StdRng) -> Request {
                 .collect(),
         }),
         0 if rng.gen_bool(0.2) => Request::LocalAttach,
+        0 if rng.gen_bool(0.2) => Request::BulkAttach(kvpool_proto::BulkAttachRequest { plaintext: rng.gen() }),
         0 => Request::ShmAttach,
         1 => Request::PutIntent(PutIntentRequest { mode: mode(rng), items: put_items(rng) }),
         2 => {

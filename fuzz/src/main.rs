@@ -6,6 +6,7 @@
 //!
 //! A panic stops the run, writes the input to `--crash-dir`, and exits with status 1.
 
+mod bulk;
 mod gen;
 
 use anyhow::{bail, Context, Result};
@@ -86,6 +87,7 @@ struct Tally {
     decoder_inputs: u64,
     shm_socket_inputs: u64,
     control_socket_inputs: u64,
+    bulk_inputs: u64,
     by_answer: BTreeMap<String, u64>,
 }
 
@@ -461,6 +463,14 @@ fn worker(args: &Args, index: u64, deadline: Instant) -> Result<Tally> {
         let dir = tempfile::tempdir()?;
         let node = kvpool_server::open_node(&config(dir.path())).await?;
         tokio::spawn(kvpool_server::service::local::serve(node.shared.clone()));
+        let tls = kvpool_server::tls::load_or_generate(None, None, dir.path(), "localhost")?;
+        let door = kvpool_server::service::bulk::BulkDoor::bind(
+            "",
+            "127.0.0.1:0".parse()?,
+            kvpool_server::bulk_tls(&tls)?,
+            vec!["10.9.0.0/24".parse()?],
+        )?;
+        let _ = node.shared.bulk.set(door);
         let principal = |k: &str| node.shared.auth.check(k).context("fuzz key");
         let mut w = Worker {
             principals: KEYS.iter().map(|k| principal(k)).collect::<Result<_>>()?,
@@ -527,6 +537,7 @@ fn worker(args: &Args, index: u64, deadline: Instant) -> Result<Tally> {
         check_canaries(&w).await?;
         tally.shm_socket_inputs += fuzz_socket(&w, &mut rng, args.socket_inputs).await?;
         tally.control_socket_inputs += fuzz_control(&w, &mut rng, args.socket_inputs).await?;
+        tally.bulk_inputs += bulk::fuzz_bulk(&w, &mut rng, args.socket_inputs).await?;
         // The socket fuzz left the server serving: a real attach still works, the canaries hold.
         w.reconnect().await?;
         check_canaries(&w).await?;
@@ -553,6 +564,7 @@ fn main() -> Result<()> {
         total.decoder_inputs += t.decoder_inputs;
         total.shm_socket_inputs += t.shm_socket_inputs;
         total.control_socket_inputs += t.control_socket_inputs;
+        total.bulk_inputs += t.bulk_inputs;
         for (k, v) in t.by_answer {
             *total.by_answer.entry(k).or_default() += v;
         }
@@ -560,12 +572,13 @@ fn main() -> Result<()> {
     let secs = started.elapsed().as_secs_f64();
     println!(
         "kvpool-fuzz: {} handler inputs (protocol versions 1 and 2), {} decoder inputs, {} shm socket \
-         connections and {} control socket connections in {secs:.1} s ({:.0} handler inputs/s), 0 panics, 0 protocol violations, canaries intact, \
+         connections, {} control socket connections and {} bulk channel connections in {secs:.1} s ({:.0} handler inputs/s), 0 panics, 0 protocol violations, canaries intact, \
          no DRAM leaked",
         total.handler_inputs,
         total.decoder_inputs,
         total.shm_socket_inputs,
         total.control_socket_inputs,
+        total.bulk_inputs,
         total.handler_inputs as f64 / secs
     );
     println!("answers: {:?}", total.by_answer);

@@ -48,6 +48,8 @@ class Client:
         etcd: Optional[str] = None,
         etcd_prefix: str = "/kvpool/",
         node_answer_within: Optional[float] = None,
+        bulk: str = "auto",
+        trusted_networks: Optional[list[str]] = None,
     ) -> None: ...
     @property
     def cluster(self) -> bool: ...

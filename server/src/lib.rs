@@ -116,7 +116,7 @@ fn default_key(data_dir: &Path) -> Result<(ApiKeyEntry, PathBuf), ServerError> {
 }
 
 /// The bulk channel's TLS: the QUIC certificate, TLS 1.3, its own ALPN.
-fn bulk_tls(tls: &tls::TlsMaterial) -> Result<Arc<rustls::ServerConfig>, ServerError> {
+pub fn bulk_tls(tls: &tls::TlsMaterial) -> Result<Arc<rustls::ServerConfig>, ServerError> {
     let mut c = rustls::ServerConfig::builder_with_provider(kvpool_net::crypto_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls::TlsError::from)?
@@ -579,6 +579,11 @@ fn storage_link(cfg: &Config, quic_addr: SocketAddr, fingerprint: &str) -> Resul
         addr,
         server_name: cfg.server.server_name.clone(),
         fingerprint: fp,
+        peers: match cfg.bulk.peers {
+            config::PeerPath::Quic => kvpool_client::BulkChoice::Quic,
+            config::PeerPath::Tcp => kvpool_client::BulkChoice::Tcp,
+        },
+        trusted_networks: cfg.bulk.trusted_networks.clone(),
     })
 }
 

@@ -46,6 +46,10 @@ struct Args {
     /// Overrides quic.segmentation (auto, offload, large-datagrams).
     #[arg(long)]
     quic_segmentation: Option<kvpool_net::Segmentation>,
+    /// Overrides bulk.trusted_networks: CIDRs (comma-separated) whose clients may move bulk
+    /// bytes over plaintext TCP.
+    #[arg(long, value_delimiter = ',')]
+    bulk_trusted_networks: Option<Vec<ipnet::IpNet>>,
     /// Overrides cluster.role: all (a pool of one), master, or storage.
     #[arg(long)]
     role: Option<config::Role>,
@@ -105,6 +109,9 @@ fn main() -> anyhow::Result<()> {
     }
     if let Some(s) = args.quic_segmentation {
         c.quic.segmentation = s;
+    }
+    if let Some(n) = args.bulk_trusted_networks {
+        c.bulk.trusted_networks = n;
     }
     if let Some(r) = args.role {
         c.cluster.role = r;

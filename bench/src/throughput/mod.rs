@@ -11,7 +11,7 @@ use clap::Args;
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use kvpool_client::ClientConfig;
-use kvpool_client::TransportChoice;
+use kvpool_client::{BulkChoice, TransportChoice};
 use rand::{RngCore, SeedableRng};
 use report::*;
 use serde::Serialize;
@@ -95,7 +95,13 @@ pub struct ThroughputArgs {
 /// Every system `throughput` knows how to drive: kvpool over QUIC, kvpool over same-host
 /// shared memory (zero-copy buffers), Redis, Mooncake over TCP, and Mooncake's own same-host
 /// path (a dummy client of `mooncake_client` over shared memory).
-const TARGETS: [&str; 5] = ["kvpool", "kvpool-shm", "redis", "mooncake", "mooncake-shm"];
+const TARGETS: [&str; 7] = ["kvpool", "kvpool-tls", "kvpool-tcp", "kvpool-shm", "redis", "mooncake", "mooncake-shm"];
+
+/// The network of a run's hosts (a /24 around the server), or loopback.
+fn trusted_net(place: &Place) -> ipnet::IpNet {
+    let ip: std::net::IpAddr = place.ip.parse().unwrap_or(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST));
+    ipnet::IpNet::new(ip, if ip.is_ipv4() { 24 } else { 64 }).map(|n| n.trunc()).expect("a valid prefix length")
+}
 
 fn parse_size(s: &str) -> Result<usize> {
     let b: bytesize::ByteSize = s.parse().map_err(|e| anyhow::anyhow!("bad size {s:?}: {e}"))?;
@@ -222,7 +228,7 @@ async fn run_link(a: &ThroughputArgs, place: &Place, link: &str, plot_path: Opti
     print_header();
     for name in &targets {
         match name.as_str() {
-            "kvpool" | "kvpool-shm" => {
+            "kvpool" | "kvpool-tls" | "kvpool-tcp" | "kvpool-shm" => {
                 // Start our own server unless pointed at one.
                 let (_server, mut cfg) = match (&a.server, &a.data_dir) {
                     (_, Some(dir)) => {
@@ -234,7 +240,12 @@ async fn run_link(a: &ThroughputArgs, place: &Place, link: &str, plot_path: Opti
                     }
                     (None, None) => {
                         let seg = a.quic_segmentation.to_string();
-                        let s = LocalServer::start_at(place, &dram, &["--quic-segmentation".into(), seg])?;
+                        let mut extra = vec!["--quic-segmentation".into(), seg];
+                        if name == "kvpool-tcp" {
+                            // The namespaces' bridge is the trusted network of this run.
+                            extra.extend(["--bulk-trusted-networks".into(), trusted_net(place).to_string()]);
+                        }
+                        let s = LocalServer::start_at(place, &dram, &extra)?;
                         let cfg = ClientConfig::from_data_dir(s.path())?;
                         (Some(s), cfg)
                     }
@@ -245,11 +256,20 @@ async fn run_link(a: &ThroughputArgs, place: &Place, link: &str, plot_path: Opti
                 cfg.request_timeout = Duration::from_secs(300);
                 let shm = name == "kvpool-shm";
                 cfg.transport = if shm { TransportChoice::Shm } else { TransportChoice::Quic };
+                // `kvpool` is QUIC alone; `kvpool-tls` and `kvpool-tcp` move bulk bytes over the
+                // TCP channel, with TLS and in plaintext on the trusted network.
+                cfg.bulk = match name.as_str() {
+                    "kvpool-tls" | "kvpool-tcp" => BulkChoice::Tcp,
+                    _ => BulkChoice::Quic,
+                };
+                if name == "kvpool-tcp" {
+                    cfg.trusted_networks = vec![trusted_net(place)];
+                }
                 let (client, target): (kvpool_client::Client, Arc<dyn Target>) = if shm {
                     let t = KvpoolShmTarget::connect(cfg.clone(), &pool, max_conc, max_size * max_batch).await?;
                     (t.client().clone(), Arc::new(t))
                 } else {
-                    let t = KvpoolTarget::connect(cfg.clone()).await?;
+                    let t = KvpoolTarget::connect(cfg.clone()).await?.named(name);
                     (t.client().clone(), Arc::new(t))
                 };
                 server = client.hello().server;
@@ -262,7 +282,7 @@ async fn run_link(a: &ThroughputArgs, place: &Place, link: &str, plot_path: Opti
                     );
                 }
                 run_in_process(&target, &plan, &pool, &run, &pb, &mut rows).await?;
-                if !shm {
+                if name == "kvpool" {
                     for &n in a.connections.iter().filter(|&&n| n > 1) {
                         let striped: Arc<dyn Target> = Arc::new(KvpoolTarget::connect_striped(cfg.clone(), n).await?);
                         run_in_process(&striped, &plan, &pool, &run, &pb, &mut rows).await?;

@@ -148,10 +148,15 @@ pub(super) fn goals(rows: &[Row], lookup: Option<&LookupLatency>) -> Vec<Goal> {
 /// across hosts is QUIC so far: its best is the best of one connection and striped batches.
 pub(super) fn hosts_goals(rows: &[Row]) -> Vec<Goal> {
     let mb = |t: &str, size, op| best(rows, t, size, op, None).map(|r| r.result.mb_per_s);
-    // Every kvpool path across hosts: one connection, or a batch striped over several.
+    // Every encrypted kvpool path across hosts: QUIC on one connection or a batch striped over
+    // several, and the TLS bulk channel.
     let kvpool = |size, op| {
         rows.iter()
-            .filter(|r| (r.target == "kvpool" || r.target.ends_with("conn")) && r.block_size == size && r.op == op)
+            .filter(|r| {
+                (r.target == "kvpool" || r.target == "kvpool-tls" || r.target.ends_with("conn"))
+                    && r.block_size == size
+                    && r.op == op
+            })
             .map(|r| r.result.mb_per_s)
             .max_by(f64::total_cmp)
     };
@@ -164,7 +169,8 @@ pub(super) fn hosts_goals(rows: &[Row]) -> Vec<Goal> {
                 (a, b) => a.or(b),
             };
             for (what, kv, needed) in [
-                ("best kvpool path", kvpool(size, op), 1.0),
+                ("best encrypted kvpool path", kvpool(size, op), 1.0),
+                ("plaintext TCP channel (trusted network)", mb("kvpool-tcp", size, op), 1.5),
                 ("QUIC alone, one connection", mb("kvpool", size, op), 0.8),
             ] {
                 out.push(Goal {

@@ -19,7 +19,7 @@ log = logging.getLogger("kvpool.vllm")
 # Keys of kv_connector_extra_config this connector reads (kvpool's and Mooncake's).
 KNOWN = {
     "kvpool_server", "kvpool_etcd", "kvpool_etcd_prefix", "kvpool_api_key", "kvpool_api_key_file", "kvpool_fingerprint", "kvpool_ca",
-    "kvpool_data_dir", "kvpool_transport", "kvpool_timeout_s", "kvpool_lookup_lease_s",
+    "kvpool_data_dir", "kvpool_transport", "kvpool_bulk", "kvpool_trusted_networks", "kvpool_timeout_s", "kvpool_lookup_lease_s",
     "kvpool_lookup_deadline_ms", "kvpool_dead_after_s", "kvpool_node_answer_ms",
     "kvpool_staging", "kvpool_staging_bytes", "kvpool_load_failure_policy", "kvpool_full_backoff_s",
     "store_threshold",
@@ -50,6 +50,8 @@ class ConnectorConfig:
     ca: Optional[str] = None
     data_dir: Optional[str] = None
     transport: str = "auto"
+    bulk: str = "auto"
+    trusted_networks: list[str] = field(default_factory=list)
     timeout_s: float = 30.0
     key_prefix: str = ""
     namespace: str = ""
@@ -94,6 +96,11 @@ class ConnectorConfig:
         c.transport = str(extra.get("kvpool_transport") or mooncake.transport(mc.get("protocol")))
         if c.transport not in ("auto", "quic", "shm"):
             raise ValueError(f"kvpool_transport must be auto, quic or shm, not {c.transport!r}")
+        c.bulk = str(extra.get("kvpool_bulk") or env("KVPOOL_BULK") or "auto")
+        if c.bulk not in ("auto", "quic", "tcp"):
+            raise ValueError(f"kvpool_bulk must be auto, quic or tcp, not {c.bulk!r}")
+        nets = extra.get("kvpool_trusted_networks") or env("KVPOOL_TRUSTED_NETWORKS") or []
+        c.trusted_networks = [n.strip() for n in (nets.split(",") if isinstance(nets, str) else nets) if n.strip()]
         c.timeout_s = float(extra.get("kvpool_timeout_s", 30.0))
         if mc.get("device_name"):
             log.info("Mooncake device_name %r has no meaning in kvpool (no RDMA devices); ignored",
@@ -153,6 +160,8 @@ class ConnectorConfig:
             ca_file=self.ca,
             data_dir=self.data_dir,
             transport=self.transport,
+            bulk=self.bulk,
+            trusted_networks=self.trusted_networks,
             timeout=self.timeout_s,
             client_name=name,
             dead_after=self.dead_after_s,

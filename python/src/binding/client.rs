@@ -50,6 +50,9 @@ impl Client {
     /// `server` (`host:port`) with `api_key` and one of `fingerprint` (SHA-256 of the server
     /// certificate, hex) or `ca_file` (PEM). Explicit arguments override what `data_dir` says.
     /// `transport` is `auto` (same-host shared memory when offered, else QUIC), `quic` or `shm`.
+    /// `bulk` is the path of bulk bytes to a server on another host: `auto` (its TCP bulk
+    /// channel, QUIC on this host), `quic` or `tcp`; `trusted_networks` (CIDR strings) lets it
+    /// run in plaintext to servers there that trust this client's network too.
     /// `timeout` bounds each request; `dead_after` (seconds, default 60) is how long a connection
     /// may hear nothing from the server before it counts as dead (a killed server sends no
     /// close), after which calls fail with the code `unavailable` and the next one connects again.
@@ -65,7 +68,7 @@ impl Client {
     #[pyo3(signature = (server=None, api_key=None, *, fingerprint=None, ca_file=None, data_dir=None,
                         server_name=None, transport="auto", timeout=30.0, client_name=None,
                         verify_shm_gets=false, dead_after=None, etcd=None, etcd_prefix="/kvpool/",
-                        node_answer_within=None))]
+                        node_answer_within=None, bulk="auto", trusted_networks=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -83,6 +86,8 @@ impl Client {
         etcd: Option<String>,
         etcd_prefix: &str,
         node_answer_within: Option<f64>,
+        bulk: &str,
+        trusted_networks: Option<Vec<String>>,
     ) -> PyResult<Self> {
         let trust = match (fingerprint, ca_file) {
             (Some(f), _) => Some(Trust::Fingerprint(kvpool_client::parse_fingerprint(&f).map_err(Error::from)?)),
@@ -124,6 +129,11 @@ impl Client {
             cfg.client_name = n;
         }
         cfg.transport = transport.parse::<TransportChoice>().map_err(Error::Argument)?;
+        cfg.bulk = bulk.parse::<kvpool_client::BulkChoice>().map_err(Error::Argument)?;
+        for n in trusted_networks.unwrap_or_default() {
+            let net = n.parse().map_err(|e| Error::Argument(format!("trusted network {n:?}: {e}")))?;
+            cfg.trusted_networks.push(net);
+        }
         cfg.verify_shm_gets = verify_shm_gets;
         if !(timeout.is_finite() && timeout > 0.0) {
             return Err(Error::Argument(format!("timeout must be a positive number of seconds, not {timeout}")).into());

@@ -55,6 +55,10 @@ pub struct Link {
     pub addr: String,
     pub server_name: String,
     pub fingerprint: [u8; 32],
+    /// How blocks move to other storage nodes (`bulk.peers`), and the networks this node
+    /// trusts for plaintext (`bulk.trusted_networks`).
+    pub peers: kvpool_client::BulkChoice,
+    pub trusted_networks: Vec<ipnet::IpNet>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -162,6 +166,7 @@ async fn connect_master(link: &Link) -> Result<Client, LinkError> {
     cfg.client_name = format!("kvpool-storage/{}", link.name);
     // The master is reached for control only: no local memory with it.
     cfg.transport = kvpool_client::TransportChoice::Quic;
+    cfg.bulk = kvpool_client::BulkChoice::Quic;
     // A master that died must not hold the node for long: it rejoins whoever leads next. A
     // report is at most half a MiB, which a second carries even between distant hosts.
     cfg.request_timeout = Duration::from_secs(1);
@@ -299,6 +304,8 @@ impl Offloader {
             cfg.server_name = server_name;
             cfg.client_name = format!("kvpool-storage/{}", self.link.name);
             cfg.transport = kvpool_client::TransportChoice::Quic;
+            cfg.bulk = self.link.peers;
+            cfg.trusted_networks = self.link.trusted_networks.clone();
             cfg.request_timeout = OFFLOAD_BUDGET;
             conns.nodes.insert(id, (addr, Client::connect_direct(cfg).await?));
         }

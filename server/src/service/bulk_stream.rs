@@ -319,3 +319,75 @@ impl<W: AsyncWrite + Send> RequestSend for BulkSend<'_, W> {
         self.transport
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Join an answer's chunks; the end byte and code.
+    fn unchunk(mut b: &[u8]) -> (Vec<u8>, u8, u32) {
+        let mut out = Vec::new();
+        loop {
+            let n = u32::from_le_bytes(b[..4].try_into().unwrap());
+            b = &b[4..];
+            if n == END {
+                assert_eq!(b.len(), 5, "nothing after the end");
+                return (out, b[0], u32::from_le_bytes(b[1..5].try_into().unwrap()));
+            }
+            out.extend_from_slice(&b[..n as usize]);
+            b = &b[n as usize..];
+        }
+    }
+
+    #[tokio::test]
+    async fn small_writes_gather_and_values_go_as_their_own_chunk() {
+        let (a, mut b) = tokio::io::duplex(1 << 10);
+        let (_rd, mut wr) = tokio::io::split(a);
+        let value: Vec<u8> = (0..300_000u32).map(|i| i as u8).collect();
+        let reader = tokio::spawn(async move {
+            let mut all = Vec::new();
+            b.read_to_end(&mut all).await.unwrap();
+            all
+        });
+        let mut send = BulkSend::new(&mut wr, "tcp");
+        send.write_all(b"frame").await.unwrap();
+        send.write_all(b"-more").await.unwrap();
+        send.write_owned(Bytes::from(value.clone())).await.unwrap();
+        send.write_all(b"tail").await.unwrap();
+        send.finish();
+        assert!(!send.broken());
+        let (end, code) = send.outcome();
+        send.end(end, code).await.unwrap();
+        wr.shutdown().await.unwrap();
+        drop(wr);
+        let wire = reader.await.unwrap();
+        // Three chunks: the gathered frame, the value on its own, the tail.
+        assert_eq!(u32::from_le_bytes(wire[..4].try_into().unwrap()), 10);
+        assert_eq!(u32::from_le_bytes(wire[14..18].try_into().unwrap()), 300_000);
+        let (body, end, code) = unchunk(&wire);
+        let mut want = b"frame-more".to_vec();
+        want.extend_from_slice(&value);
+        want.extend_from_slice(b"tail");
+        assert_eq!((body, end, code), (want, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_reset_answer_says_so_and_a_request_ends_at_its_envelope() {
+        let (a, mut b) = tokio::io::duplex(1 << 16);
+        let (mut rd, mut wr) = tokio::io::split(a);
+        let mut send = BulkSend::new(&mut wr, "tcp");
+        send.write_all(b"partial").await.unwrap();
+        send.reset(7);
+        let (end, code) = send.outcome();
+        send.end(end, code).await.unwrap();
+        let mut wire = vec![0u8; 4 + 7 + 9];
+        b.read_exact(&mut wire).await.unwrap();
+        assert_eq!(unchunk(&wire), (b"partial".to_vec(), 1, 7));
+
+        b.write_all(b"abcdefNEXT").await.unwrap();
+        let mut recv = BulkRecv { inner: &mut rd, left: 6, prefix: Bytes::new(), transport: "tcp" };
+        let mut got = Vec::new();
+        recv.read_to_end(&mut got).await.unwrap();
+        assert_eq!(got, b"abcdef", "the next envelope's bytes are not this request's");
+    }
+}
