@@ -280,6 +280,10 @@ pub struct TransferArgs {
     /// Link MTU with `--hosts`
     #[arg(long, default_value_t = 1500)]
     pub mtu: u32,
+    /// Path of bulk bytes from the client to the nodes: quic, tcp (the TCP bulk channel, TLS)
+    /// or auto (tcp to nodes on other hosts)
+    #[arg(long, default_value = "quic")]
+    pub bulk: kvpool_client::BulkChoice,
 }
 
 #[derive(Debug, Serialize)]
@@ -400,6 +404,7 @@ pub fn cluster_transfer(a: TransferArgs) -> Result<()> {
     };
     let (_master, nodes, mut cfg) = start_cluster_at(2, &dram, "", dir.path(), hosts.as_ref())?;
     cfg.transport = kvpool_client::TransportChoice::Quic;
+    cfg.bulk = a.bulk;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let cluster = rt.block_on(ClusterClient::connect(cfg.clone()))?;
     let started = Instant::now();
@@ -413,6 +418,7 @@ pub fn cluster_transfer(a: TransferArgs) -> Result<()> {
     let mut direct_cfg = ClientConfig::new(ep0.quic_addr.clone(), KEY, ep0.trust()?);
     direct_cfg.server_name = ep0.server_name.clone();
     direct_cfg.transport = kvpool_client::TransportChoice::Quic;
+    direct_cfg.bulk = a.bulk;
     let direct = rt.block_on(kvpool_client::Client::connect(direct_cfg))?;
 
     let mut rows = Vec::new();
@@ -435,8 +441,18 @@ pub fn cluster_transfer(a: TransferArgs) -> Result<()> {
         }
         mc.mb_s = (rounds as u64 * a.batch as u64 * size) as f64 / t0.elapsed().as_secs_f64() / 1e6;
         let mut results: Vec<(&str, &'static str, Timed)> = Vec::new();
-        let paths =
-            [("single node (direct QUIC)", 0u32), ("cluster (master + 2 nodes, QUIC)", 1), ("cluster, 2 replicas", 2)];
+        let paths = match a.bulk {
+            kvpool_client::BulkChoice::Quic => [
+                ("single node (direct QUIC)", 0u32),
+                ("cluster (master + 2 nodes, QUIC)", 1),
+                ("cluster, 2 replicas", 2),
+            ],
+            _ => [
+                ("single node (direct, bulk TCP)", 0u32),
+                ("cluster (master + 2 nodes, bulk TCP)", 1),
+                ("cluster, 2 replicas, bulk TCP", 2),
+            ],
+        };
         for (path, replicas) in paths {
             let cl = replicas > 0;
             for op in ["put", "get"] {

@@ -47,6 +47,9 @@ pub(crate) struct BulkLink {
     pub(crate) min_put: u64,
     idle: Mutex<Vec<BulkConn>>,
     down_until: Mutex<Option<Instant>>,
+    /// What the last connection opened was: `None` (none yet, or the channel is down), or
+    /// whether it was TLS.
+    opened: Mutex<Option<bool>>,
 }
 
 impl BulkLink {
@@ -73,6 +76,7 @@ impl BulkLink {
             min_put: cfg.bulk_min_put,
             idle: Mutex::new(Vec::new()),
             down_until: Mutex::new(None),
+            opened: Mutex::new(None),
         })))
     }
 
@@ -108,6 +112,12 @@ impl BulkLink {
             tracing::warn!(error = %e, "TCP bulk channel not available; bulk bytes go over QUIC for {BACK_OFF:?}");
         }
         *self.down_until.lock() = Some(Instant::now() + BACK_OFF);
+        *self.opened.lock() = None;
+    }
+
+    /// `"tls"` or `"tcp"` once a connection of the channel is open, else `None`.
+    pub(crate) fn in_use(&self) -> Option<&'static str> {
+        self.opened.lock().map(|tls| if tls { "tls" } else { "tcp" })
     }
 
     /// Keep a connection whose last exchange ended cleanly.
@@ -133,6 +143,9 @@ impl BulkLink {
             .map_err(|e| ClientError::Connect { addr: addr.to_string(), message: format!("bulk channel: {e}") })?;
         tcp.set_nodelay(true).map_err(io_err)?;
         let mut io: Box<dyn Duplex> = if offer.tls {
+            // rustls reads the socket 4 KiB at a time: a buffer under it makes that one read
+            // per 256 KiB.
+            let tcp = BufReader::with_capacity(256 << 10, tcp);
             let s =
                 self.tls.connect(self.server_name.clone(), tcp).await.map_err(|e| ClientError::Tls(e.to_string()))?;
             Box::new(s)
@@ -150,6 +163,7 @@ impl BulkLink {
                 other => unexpected("Error", &other),
             });
         }
+        *self.opened.lock() = Some(offer.tls);
         Ok(BulkConn { io })
     }
 }

@@ -170,13 +170,14 @@ impl crate::Client {
         Ok(Buffer { inner })
     }
 
-    /// The data path block bytes take on the current connection: `"shm"` or `"quic"`.
+    /// The data path block bytes take on the current connection: `"shm"`, `"tls"` or `"tcp"`
+    /// (the TCP bulk channel, once it has a connection open; small puts still go on QUIC), or
+    /// `"quic"`.
     pub fn transport_in_use(&self) -> &'static str {
         if self.inner.registry.linked() {
-            "shm"
-        } else {
-            "quic"
+            return "shm";
         }
+        self.current().bulk.as_ref().and_then(|b| b.in_use()).unwrap_or("quic")
     }
 
     /// The path requests without bulk bytes take on the current connection: `"local"` (the

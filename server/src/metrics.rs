@@ -72,6 +72,8 @@ pub struct Metrics {
     /// Requests answered on TCP bulk connections, and bulk connections refused.
     pub bulk_requests: IntCounter,
     pub bulk_refused: IntCounter,
+    /// TCP bulk connections bound to a session (clients keep theirs for the next request).
+    pub bulk_bound: IntCounter,
     /// KV events logged, by kind; subscriptions open; events subscribers missed.
     pub events: IntCounterVec,
     pub event_subscribers: IntGauge,
@@ -230,6 +232,7 @@ impl Metrics {
                 "Control socket connections refused (user, token, or socket limit)",
             ),
             bulk_requests: counter(&reg, "bulk_requests_total", "Requests answered on TCP bulk connections"),
+            bulk_bound: counter(&reg, "bulk_connections_total", "TCP bulk connections bound to a QUIC session"),
             bulk_refused: counter(
                 &reg,
                 "bulk_refused_total",

@@ -32,8 +32,10 @@ fn moved(srv: &TestServer, transport: &str, direction: &str) -> f64 {
 async fn puts_and_gets_cross_the_tls_channel_and_small_puts_stay_on_quic() {
     let srv = TestServer::start(Opts::default());
     let c = Client::connect(bulk_config(&srv, &[])).await.unwrap();
+    assert_eq!(c.transport_in_use(), "quic", "nothing opened yet");
     let big = value_for("big", 3 << 20);
     c.put("big", &big).await.unwrap();
+    assert_eq!(c.transport_in_use(), "tls");
     let values: Vec<Vec<u8>> = (0..8).map(|i| value_for(&format!("b{i}"), 256 << 10)).collect();
     let keys: Vec<String> = (0..8).map(|i| format!("b{i}")).collect();
     let entries: Vec<PutEntry> = keys.iter().zip(&values).map(|(k, v)| PutEntry::new(k.as_bytes(), v)).collect();
@@ -56,7 +58,10 @@ async fn puts_and_gets_cross_the_tls_channel_and_small_puts_stay_on_quic() {
     // The same connection goes on after an item-level refusal.
     assert_eq!(c.put("big", &big).await.unwrap_err().code(), ErrorCode::AlreadyExists);
     assert_eq!(c.get("big").await.unwrap().unwrap(), big);
-    assert!(metric(&srv.scrape(), "kvpool_bulk_requests_total") >= 6.0);
+    let text = srv.scrape();
+    assert!(metric(&text, "kvpool_bulk_requests_total") >= 7.0);
+    // One call at a time: one connection, kept between calls.
+    assert_eq!(metric(&text, "kvpool_bulk_connections_total"), 1.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -67,7 +72,15 @@ async fn plaintext_only_where_both_sides_trust_the_network() {
     // Both trust: plaintext TCP.
     let c = Client::connect(bulk_config(&trusting, &["127.0.0.0/8"])).await.unwrap();
     c.put("p", &v).await.unwrap();
-    assert_eq!(moved(&trusting, "tcp", "in"), (1 << 20) as f64);
+    assert_eq!(
+        moved(&trusting, "tcp", "in"),
+        (1 << 20) as f64,
+        "quic {} tls {} via {}",
+        moved(&trusting, "quic", "in"),
+        moved(&trusting, "tls", "in"),
+        c.transport_in_use()
+    );
+    assert_eq!(c.transport_in_use(), "tcp");
     // Only the server trusts: TLS.
     let c = Client::connect(bulk_config(&trusting, &[])).await.unwrap();
     assert_eq!(c.get("p").await.unwrap().unwrap(), v);
@@ -88,6 +101,7 @@ async fn without_a_channel_the_bytes_go_over_quic() {
     c.put("q", &v).await.unwrap();
     assert_eq!(c.get("q").await.unwrap().unwrap(), v);
     assert!(t.elapsed() < Duration::from_secs(2), "no wait for a channel that is not offered");
+    assert_eq!(c.transport_in_use(), "quic");
     assert_eq!(moved(&srv, "quic", "in"), (1 << 20) as f64);
 }
 

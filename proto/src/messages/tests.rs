@@ -273,3 +273,19 @@ fn documented_encoding_rules() {
         vec![9, 0, 0, 0, 9, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
     );
 }
+
+#[test]
+fn documented_bulk_messages() {
+    let blocks = doc_blocks("### 11.10 TCP bulk channel");
+    assert_eq!(blocks.len(), 4, "notation, request, answer, envelope");
+    let ask = Request::BulkAttach(BulkAttachRequest { plaintext: true });
+    assert_eq!(dump(blocks[1]), crate::frame::encode_frame(&ask).unwrap());
+    assert_eq!(crate::message_tag(&codec::encode(&ask).unwrap()), Some(31));
+    let offer = Response::BulkOffer(BulkOffer { port: 7100, token: vec![0xab; 32], tls: false, expires_ms: 10_000 });
+    assert_eq!(dump(blocks[2]), crate::frame::encode_frame(&offer).unwrap());
+    let get = crate::frame::encode_frame(&Request::Get(KeysRequest { keys: vec![b"k".to_vec()] })).unwrap();
+    let mut envelope = (get.len() as u64).to_le_bytes().to_vec();
+    envelope.extend_from_slice(&get);
+    assert_eq!(dump(blocks[3]), envelope);
+    assert_eq!(REQUEST_TAGS, 32);
+}

@@ -36,6 +36,8 @@ const BIND_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_PENDING: usize = 4096;
 /// TCP connections one QUIC connection may bind at once.
 pub const MAX_CONNECTIONS_PER_SESSION: usize = 64;
+/// Socket bytes read at once under TLS.
+pub const TLS_READ_BUFFER: usize = 256 << 10;
 /// First byte of a TLS record carrying a handshake message (a ClientHello).
 const TLS_HANDSHAKE: u8 = 0x16;
 
@@ -183,6 +185,9 @@ async fn serve_tcp(sock: tokio::net::TcpStream, peer: IpAddr, shared: &Arc<Share
     if plain {
         return serve_stream(sock, peer, false, shared).await;
     }
+    // rustls reads the socket 4 KiB at a time: a buffer under it turns that into one read per
+    // 256 KiB (a copy in memory instead of 60 system calls).
+    let sock = tokio::io::BufReader::with_capacity(TLS_READ_BUFFER, sock);
     let tls = match tokio::time::timeout(BIND_TIMEOUT, door.tls.accept(sock)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
@@ -215,6 +220,7 @@ where
         let m = format!("at most {MAX_CONNECTIONS_PER_SESSION} bulk connections per QUIC connection");
         return refuse(&mut stream, shared, ErrorCode::Rejected, m).await;
     };
+    shared.metrics.bulk_bound.inc();
     let weak = Arc::downgrade(&session);
     let ended = {
         let s = session.clone();
