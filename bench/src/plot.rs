@@ -63,7 +63,7 @@ pub fn font() -> bool {
 }
 
 // Twelve: five systems and memcpy, a put and a get line each, all told apart.
-const COLORS: [RGBColor; 12] = [
+const COLORS: [RGBColor; 18] = [
     RGBColor(31, 119, 180),
     RGBColor(255, 127, 14),
     RGBColor(44, 160, 44),
@@ -76,6 +76,12 @@ const COLORS: [RGBColor; 12] = [
     RGBColor(23, 190, 207),
     RGBColor(0, 0, 128),
     RGBColor(0, 0, 0),
+    RGBColor(128, 0, 0),
+    RGBColor(0, 128, 128),
+    RGBColor(255, 215, 0),
+    RGBColor(128, 128, 0),
+    RGBColor(255, 0, 255),
+    RGBColor(0, 255, 0),
 ];
 
 /// MB/s (log scale) vs block size (log scale), one line per (system, op), the best MB/s of each

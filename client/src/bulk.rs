@@ -27,7 +27,7 @@ const MAX_IDLE: usize = 16;
 const BACK_OFF: Duration = Duration::from_secs(10);
 /// Bound on opening one connection (token, TCP, TLS, bind): a dead or unreachable channel
 /// costs a call at most this before it goes over QUIC.
-const OPEN_BUDGET: Duration = Duration::from_secs(2);
+const OPEN_BUDGET: Duration = Duration::from_millis(500);
 
 trait Duplex: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Duplex for T {}
