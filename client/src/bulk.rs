@@ -32,9 +32,15 @@ const OPEN_BUDGET: Duration = Duration::from_millis(500);
 trait Duplex: AsyncRead + AsyncWrite + Unpin + Send {}
 impl<T: AsyncRead + AsyncWrite + Unpin + Send> Duplex for T {}
 
-/// One bound TCP connection.
+/// One bound TCP connection; read, it yields the answer to the request last sent
+/// ([`BulkConn::send`]), de-chunked: its frame and value bytes, then the end of the stream (or
+/// a reset, read as an error).
 pub(crate) struct BulkConn {
     io: BufReader<Box<dyn Duplex>>,
+    state: State,
+    left: u32,
+    head: [u8; 5],
+    have: usize,
 }
 
 /// The bulk channel of one QUIC session: how to open connections, and the idle ones.
@@ -120,10 +126,11 @@ impl BulkLink {
         self.opened.lock().map(|tls| if tls { "tls" } else { "tcp" })
     }
 
-    /// Keep a connection whose last exchange ended cleanly.
-    pub(crate) fn put_back(&self, c: BulkConn) {
+    /// Keep a connection for the next call when its last answer was read to its end (and,
+    /// for a put, its values all sent); drop it otherwise.
+    pub(crate) fn keep(&self, c: BulkConn) {
         let mut idle = self.idle.lock();
-        if idle.len() < MAX_IDLE {
+        if c.state == State::Done && idle.len() < MAX_IDLE {
             idle.push(c);
         }
     }
@@ -164,7 +171,7 @@ impl BulkLink {
             });
         }
         *self.opened.lock() = Some(offer.tls);
-        Ok(BulkConn { io })
+        Ok(BulkConn { io, state: State::Done, left: 0, head: [0; 5], have: 0 })
     }
 }
 
@@ -177,6 +184,8 @@ impl BulkConn {
     /// answers after the last (or early, with an error, reading the rest), so the answer is
     /// read after this returns.
     pub(crate) async fn send(&mut self, frame: &[u8], values: &[&[u8]]) -> Result<()> {
+        // Until the answer is read to its end, the connection is not kept.
+        self.state = State::Head;
         let len = frame.len() as u64 + values.iter().map(|v| v.len() as u64).sum::<u64>();
         let io = self.io.get_mut();
         let mut head = Vec::with_capacity(8 + frame.len());
@@ -187,11 +196,6 @@ impl BulkConn {
             io.write_all(v).await.map_err(io_err)?;
         }
         io.flush().await.map_err(io_err)
-    }
-
-    /// The answer to the request just sent.
-    pub(crate) fn answer(&mut self) -> Answer<'_> {
-        Answer { inner: &mut self.io, state: State::Head, left: 0, head: [0; 5], have: 0 }
     }
 
     /// An idle connection the server has not closed (nothing to read, no end of stream).
@@ -210,28 +214,13 @@ enum State {
     Reset(u32),
 }
 
-/// The answer to one request, de-chunked: its frame and value bytes, then the end of the stream
-/// (or a reset, read as an error).
-pub(crate) struct Answer<'a> {
-    inner: &'a mut BufReader<Box<dyn Duplex>>,
-    state: State,
-    left: u32,
-    head: [u8; 5],
-    have: usize,
-}
-
-impl Answer<'_> {
-    /// The answer ended (the server finished it and everything was read).
-    pub(crate) fn finished(&self) -> bool {
-        self.state == State::Done
-    }
-
+impl BulkConn {
     /// Read up to `n` bytes of a chunk header or tail into `head`.
     fn poll_head(&mut self, cx: &mut Context<'_>, n: usize) -> Poll<io::Result<()>> {
         while self.have < n {
             let mut b = [0u8; 5];
             let mut rb = ReadBuf::new(&mut b[..n - self.have]);
-            ready!(Pin::new(&mut self.inner).poll_read(cx, &mut rb))?;
+            ready!(Pin::new(&mut self.io).poll_read(cx, &mut rb))?;
             let got = rb.filled().len();
             if got == 0 {
                 return Poll::Ready(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "bulk connection closed")));
@@ -244,7 +233,7 @@ impl Answer<'_> {
     }
 }
 
-impl AsyncRead for Answer<'_> {
+impl AsyncRead for BulkConn {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let me = &mut *self;
         loop {
@@ -280,7 +269,7 @@ impl AsyncRead for Answer<'_> {
                     }
                     let want = buf.remaining().min(me.left as usize);
                     let mut part = buf.take(want);
-                    ready!(Pin::new(&mut me.inner).poll_read(cx, &mut part))?;
+                    ready!(Pin::new(&mut me.io).poll_read(cx, &mut part))?;
                     let n = part.filled().len();
                     if n == 0 {
                         return Poll::Ready(Err(io::Error::new(
@@ -300,7 +289,7 @@ impl AsyncRead for Answer<'_> {
 }
 
 /// Read the answer's frame; a typed error becomes `ClientError::Status`.
-pub(crate) async fn read_answer(rx: &mut Answer<'_>) -> Result<Response> {
+pub(crate) async fn read_answer(rx: &mut BulkConn) -> Result<Response> {
     match read_message::<_, Response>(rx, CLIENT_MAX_FRAME).await {
         Ok(Response::Error(body)) => Err(ClientError::Status { code: body.code, message: body.message }),
         Ok(r) => Ok(r),

@@ -6,6 +6,9 @@ use kvpool_proto::{ErrorCode, GetItem, KeysRequest, Request, Response};
 use quinn::RecvStream;
 use tokio::io::{AsyncRead, AsyncReadExt};
 
+/// A bulk connection with a get's item headers read: its link, the connection, the headers.
+type BulkOpened = (std::sync::Arc<crate::bulk::BulkLink>, crate::bulk::BulkConn, Vec<GetItem>);
+
 impl Client {
     /// Read one block; `None` when it is not in the pool. A `Corrupt` answer is an error.
     pub async fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
@@ -36,14 +39,10 @@ impl Client {
         let max_value = self.limits().max_value_size;
         let frame = self.get_frame(keys)?;
         self.timed(async {
-            if let Some((link, mut c)) = self.bulk_conn(u64::MAX).await {
-                c.send(&frame, &[]).await?;
-                let mut rx = c.answer();
-                let items = get_items(crate::bulk::read_answer(&mut rx).await?, keys.len())?;
-                let r = take_values(&mut rx, items, keys, max_value).await;
-                if rx.finished() {
-                    link.put_back(c);
-                }
+            if let Some(opened) = self.bulk_get_open(&frame, keys.len()).await {
+                let (link, mut c, items) = opened?;
+                let r = take_values(&mut c, items, keys, max_value).await;
+                link.keep(c);
                 return r;
             }
             let (items, mut rx) = self.get_open(&frame, keys.len()).await?;
@@ -112,14 +111,10 @@ impl Client {
         }
         let frame = self.get_frame(keys)?;
         self.timed(async {
-            if let Some((link, mut c)) = self.bulk_conn(u64::MAX).await {
-                c.send(&frame, &[]).await?;
-                let mut rx = c.answer();
-                let items = get_items(crate::bulk::read_answer(&mut rx).await?, keys.len())?;
-                let r = fill_values(&mut rx, items, keys, bufs).await;
-                if rx.finished() {
-                    link.put_back(c);
-                }
+            if let Some(opened) = self.bulk_get_open(&frame, keys.len()).await {
+                let (link, mut c, items) = opened?;
+                let r = fill_values(&mut c, items, keys, bufs).await;
+                link.keep(c);
                 return r;
             }
             let (items, mut rx) = self.get_open(&frame, keys.len()).await?;
@@ -131,6 +126,28 @@ impl Client {
     fn get_frame<K: AsRef<[u8]>>(&self, keys: &[K]) -> Result<Vec<u8>> {
         self.check_keys(keys.iter().map(|k| k.as_ref()))?;
         self.encode_checked(&Request::Get(KeysRequest { keys: keys.iter().map(|k| k.as_ref().to_vec()).collect() }))
+    }
+
+    /// On the bulk channel when this call takes it (`None`: over QUIC): send a Get frame and
+    /// return the item headers, the connection positioned at the first value.
+    async fn bulk_get_open(&self, frame: &[u8], n: usize) -> Option<Result<BulkOpened>> {
+        let (link, mut c) = self.bulk_conn(u64::MAX).await?;
+        let opened = async {
+            c.send(frame, &[]).await?;
+            let items = get_items(crate::bulk::read_answer(&mut c).await?, n)?;
+            Ok(items)
+        }
+        .await;
+        Some(match opened {
+            Ok(items) => Ok((link, c, items)),
+            Err(e) => {
+                // A typed refusal ends its answer: the connection goes on.
+                if matches!(e, ClientError::Status { .. }) && crate::get::end_of(&mut c).await.is_ok() {
+                    link.keep(c);
+                }
+                Err(e)
+            }
+        })
     }
 
     /// Send a Get frame; return the item headers with the stream positioned at the first value.

@@ -384,7 +384,7 @@ impl Client {
     }
 
     /// A bulk connection when this call should take the channel (`bytes` of values to put,
-    /// `u64::MAX` for a get); `None`: it goes over QUIC.
+    /// `u64::MAX` for a get); `None`: it goes over QUIC. Give it back with `BulkLink::keep`.
     async fn bulk_conn(&self, bytes: u64) -> Option<(Arc<bulk::BulkLink>, bulk::BulkConn)> {
         let s = self.session().await.ok()?;
         let link = s.bulk.clone().filter(|l| bytes >= l.min_put)?;
@@ -545,13 +545,12 @@ impl Client {
                 if let Some((link, mut c)) = self.bulk_conn(bytes).await {
                     let values: Vec<&[u8]> = entries.iter().map(|e| e.value).collect();
                     let sent = c.send(&frame, &values).await;
-                    let mut rx = c.answer();
-                    let resp = match bulk::read_answer(&mut rx).await {
-                        Ok(r) => get::end_of(&mut rx).await.map(|()| r),
+                    let resp = match bulk::read_answer(&mut c).await {
+                        Ok(r) => get::end_of(&mut c).await.map(|()| r),
                         Err(e) => Err(e),
                     };
-                    if rx.finished() && sent.is_ok() {
-                        link.put_back(c);
+                    if sent.is_ok() {
+                        link.keep(c);
                     }
                     return match (resp, sent) {
                         (Ok(r @ Response::Put(_)), Err(e)) => Err(ClientError::Protocol(format!(

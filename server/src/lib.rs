@@ -115,16 +115,21 @@ fn default_key(data_dir: &Path) -> Result<(ApiKeyEntry, PathBuf), ServerError> {
     Ok((entry, path))
 }
 
-/// The bulk channel's TLS: the QUIC certificate, TLS 1.3, its own ALPN.
-pub fn bulk_tls(tls: &tls::TlsMaterial) -> Result<Arc<rustls::ServerConfig>, ServerError> {
+/// The server's TLS 1.3 configuration for one ALPN, with its certificate.
+fn server_tls(tls: &tls::TlsMaterial, alpn: &[u8]) -> Result<rustls::ServerConfig, ServerError> {
     let mut c = rustls::ServerConfig::builder_with_provider(kvpool_net::crypto_provider())
         .with_protocol_versions(&[&rustls::version::TLS13])
         .map_err(tls::TlsError::from)?
         .with_no_client_auth()
         .with_single_cert(tls.certs.clone(), tls.key.clone_key())
         .map_err(tls::TlsError::from)?;
-    c.alpn_protocols = vec![kvpool_proto::BULK_ALPN.to_vec()];
-    Ok(Arc::new(c))
+    c.alpn_protocols = vec![alpn.to_vec()];
+    Ok(c)
+}
+
+/// The bulk channel's TLS: the QUIC certificate, its own ALPN.
+pub fn bulk_tls(tls: &tls::TlsMaterial) -> Result<Arc<rustls::ServerConfig>, ServerError> {
+    Ok(Arc::new(server_tls(tls, kvpool_proto::BULK_ALPN)?))
 }
 
 fn quic_server_configs(
@@ -132,13 +137,7 @@ fn quic_server_configs(
     cfg: &Config,
     bufs: &kvpool_net::SocketBuffers,
 ) -> Result<service::QuicServerConfigs, ServerError> {
-    let mut crypto = rustls::ServerConfig::builder_with_provider(kvpool_net::crypto_provider())
-        .with_protocol_versions(&[&rustls::version::TLS13])
-        .map_err(tls::TlsError::from)?
-        .with_no_client_auth()
-        .with_single_cert(tls.certs.clone(), tls.key.clone_key())
-        .map_err(tls::TlsError::from)?;
-    crypto.alpn_protocols = vec![kvpool_proto::ALPN.to_vec()];
+    let crypto = server_tls(tls, kvpool_proto::ALPN)?;
     let quic = Arc::new(
         quinn::crypto::rustls::QuicServerConfig::try_from(crypto)
             .map_err(|e| tls::TlsError::Generate(format!("quic tls: {e}")))?,

@@ -8,7 +8,7 @@ use kvpool_proto::{
     BulkAttachRequest, BulkOffer, ErrorCode, EventScope, Hello, KeysRequest, PutMode, Request, Response,
     SubscribeRequest, PROTOCOL_VERSION,
 };
-use kvpool_tests::{metric, value_for, Opts, TestServer, ADMIN_KEY};
+use kvpool_tests::{metric, value_for, Opts, TestServer, ADMIN_KEY, ALICE_KEY};
 use std::net::{IpAddr, SocketAddr};
 use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt};
@@ -58,10 +58,16 @@ async fn puts_and_gets_cross_the_tls_channel_and_small_puts_stay_on_quic() {
     // The same connection goes on after an item-level refusal.
     assert_eq!(c.put("big", &big).await.unwrap_err().code(), ErrorCode::AlreadyExists);
     assert_eq!(c.get("big").await.unwrap().unwrap(), big);
+    // Another tenant's channel sees its own key space only.
+    let mut cfg = bulk_config(&srv, &[]);
+    cfg.api_key = ALICE_KEY.into();
+    let alice = Client::connect(cfg).await.unwrap();
+    assert_eq!(alice.get("big").await.unwrap(), None);
+    assert_eq!(alice.transport_in_use(), "tls");
     let text = srv.scrape();
-    assert!(metric(&text, "kvpool_bulk_requests_total") >= 7.0);
-    // One call at a time: one connection, kept between calls.
-    assert_eq!(metric(&text, "kvpool_bulk_connections_total"), 1.0);
+    assert!(metric(&text, "kvpool_bulk_requests_total") >= 8.0);
+    // One call at a time: one connection per client, kept between calls.
+    assert_eq!(metric(&text, "kvpool_bulk_connections_total"), 2.0);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
