@@ -11,7 +11,7 @@ mod foreign;
 #[cfg(test)]
 mod tests;
 
-pub use bulk::{BulkSection, PeerPath};
+pub use bulk::{trusted, BulkSection, PeerPath};
 use foreign::{apply_hixl, apply_mooncake, is_hixl_toml};
 
 #[derive(Debug, thiserror::Error)]

@@ -91,8 +91,7 @@ impl BulkDoor {
     }
 
     fn trusts(&self, ip: IpAddr) -> bool {
-        let ip = ip.to_canonical();
-        self.trusted.iter().any(|n| n.contains(&ip))
+        crate::config::trusted(&self.trusted, ip)
     }
 
     /// A token for one TCP connection of `session` (answer to `BulkAttach`).

@@ -73,10 +73,7 @@ where
         let mut send = BulkSend::new(&mut wr, transport);
         if len > max_request {
             let m = format!("a request envelope of {len} bytes; the limit is {max_request}");
-            let frame = encode_frame(&Response::Error(error(ErrorCode::FrameTooLarge, m))).map_err(io::Error::other)?;
-            send.write_all(&frame).await?;
-            send.end(0, 0).await?;
-            return Ok(());
+            return send.fail(ErrorCode::FrameTooLarge, m).await;
         }
         let Some(session) = session.upgrade() else { return Ok(()) };
         let mut recv = BulkRecv { inner: &mut rd, left: len, prefix: Bytes::new(), transport };
@@ -86,26 +83,12 @@ where
             Ok(Ok(Some(body))) => body,
             Ok(Ok(None)) => Vec::new(),
             Ok(Err(ProtoError::Cancelled(_))) => return Ok(()),
-            Ok(Err(e)) => {
-                let frame = encode_frame(&Response::Error(error(e.code(), e.to_string()))).map_err(io::Error::other)?;
-                send.write_all(&frame).await?;
-                send.end(0, 0).await?;
-                return Ok(());
-            }
-            Err(_) => {
-                let m = "no complete request frame in time".to_string();
-                let frame = encode_frame(&Response::Error(error(ErrorCode::Timeout, m))).map_err(io::Error::other)?;
-                send.write_all(&frame).await?;
-                send.end(0, 0).await?;
-                return Ok(());
-            }
+            Ok(Err(e)) => return send.fail(e.code(), e.to_string()).await,
+            Err(_) => return send.fail(ErrorCode::Timeout, "no complete request frame in time".into()).await,
         };
         if kvpool_proto::message_tag(&body).is_some_and(|t| QUIC_ONLY.contains(&t)) {
             let m = "LocalAttach, Subscribe and BulkAttach are asked on the QUIC connection, not on its bulk channel";
-            let frame =
-                encode_frame(&Response::Error(error(ErrorCode::InvalidArgument, m))).map_err(io::Error::other)?;
-            send.write_all(&frame).await?;
-            send.end(0, 0).await?;
+            send.fail(ErrorCode::InvalidArgument, m.into()).await?;
             if !drain(&mut recv, shared).await {
                 return Ok(());
             }
@@ -246,6 +229,13 @@ impl<'a, W: AsyncWrite> BulkSend<'a, W> {
         Poll::Ready(Ok(()))
     }
 
+    /// Answer a typed error, whole.
+    async fn fail(&mut self, code: ErrorCode, message: String) -> io::Result<()> {
+        let frame = encode_frame(&Response::Error(error(code, message))).map_err(io::Error::other)?;
+        self.write_all(&frame).await?;
+        self.end(0, 0).await
+    }
+
     /// The end of the answer, after what is gathered.
     async fn end(&mut self, end: u8, code: u32) -> io::Result<()> {
         self.seal();
@@ -323,6 +313,18 @@ impl<W: AsyncWrite + Send> RequestSend for BulkSend<'_, W> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_quic_only_tags_are_the_encoded_ones() {
+        use kvpool_proto::{codec, message_tag, BulkAttachRequest, EventScope, Request, SubscribeRequest};
+        let sub = Request::Subscribe(SubscribeRequest { from: None, scope: EventScope::Tenant, max_batch: 0 });
+        let bulk = Request::BulkAttach(BulkAttachRequest { plaintext: false });
+        let tags: Vec<u32> = [Request::LocalAttach, sub, bulk]
+            .iter()
+            .map(|r| message_tag(&codec::encode(r).unwrap()).unwrap())
+            .collect();
+        assert_eq!(tags, QUIC_ONLY);
+    }
 
     /// Join an answer's chunks; the end byte and code.
     fn unchunk(mut b: &[u8]) -> (Vec<u8>, u8, u32) {
