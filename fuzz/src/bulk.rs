@@ -30,6 +30,9 @@ pub(crate) async fn fuzz_bulk(w: &Worker, rng: &mut StdRng, n: u64) -> Result<u6
             Response::BulkOffer(o) => o,
             other => bail!("no bulk offer: {other:?}"),
         };
+        if offer.token.len() != 32 || offer.token[0] == 0x16 {
+            bail!("a token a plaintext connection could not present: {:?}", offer.token);
+        }
         if ask_plain == offer.tls {
             bail!("plaintext asked {ask_plain}, granted {} (the fuzz node trusts 10.9.0.0/24)", !offer.tls);
         }

@@ -101,6 +101,10 @@ impl BulkDoor {
         })?;
         let mut token = [0u8; TOKEN_LEN];
         getrandom::getrandom(&mut token).map_err(|e| Fail::Reply(error(ErrorCode::Internal, e.to_string())))?;
+        // A plaintext connection starts with its token; the first byte of a TLS one is 0x16.
+        if token[0] == TLS_HANDSHAKE {
+            token[0] ^= 0x80;
+        }
         let tls = !(plaintext && self.trusts(peer));
         let now = Instant::now();
         let mut pending = self.pending.lock();
