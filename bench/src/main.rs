@@ -7,6 +7,7 @@ mod target;
 
 // Trace replay, synthetic traces, pooled vs isolated caches, TTFT model.
 mod cluster;
+mod failover;
 mod gen;
 mod hitplot;
 mod live;
@@ -58,7 +59,7 @@ enum Cmd {
     ClusterTransfer(cluster::TransferArgs),
     /// Failover of an etcd-elected master: time from a leader's SIGKILL to the first answered
     /// request
-    ClusterFailover(cluster::FailoverArgs),
+    ClusterFailover(failover::FailoverArgs),
 }
 
 fn main() -> Result<()> {
@@ -86,7 +87,7 @@ fn main() -> Result<()> {
         Cmd::LiveReplay(a) => live::live_replay(a),
         Cmd::ClusterReplay(a) => cluster::cluster_replay(a),
         Cmd::ClusterTransfer(a) => cluster::cluster_transfer(a),
-        Cmd::ClusterFailover(a) => cluster::cluster_failover(a),
+        Cmd::ClusterFailover(a) => failover::cluster_failover(a),
     }
 }
 
