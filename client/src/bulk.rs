@@ -18,11 +18,13 @@ use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, ReadBuf};
 use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Chunk length that ends an answer.
 const END: u32 = u32::MAX;
-/// Idle connections kept per session.
-const MAX_IDLE: usize = 16;
+/// Connections open per session, idle or busy; a call past it goes over QUIC. Under the
+/// server's 64 per QUIC connection, so a busy client is never refused a connection.
+const MAX_OPEN: usize = 32;
 /// After the channel failed to open, calls use QUIC for this long before trying again.
 const BACK_OFF: Duration = Duration::from_secs(10);
 /// Bound on opening one connection (token, TCP, TLS, bind): a dead or unreachable channel
@@ -37,6 +39,8 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Duplex for T {}
 /// a reset, read as an error).
 pub(crate) struct BulkConn {
     io: BufReader<Box<dyn Duplex>>,
+    /// This connection's place among the session's [`MAX_OPEN`].
+    _open: OwnedSemaphorePermit,
     state: State,
     left: u32,
     head: [u8; 5],
@@ -52,6 +56,7 @@ pub(crate) struct BulkLink {
     /// Puts of at least this many value bytes take the channel.
     pub(crate) min_put: u64,
     idle: Mutex<Vec<BulkConn>>,
+    open: Arc<Semaphore>,
     down_until: Mutex<Option<Instant>>,
     /// What the last connection opened was: `None` (none yet, or the channel is down), or
     /// whether it was TLS.
@@ -81,12 +86,14 @@ impl BulkLink {
             plaintext: cfg.trusted_networks.iter().any(|n| n.contains(&ip)),
             min_put: cfg.bulk_min_put,
             idle: Mutex::new(Vec::new()),
+            open: Arc::new(Semaphore::new(MAX_OPEN)),
             down_until: Mutex::new(None),
             opened: Mutex::new(None),
         })))
     }
 
-    /// An idle connection, or a new one; `None` (use QUIC) while the channel is down.
+    /// An idle connection, or a new one; `None` (use QUIC) while the channel is down or all
+    /// of the session's connections are busy.
     pub(crate) async fn take(&self, conn: &quinn::Connection) -> Option<BulkConn> {
         loop {
             let Some(mut c) = self.idle.lock().pop() else { break };
@@ -98,8 +105,12 @@ impl BulkLink {
         if self.down_until.lock().is_some_and(|t| Instant::now() < t) {
             return None;
         }
-        match tokio::time::timeout(OPEN_BUDGET, self.open(conn)).await {
+        let permit = self.open.clone().try_acquire_owned().ok()?;
+        match tokio::time::timeout(OPEN_BUDGET, self.open(conn, permit)).await {
             Ok(Ok(c)) => Some(c),
+            // The server is there but has no room for this one now (its token or connection
+            // limits): this call goes over QUIC, the next tries again.
+            Ok(Err(ClientError::Status { code: ErrorCode::Rejected, .. })) => None,
             Ok(Err(e)) => {
                 self.fail(&e);
                 None
@@ -130,12 +141,12 @@ impl BulkLink {
     /// for a put, its values all sent); drop it otherwise.
     pub(crate) fn keep(&self, c: BulkConn) {
         let mut idle = self.idle.lock();
-        if c.state == State::Done && idle.len() < MAX_IDLE {
+        if c.state == State::Done && idle.len() < MAX_OPEN {
             idle.push(c);
         }
     }
 
-    async fn open(&self, conn: &quinn::Connection) -> Result<BulkConn> {
+    async fn open(&self, conn: &quinn::Connection, permit: OwnedSemaphorePermit) -> Result<BulkConn> {
         let (mut tx, mut rx) = conn.open_bi().await?;
         let ask = Request::BulkAttach(BulkAttachRequest { plaintext: self.plaintext });
         tx.write_all(&encode_frame(&ask)?).await?;
@@ -144,6 +155,9 @@ impl BulkLink {
             Response::BulkOffer(o) => o,
             other => return Err(unexpected("BulkOffer", &other)),
         };
+        if !offer.tls && !self.plaintext {
+            return Err(ClientError::Protocol("the server offered plaintext that was not asked for".into()));
+        }
         let addr = SocketAddr::new(self.ip, offer.port);
         let tcp = TcpStream::connect(addr)
             .await
@@ -171,7 +185,7 @@ impl BulkLink {
             });
         }
         *self.opened.lock() = Some(offer.tls);
-        Ok(BulkConn { io, state: State::Done, left: 0, head: [0; 5], have: 0 })
+        Ok(BulkConn { io, _open: permit, state: State::Done, left: 0, head: [0; 5], have: 0 })
     }
 }
 

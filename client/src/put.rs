@@ -152,6 +152,11 @@ impl Client {
                     let sent = c.send(&frame, &values).await;
                     let resp = match bulk::read_answer(&mut c).await {
                         Ok(r) => get::end_of(&mut c).await.map(|()| r),
+                        // A typed refusal ends its answer: read the end, and the connection goes on.
+                        Err(e @ ClientError::Status { .. }) => {
+                            let _ = get::end_of(&mut c).await;
+                            Err(e)
+                        }
                         Err(e) => Err(e),
                     };
                     if sent.is_ok() {

@@ -68,6 +68,21 @@ async fn puts_and_gets_cross_the_tls_channel_and_small_puts_stay_on_quic() {
     assert!(metric(&text, "kvpool_bulk_requests_total") >= 8.0);
     // One call at a time: one connection per client, kept between calls.
     assert_eq!(metric(&text, "kvpool_bulk_connections_total"), 2.0);
+
+    // 80 calls at once, more than the server's 64 connections per session: at most 32 open,
+    // the rest over QUIC, every answer right, and the channel stays up.
+    let mut calls = tokio::task::JoinSet::new();
+    for i in 0..80 {
+        let (c, i) = (c.clone(), i % 8);
+        calls.spawn(async move { (i, c.get(format!("b{i}")).await) });
+    }
+    while let Some(r) = calls.join_next().await {
+        let (i, got) = r.unwrap();
+        assert_eq!(got.unwrap().as_ref(), Some(&values[i]));
+    }
+    assert_eq!(c.transport_in_use(), "tls");
+    assert!(metric(&srv.scrape(), "kvpool_bulk_connections_total") <= 2.0 + 32.0);
+    assert_eq!(c.get("big").await.unwrap().unwrap(), big);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -241,9 +256,16 @@ async fn the_door_refuses_unknown_used_foreign_and_orphaned_tokens_and_leaks_not
     );
     let (answer, _) = envelope(&mut io, &get_frame("secret")).await;
     assert_eq!(kvpool_client::parse_reply(&answer).unwrap().1, &secret[..]);
-    // Garbage in an envelope is a typed error.
+    // Garbage in an envelope is a typed error; so is an empty frame, whatever follows it.
     let (answer, _) = envelope(&mut io, &[9, 0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9]).await;
     assert!(matches!(kvpool_client::parse_reply(&answer).unwrap().0, Response::Error(_)));
+    let mut empty = vec![0, 0, 0, 0];
+    empty.extend_from_slice(&get_frame("secret"));
+    let (answer, _) = envelope(&mut io, &empty).await;
+    assert!(
+        matches!(kvpool_client::parse_reply(&answer).unwrap().0, Response::Error(_)),
+        "an empty frame is an error, never the request after it"
+    );
 
     // A token of a connection that has ended; and the ended connection's channel closes.
     let o = offer(&r, false).await;
@@ -262,4 +284,44 @@ async fn the_door_refuses_unknown_used_foreign_and_orphaned_tokens_and_leaks_not
     // Through it all the pool serves.
     let c = Client::connect(srv.client_config(ADMIN_KEY)).await.unwrap();
     assert_eq!(c.get("secret").await.unwrap().unwrap(), secret);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_door_bounds_what_a_greedy_session_and_peers_without_tokens_hold() {
+    let srv = TestServer::start(Opts::default());
+    // One session holds at most 64 unspent tokens; another session still gets its own.
+    let greedy = session(&srv).await;
+    let mut port = 0;
+    for _ in 0..64 {
+        port = offer(&greedy, false).await.port;
+    }
+    let ask = Request::BulkAttach(BulkAttachRequest { plaintext: false });
+    match greedy.request(&ask).await.unwrap() {
+        Response::Error(e) => assert_eq!(e.code, ErrorCode::Rejected),
+        other => panic!("{other:?}"),
+    }
+    let other = session(&srv).await;
+    let o = offer(&other, false).await;
+
+    // Connections that never show a token: 256 are held (until their 5 s run out), the next
+    // is closed at once, unanswered.
+    let mut idle = Vec::new();
+    for _ in 0..256 {
+        idle.push(dial(&srv, port, None, false).await);
+    }
+    let mut late = dial(&srv, port, None, false).await;
+    let t = std::time::Instant::now();
+    let mut seen = Vec::new();
+    let n = tokio::time::timeout(Duration::from_secs(4), late.read_to_end(&mut seen)).await;
+    assert!(matches!(n, Ok(Ok(0))), "closed unanswered at once: {n:?} after {:?}", t.elapsed());
+    assert!(metric(&srv.scrape(), "kvpool_bulk_refused_total") >= 1.0);
+
+    // Once they go, a token binds again and the channel serves.
+    drop(idle);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut io = dial(&srv, o.port, None, true).await;
+    present(&mut io, &o.token).await.unwrap();
+    let (answer, end) = envelope(&mut io, &get_frame("absent")).await;
+    assert_eq!(end, 0);
+    assert!(matches!(kvpool_client::parse_reply(&answer).unwrap().0, Response::Get(_)));
 }

@@ -23,6 +23,7 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite};
+use tokio::sync::OwnedSemaphorePermit;
 use tracing::{debug, info, warn};
 
 /// Bytes of a token.
@@ -34,8 +35,11 @@ const BIND_TIMEOUT: Duration = Duration::from_secs(5);
 /// Tokens waiting for their connection, over all sessions: a client asking without connecting
 /// cannot grow the table without bound.
 const MAX_PENDING: usize = 4096;
-/// TCP connections one QUIC connection may bind at once.
+/// TCP connections one QUIC connection may bind at once, and tokens it may hold unspent.
 pub const MAX_CONNECTIONS_PER_SESSION: usize = 64;
+/// TCP connections between accept and a redeemed token, over all peers: what a peer without
+/// credentials can hold (a socket, a TLS handshake, the read buffer) is bounded by this.
+pub const MAX_UNBOUND: usize = 256;
 /// Socket bytes read at once under TLS.
 pub const TLS_READ_BUFFER: usize = 256 << 10;
 /// First byte of a TLS record carrying a handshake message (a ClientHello).
@@ -55,6 +59,7 @@ pub struct BulkDoor {
     tls: tokio_rustls::TlsAcceptor,
     trusted: Vec<ipnet::IpNet>,
     pending: Mutex<HashMap<[u8; TOKEN_LEN], Pending>>,
+    unbound: Arc<tokio::sync::Semaphore>,
 }
 
 impl BulkDoor {
@@ -83,6 +88,7 @@ impl BulkDoor {
             tls: tokio_rustls::TlsAcceptor::from(tls),
             trusted,
             pending: Mutex::new(HashMap::new()),
+            unbound: Arc::new(tokio::sync::Semaphore::new(MAX_UNBOUND)),
         })
     }
 
@@ -115,7 +121,15 @@ impl BulkDoor {
                 format!("{MAX_PENDING} bulk tokens wait for their connection; connect with the ones you have"),
             )));
         }
-        let p = Pending { session: Arc::downgrade(session), peer: peer.to_canonical(), tls, expires: now + TOKEN_TTL };
+        let mine = Arc::downgrade(session);
+        // One session cannot take the table from the others.
+        if pending.values().filter(|p| p.session.ptr_eq(&mine)).count() >= MAX_CONNECTIONS_PER_SESSION {
+            return Err(Fail::Reply(error(
+                ErrorCode::Rejected,
+                format!("{MAX_CONNECTIONS_PER_SESSION} bulk tokens of this connection wait for their connection"),
+            )));
+        }
+        let p = Pending { session: mine, peer: peer.to_canonical(), tls, expires: now + TOKEN_TTL };
         pending.insert(token, p);
         Ok(BulkOffer { port: self.port, token: token.to_vec(), tls, expires_ms: TOKEN_TTL.as_millis() as u32 })
     }
@@ -137,7 +151,8 @@ impl BulkDoor {
         if p.tls && !tls {
             return Err((ErrorCode::Forbidden, "plaintext was not granted to this token: connect with TLS".into()));
         }
-        p.session.upgrade().ok_or_else(unknown)
+        // A request in flight may hold the session after its QUIC connection ended.
+        p.session.upgrade().filter(|s| !s.has_ended()).ok_or_else(unknown)
     }
 }
 
@@ -160,9 +175,15 @@ pub async fn serve(shared: Arc<Shared>) {
                 continue;
             }
         };
+        let Ok(permit) = door.unbound.clone().try_acquire_owned() else {
+            // Full of connections that have not shown a token: this one is closed unanswered.
+            shared.metrics.bulk_refused.inc();
+            debug!(%addr, "{MAX_UNBOUND} bulk connections wait for their token; closing a new one");
+            continue;
+        };
         let shared = shared.clone();
         tokio::spawn(async move {
-            if let Err(e) = serve_tcp(sock, addr.ip(), &shared).await {
+            if let Err(e) = serve_tcp(sock, addr.ip(), &shared, permit).await {
                 debug!(error = %e, %addr, "bulk connection ended");
             }
         });
@@ -171,46 +192,75 @@ pub async fn serve(shared: Arc<Shared>) {
 
 /// One TCP connection: TLS unless its address is trusted and its first byte is not a TLS
 /// handshake, then the token and the envelopes.
-async fn serve_tcp(sock: tokio::net::TcpStream, peer: IpAddr, shared: &Arc<Shared>) -> io::Result<()> {
+async fn serve_tcp(
+    sock: tokio::net::TcpStream,
+    peer: IpAddr,
+    shared: &Arc<Shared>,
+    permit: OwnedSemaphorePermit,
+) -> io::Result<()> {
     let Some(door) = shared.bulk.get() else { return Ok(()) };
     sock.set_nodelay(true)?;
+    // One deadline for the first byte, the handshake and the token.
+    let deadline = tokio::time::Instant::now() + BIND_TIMEOUT;
     let plain = if door.trusts(peer) {
         let mut first = [0u8; 1];
-        match tokio::time::timeout(BIND_TIMEOUT, sock.peek(&mut first)).await {
+        match tokio::time::timeout_at(deadline, sock.peek(&mut first)).await {
             Ok(Ok(1)) => first[0] != TLS_HANDSHAKE,
             Ok(Ok(_)) => return Ok(()),
             Ok(Err(e)) => return Err(e),
-            Err(_) => return Ok(()),
+            Err(_) => {
+                shared.metrics.bulk_refused.inc();
+                return Ok(());
+            }
         }
     } else {
         false
     };
     if plain {
-        return serve_stream(sock, peer, false, shared).await;
+        return bind_and_run(sock, peer, false, shared, deadline, Some(permit)).await;
     }
     // rustls reads the socket 4 KiB at a time: a buffer under it turns that into one read per
     // 256 KiB (a copy in memory instead of 60 system calls).
     let sock = tokio::io::BufReader::with_capacity(TLS_READ_BUFFER, sock);
-    let tls = match tokio::time::timeout(BIND_TIMEOUT, door.tls.accept(sock)).await {
+    let tls = match tokio::time::timeout_at(deadline, door.tls.accept(sock)).await {
         Ok(Ok(s)) => s,
         Ok(Err(e)) => {
             shared.metrics.bulk_refused.inc();
             return Err(e);
         }
-        Err(_) => return Ok(()),
+        Err(_) => {
+            shared.metrics.bulk_refused.inc();
+            return Ok(());
+        }
     };
-    serve_stream(tls, peer, true, shared).await
+    bind_and_run(tls, peer, true, shared, deadline, Some(permit)).await
 }
 
 /// A bulk connection after its transport handshake (TLS or plaintext TCP; an in-memory pipe
 /// in the fuzz driver): the token, then one envelope after another.
-pub async fn serve_stream<S>(mut stream: S, peer: IpAddr, tls: bool, shared: &Arc<Shared>) -> io::Result<()>
+pub async fn serve_stream<S>(stream: S, peer: IpAddr, tls: bool, shared: &Arc<Shared>) -> io::Result<()>
+where
+    S: AsyncRead + AsyncWrite + Unpin + Send,
+{
+    bind_and_run(stream, peer, tls, shared, tokio::time::Instant::now() + BIND_TIMEOUT, None).await
+}
+
+/// The token by `deadline`, then the envelopes; `permit` (a place among the unbound
+/// connections) is let go once the token is spent.
+async fn bind_and_run<S>(
+    mut stream: S,
+    peer: IpAddr,
+    tls: bool,
+    shared: &Arc<Shared>,
+    deadline: tokio::time::Instant,
+    permit: Option<OwnedSemaphorePermit>,
+) -> io::Result<()>
 where
     S: AsyncRead + AsyncWrite + Unpin + Send,
 {
     let Some(door) = shared.bulk.get() else { return Ok(()) };
     let mut token = [0u8; TOKEN_LEN];
-    match tokio::time::timeout(BIND_TIMEOUT, stream.read_exact(&mut token)).await {
+    match tokio::time::timeout_at(deadline, stream.read_exact(&mut token)).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => return Err(e),
         Err(_) => return refuse(&mut stream, shared, ErrorCode::Timeout, "no token in time".into()).await,
@@ -219,6 +269,7 @@ where
         Ok(s) => s,
         Err((code, message)) => return refuse(&mut stream, shared, code, message).await,
     };
+    drop(permit);
     let Some(_count) = session.bulk_slot(MAX_CONNECTIONS_PER_SESSION) else {
         let m = format!("at most {MAX_CONNECTIONS_PER_SESSION} bulk connections per QUIC connection");
         return refuse(&mut stream, shared, ErrorCode::Rejected, m).await;

@@ -79,14 +79,13 @@ where
         let mut recv = BulkRecv { inner: &mut rd, left: len, prefix: Bytes::new(), transport };
         // The frame is read here to refuse what must be asked on QUIC; the handler reads it again.
         let deadline = tokio::time::Instant::now() + shared.timeouts.request;
-        let body = match tokio::time::timeout_at(deadline, read_frame(&mut recv, shared.limits.max_frame)).await {
-            Ok(Ok(Some(body))) => body,
-            Ok(Ok(None)) => Vec::new(),
+        let frame = match tokio::time::timeout_at(deadline, read_frame(&mut recv, shared.limits.max_frame)).await {
+            Ok(Ok(frame)) => frame,
             Ok(Err(ProtoError::Cancelled(_))) => return Ok(()),
             Ok(Err(e)) => return send.fail(e.code(), e.to_string()).await,
             Err(_) => return send.fail(ErrorCode::Timeout, "no complete request frame in time".into()).await,
         };
-        if kvpool_proto::message_tag(&body).is_some_and(|t| QUIC_ONLY.contains(&t)) {
+        if frame.as_deref().and_then(kvpool_proto::message_tag).is_some_and(|t| QUIC_ONLY.contains(&t)) {
             let m = "LocalAttach, Subscribe and BulkAttach are asked on the QUIC connection, not on its bulk channel";
             send.fail(ErrorCode::InvalidArgument, m.into()).await?;
             if !drain(&mut recv, shared).await {
@@ -94,7 +93,8 @@ where
             }
             continue;
         }
-        if !body.is_empty() {
+        // Put back as read, an empty frame too: the handler answers it as QUIC's would.
+        if let Some(body) = frame {
             let mut prefix = Vec::with_capacity(4 + body.len());
             prefix.extend_from_slice(&(body.len() as u32).to_le_bytes());
             prefix.extend_from_slice(&body);
@@ -286,7 +286,13 @@ impl<W: AsyncWrite> AsyncWrite for BulkSend<'_, W> {
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut *self.inner).poll_flush(cx)
+        let me = &mut *self;
+        // Gathered bytes go out as a chunk of their own; an open chunk's header goes out as is.
+        if me.in_chunk == 0 {
+            me.seal();
+        }
+        ready!(me.poll_gathered(cx))?;
+        Pin::new(&mut *me.inner).poll_flush(cx)
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -371,6 +377,24 @@ mod tests {
         want.extend_from_slice(&value);
         want.extend_from_slice(b"tail");
         assert_eq!((body, end, code), (want, 0, 0));
+    }
+
+    #[tokio::test]
+    async fn a_flush_sends_what_is_gathered_as_a_chunk() {
+        let (a, mut b) = tokio::io::duplex(1 << 16);
+        let (_rd, mut wr) = tokio::io::split(a);
+        let mut send = BulkSend::new(&mut wr, "tcp");
+        send.write_all(b"head").await.unwrap();
+        send.flush().await.unwrap();
+        // On the wire now, before the answer goes on: a chunk of its own.
+        let mut first = [0u8; 8];
+        b.read_exact(&mut first).await.unwrap();
+        assert_eq!(&first, b"\x04\0\0\0head");
+        send.write_all(b"rest").await.unwrap();
+        send.end(0, 0).await.unwrap();
+        let mut wire = vec![0u8; 8 + 9];
+        b.read_exact(&mut wire).await.unwrap();
+        assert_eq!(unchunk(&wire), (b"rest".to_vec(), 0, 0));
     }
 
     #[tokio::test]

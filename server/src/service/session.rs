@@ -100,6 +100,11 @@ impl Session {
         self.ended.send_replace(true);
     }
 
+    /// Whether the connection has ended.
+    pub fn has_ended(&self) -> bool {
+        *self.ended.borrow()
+    }
+
     /// Resolves once the connection has ended (at once if it has).
     pub async fn ended(&self) {
         let mut rx = self.ended.subscribe();
