@@ -270,7 +270,7 @@ where
         Err((code, message)) => return refuse(&mut stream, shared, code, message).await,
     };
     drop(permit);
-    let Some(_count) = session.bulk_slot(MAX_CONNECTIONS_PER_SESSION) else {
+    let Some(_count) = session.bulk_slot() else {
         let m = format!("at most {MAX_CONNECTIONS_PER_SESSION} bulk connections per QUIC connection");
         return refuse(&mut stream, shared, ErrorCode::Rejected, m).await;
     };

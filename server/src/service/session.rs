@@ -56,8 +56,8 @@ pub struct Session {
     grants: Mutex<HashMap<u64, Arc<Reserved>>>,
     leases: Mutex<HashMap<u64, Arc<LeaseHold>>>,
     next: AtomicU64,
-    /// TCP bulk connections bound to this connection now.
-    bulk: Arc<std::sync::atomic::AtomicUsize>,
+    /// Room for the TCP bulk connections bound to this connection.
+    bulk: Arc<tokio::sync::Semaphore>,
     /// Set when the connection ends.
     ended: tokio::sync::watch::Sender<bool>,
 }
@@ -73,7 +73,7 @@ impl Session {
             grants: Mutex::new(HashMap::new()),
             leases: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
-            bulk: Arc::default(),
+            bulk: Arc::new(tokio::sync::Semaphore::new(super::bulk::MAX_CONNECTIONS_PER_SESSION)),
             ended: tokio::sync::watch::Sender::new(false),
         })
     }
@@ -116,11 +116,9 @@ impl Session {
         *self.local.lock() = Some(Box::new(ticket));
     }
 
-    /// Room for one more TCP bulk connection, held until the guard drops; `None` at `max`.
-    pub(super) fn bulk_slot(&self, max: usize) -> Option<BulkSlot> {
-        let n = self.bulk.fetch_add(1, Ordering::AcqRel);
-        let slot = BulkSlot(self.bulk.clone());
-        (n < max).then_some(slot)
+    /// Room for one more TCP bulk connection, held until the permit drops; `None` when full.
+    pub(super) fn bulk_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        self.bulk.clone().try_acquire_owned().ok()
     }
 
     /// Keep a granted put item for `ttl`; returns its reservation's name.
@@ -166,15 +164,6 @@ impl Session {
 
     pub fn release(&self, id: u64) -> bool {
         self.leases.lock().remove(&id).is_some()
-    }
-}
-
-/// One bound TCP bulk connection of a session.
-pub(super) struct BulkSlot(Arc<std::sync::atomic::AtomicUsize>);
-
-impl Drop for BulkSlot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
