@@ -398,24 +398,30 @@ def test_reset_cache_drops_this_models_blocks_even_those_saved_meanwhile(model: 
 def test_kv_events_tell_vllm_what_the_pool_holds(model: str, pool: Server) -> None:
     from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
+    from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
+
     ps = prompts(1, shared=32, seed=12)
     e = run(SimEngine(model, extra_for(pool), num_blocks=400, kv_events=True), ps, 4)
     stored = [ev for ev in e.published if isinstance(ev, BlockStored) and ev.medium == "CPU"]
     req = e.requests["r0"]
     full = len(ps["r0"]) // vllm_sim.BLOCK
-    assert [bytes(ev.block_hashes[0]) for ev in stored] == [bytes(h) for h in req.block_hashes[:full]]
+    # Hashes as vLLM sends them (64-bit ints by default), so a router matches them to GPU blocks.
+    assert [ev.block_hashes[0] for ev in stored] == [maybe_convert_block_hash(h) for h in req.block_hashes[:full]]
+    gpu = {h for ev in e.published if isinstance(ev, BlockStored) and ev.medium == "GPU" for h in ev.block_hashes}
+    assert {ev.block_hashes[0] for ev in stored} <= gpu
     for b, ev in enumerate(stored):
         assert ev.token_ids == ps["r0"][b * vllm_sim.BLOCK : (b + 1) * vllm_sim.BLOCK]
-        assert ev.parent_block_hash == (bytes(req.block_hashes[b - 1]) if b else None)
+        assert ev.parent_block_hash == (maybe_convert_block_hash(req.block_hashes[b - 1]) if b else None)
+        assert ev.group_idx == 0 and ev.extra_keys == [None]
     # The pool lets one go: vLLM hears of it.
-    gone = bytes(req.block_hashes[full - 1]).hex()
-    client_of(pool).remove([f"{prefix_of(e)}@{gone}"], force=True)
+    gone = bytes(req.block_hashes[full - 1])
+    client_of(pool).remove([f"{prefix_of(e)}@{gone.hex()}"], force=True)
     deadline = time.monotonic() + 5
     while True:
         e.step()
         removed = [ev for ev in e.published if isinstance(ev, BlockRemoved) and ev.medium == "CPU"]
         if removed:
-            assert [bytes(h).hex() for h in removed[0].block_hashes] == [gone]
+            assert removed[0].block_hashes == [maybe_convert_block_hash(gone)] and removed[0].group_idx == 0
             break
         assert time.monotonic() < deadline, "no BlockRemoved for a block the pool dropped"
         time.sleep(0.05)
@@ -430,7 +436,7 @@ def test_kv_events_after_a_pool_restart_remove_what_the_pool_lost(model: str) ->
     try:
         ps = prompts(1, shared=32, seed=13)
         e = run(SimEngine(model, extra_for(s), num_blocks=400, kv_events=True), ps, 4)
-        stored = {bytes(ev.block_hashes[0]) for ev in e.published if isinstance(ev, BlockStored) and ev.medium == "CPU"}
+        stored = {ev.block_hashes[0] for ev in e.published if isinstance(ev, BlockStored) and ev.medium == "CPU"}
         assert stored, "nothing announced"
         s.kill()
         s.start_again()
@@ -438,7 +444,7 @@ def test_kv_events_after_a_pool_restart_remove_what_the_pool_lost(model: str) ->
         while True:
             e.step()
             removed = {
-                bytes(h) for ev in e.published if isinstance(ev, BlockRemoved) and ev.medium == "CPU" for h in ev.block_hashes
+                h for ev in e.published if isinstance(ev, BlockRemoved) and ev.medium == "CPU" for h in ev.block_hashes
             }
             if removed == stored:
                 break

@@ -5,14 +5,16 @@ What is real: vLLM's ``Scheduler`` (block allocation, prefix caching, preemption
 the connector calls in their order, ``SchedulerOutput`` objects), the connector's scheduler and
 worker sides, the kvpool client and a kvpool server process.
 
-What stands in: the model runner. Its KV cache has, in every token slot, a digest of the token
-prefix that ends there (what a real model's K and V are: a function of the prefix). Each step,
-before "computing" a request's new tokens, it checks that every slot the request attends to holds
-the digest of the request's own prefix: a block loaded from the wrong key, a load that never ran,
-or a block overwritten by another request reads as a wrong answer, as it would in a real engine,
-except that here it is caught. The next token is a function of the prefix too, so two engines
-answer alike exactly when their KV is right. ``audit`` checks the pool itself: every block stored
-under a key must hold the digests of that key's prefix.
+What stands in: the model runner. Its KV cache (allocated by vLLM's own ``allocate_kv_cache`` in
+the layout asked for, LBHNC as on vLLM's CPU backend by default) has, in every token slot of every
+head, a digest of the token prefix that ends there (what a real model's K and V are: a function of
+the prefix). Each step, before "computing" a request's new tokens, it checks that every slot the
+request attends to holds the digest of the request's own prefix: a block loaded from the wrong
+key, a load that never ran, or a block overwritten by another request reads as a wrong answer, as
+it would in a real engine, except that here it is caught. KV computed over a wrong slot is wrong
+too (``POISON``), as a real model's would be. The next token is a function of the prefix too, so
+two engines answer alike exactly when their KV is right. ``audit`` checks the pool itself: every
+block stored under a key must hold the digests of that key's prefix.
 """
 
 from __future__ import annotations
@@ -26,9 +28,16 @@ from typing import Any, Callable, Optional
 import torch
 
 BLOCK = 16  # tokens per block
-DIM = 4  # floats per slot and layer
+DIM = 4  # floats per slot, head and layer: K (2) then V (2)
 LAYERS = 2
 MOD = (1 << 61) - 1
+# What a slot holds when it was computed over KV that was not its prefix's.
+POISON = -1.0
+
+
+def slot_value(digest: torch.Tensor, layer: int, head: int) -> torch.Tensor:
+    """What layer ``layer``, head ``head`` holds for a position whose prefix digest is ``digest``."""
+    return digest + layer + 1000 * head
 
 
 def digests(tokens: list[int]) -> torch.Tensor:
@@ -98,6 +107,11 @@ class SimEngine:
     v2_outputs: bool = False
     # Called after schedule() and before the worker runs the step (tests inject faults here).
     between: Optional[Callable[["SimEngine", Any], None]] = None
+    # The KV cache's layout (vLLM's KVCacheLayout name) and KV heads.
+    layout: str = "LBHNC"
+    heads: int = 1
+    # A FULL CUDA graph's replay: vLLM never calls wait_for_layer_load.
+    full_cudagraph: bool = False
     violations: list[Violation] = field(default_factory=list)
     steps: int = 0
 
@@ -113,7 +127,7 @@ class SimEngine:
         )
         from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
         from vllm.v1.core.sched.scheduler import Scheduler
-        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+        from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheGroupSpec
         from vllm.v1.structured_output import StructuredOutputManager
 
         model = ModelConfig(model=self.model_dir, dtype="float32", seed=0, max_model_len=4096)
@@ -140,16 +154,18 @@ class SimEngine:
             device_config=DeviceConfig("cpu"),
             kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null") if self.kv_events else None,
         )
-        self.kv_cache_config = KVCacheConfig(
-            num_blocks=self.num_blocks,
-            kv_cache_tensors=[],
-            kv_cache_groups=[
-                KVCacheGroupSpec(
-                    [f"layer{i}" for i in range(LAYERS)],
-                    FullAttentionSpec(block_size=BLOCK, num_kv_heads=1, head_size=DIM, dtype=torch.float32),
-                )
-            ],
+        from vllm.v1.core.kv_cache_utils import get_kv_cache_config_from_groups
+        from vllm.v1.kv_cache_layout import KVCacheLayout
+        from vllm.v1.worker.utils import allocate_kv_cache
+
+        self.config.cache_config.kv_cache_layout = self.layout
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=DIM // 2, dtype=torch.float32)
+        groups = [KVCacheGroupSpec([f"layer{i}" for i in range(LAYERS)], spec)]
+        self.kv_cache_config = get_kv_cache_config_from_groups(
+            self.config, groups, self.num_blocks * LAYERS * spec.page_size_bytes
         )
+        assert self.kv_cache_config.num_blocks == self.num_blocks
+        self.kv_cache_config.kv_cache_layout = self.layout
         self.config.cache_config.num_gpu_blocks = self.num_blocks
         from vllm.config import set_current_vllm_config
 
@@ -163,7 +179,8 @@ class SimEngine:
             log_stats=True,
         )
         self.scheduler.use_v2_model_runner = self.v2_outputs
-        self.kv = {f"layer{i}": torch.zeros(self.num_blocks, BLOCK, DIM) for i in range(LAYERS)}
+        self.kv = allocate_kv_cache(self.kv_cache_config, torch.device("cpu"), KVCacheLayout[self.layout])
+        assert set(self.kv) == {f"layer{i}" for i in range(LAYERS)}
         self.worker = None
         if self.connector:
             import importlib
@@ -208,10 +225,18 @@ class SimEngine:
 
     # ---- one step -------------------------------------------------------------------------
 
-    def _slot_index(self, req_id: str, positions: torch.Tensor) -> torch.Tensor:
+    def _slots(self, req_id: str, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Blocks and token indices of a request's positions."""
         (table,) = self.scheduler.kv_cache_manager.get_block_ids(req_id)
         t = torch.tensor(table, dtype=torch.long)
-        return t[positions // BLOCK] * BLOCK + positions % BLOCK
+        return t[positions // BLOCK], positions % BLOCK
+
+    def read_slots(self, layer: int, blocks: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+        """``[positions, heads, DIM]`` through vLLM's logical ``[B, H, N, C]`` view."""
+        return self.kv[f"layer{layer}"][blocks, :, tokens, :]
+
+    def write_slots(self, layer: int, blocks: torch.Tensor, tokens: torch.Tensor, value: torch.Tensor) -> None:
+        self.kv[f"layer{layer}"][blocks, :, tokens, :] = value
 
     def step(self) -> None:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -227,7 +252,8 @@ class SimEngine:
             w.handle_preemptions(meta)
             w.bind_connector_metadata(meta)
             w.start_load_kv(None)
-            w.wait_for_layer_load("layer0")
+            if not self.full_cudagraph:
+                w.wait_for_layer_load("layer0")
         # Blocks whose load failed this step: vLLM discards what the step computes for their
         # requests and computes them again, so the step's KV check skips those requests.
         lost = set(w._worker.load_errors) if w is not None else set()
@@ -236,25 +262,31 @@ class SimEngine:
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
         req_ids = list(out.num_scheduled_tokens)
         sampled: list[list[int]] = []
-        flat = [self.kv[f"layer{i}"].view(-1, DIM) for i in range(LAYERS)]
+        heads = torch.arange(self.heads, dtype=torch.float32)[None, :, None] * 1000
         for rid in req_ids:
             req = self.requests[rid]
             start, n = starts[rid], out.num_scheduled_tokens[rid]
             tokens = list(req.all_token_ids)
             want = digests(tokens[: start + n])
             (table,) = self.scheduler.kv_cache_manager.get_block_ids(rid)
-            if start > 0 and not lost.intersection(table):
-                idx = self._slot_index(rid, torch.arange(start))
+            right = True
+            if start > 0:
+                blocks, toks = self._slots(rid, torch.arange(start))
                 for i in range(LAYERS):
-                    got = flat[i][idx]
-                    bad = (got != want[:start] + i).any(dim=1).nonzero()
+                    got = self.read_slots(i, blocks, toks)
+                    bad = (got != want[:start, None, :] + i + heads).flatten(1).any(dim=1).nonzero()
                     if len(bad):
-                        p = int(bad[0])
-                        self.violations.append(Violation(self.steps, rid, p, f"layer{i} slot holds another prefix's KV"))
+                        right = False
+                        # A step whose load failed is discarded and computed again by vLLM.
+                        if not lost.intersection(table):
+                            p = int(bad[0])
+                            self.violations.append(
+                                Violation(self.steps, rid, p, f"layer{i} slot holds another prefix's KV"))
                         break
-            idx = self._slot_index(rid, torch.arange(start, start + n))
+            blocks, toks = self._slots(rid, torch.arange(start, start + n))
             for i in range(LAYERS):
-                flat[i][idx] = want[start:] + i
+                value = want[start:, None, :] + i + heads if right else torch.full((n, self.heads, DIM), POISON)
+                self.write_slots(i, blocks, toks, value)
             # A token is sampled once the known tokens are all computed.
             sampled.append([next_token(tokens)] if start + n >= len(tokens) else [])
         kvo = None
@@ -318,7 +350,7 @@ class _Collect:
         pass
 
 
-def audit(client: Any, prefix: str, prompts: list[list[int]]) -> tuple[int, list[str]]:
+def audit(client: Any, prefix: str, prompts: list[list[int]], heads: int = 1) -> tuple[int, list[str]]:
     """Every block of these token sequences that the pool holds under ``prefix`` must hold the
     digests of its prefix, K and V of every layer. Returns (blocks checked, wrong keys)."""
     from vllm import SamplingParams
@@ -337,8 +369,12 @@ def audit(client: Any, prefix: str, prompts: list[list[int]]) -> tuple[int, list
             if st != "ok":
                 continue
             checked += 1
-            got = torch.frombuffer(bytearray(val), dtype=torch.float32).view(LAYERS, BLOCK, DIM)
-            exp = torch.stack([want[b * BLOCK : (b + 1) * BLOCK] + layer for layer in range(LAYERS)])
+            # The pool object is the block's logical KV: [layer][head][token][K, V] (kvpool.vllm.layout).
+            got = torch.frombuffer(bytearray(val), dtype=torch.float32).view(LAYERS, heads, BLOCK, DIM)
+            exp = torch.stack([
+                torch.stack([slot_value(want[b * BLOCK : (b + 1) * BLOCK], layer, h) for h in range(heads)])
+                for layer in range(LAYERS)
+            ])
             if not torch.equal(got, exp):
                 wrong.append(keys[b])
     return checked, wrong

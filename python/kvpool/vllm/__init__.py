@@ -89,6 +89,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from kvpool.vllm.config import ConnectorConfig
 from kvpool.vllm.keys import KeyLayout, model_name, replication_factor
+from kvpool.vllm.layout import kv_format
 from kvpool.vllm.metadata import KVPoolConnectorMetadata, KVPoolWorkerMetadata
 from kvpool.vllm.scheduler import Scheduler
 from kvpool.vllm.stats import KVPoolConnectorStats, KVPoolPromMetrics
@@ -140,6 +141,9 @@ def block_size_of(vllm_config: "VllmConfig", kv_cache_config: "Optional[KVCacheC
 
 
 def key_layout(vllm_config: "VllmConfig", kv_cache_config: "Optional[KVCacheConfig]", cfg: ConnectorConfig) -> KeyLayout:
+    if kv_cache_config is None or not kv_cache_config.kv_cache_groups:
+        raise ValueError("KVPoolConnector needs vLLM's KV cache configuration (vLLM 0.32 passes it to connectors): "
+                         "without it nothing says what a block's bytes mean")
     pc = vllm_config.parallel_config
     tp = int(pc.tensor_parallel_size)
     dcp = int(getattr(pc, "decode_context_parallel_size", 1) or 1)
@@ -154,6 +158,7 @@ def key_layout(vllm_config: "VllmConfig", kv_cache_config: "Optional[KVCacheConf
         pcp_size=int(getattr(pc, "prefill_context_parallel_size", 1) or 1),
         dcp_size=dcp,
         replication=replication_factor(spec, tp, heads, dcp) if spec is not None else 1,
+        format="" if cfg.key_format == "mooncake" else kv_format(vllm_config, kv_cache_config).digest,
     )
 
 
@@ -186,7 +191,7 @@ class KVPoolConnector(KVConnectorBase_V1):
             events = vllm_config.kv_events_config
             self._scheduler = Scheduler(
                 cfg, layout, block_size, kv_role, int(vllm_config.parallel_config.world_size),
-                bool(events and events.enable_kv_cache_events),
+                bool(events and events.enable_kv_cache_events), num_blocks=int(kv_cache_config.num_blocks),
             )
         else:
             from vllm.distributed.parallel_state import (
@@ -200,7 +205,23 @@ class KVPoolConnector(KVConnectorBase_V1):
             pcp = get_pcp_group().rank_in_group if layout.pcp_size > 1 else 0
             dcp = get_dcp_group().rank_in_group if layout.dcp_size > 1 else 0
             num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or vllm_config.cache_config.num_gpu_blocks)
-            self._worker = Worker(cfg, layout.writer(tp, pcp, dcp, pp), block_size, num_blocks, f"worker-tp{tp}-pp{pp}")
+            self._worker = Worker(cfg, layout.writer(tp, pcp, dcp, pp), block_size, num_blocks, f"worker-tp{tp}-pp{pp}",
+                                  fmt=kv_format(vllm_config, kv_cache_config),
+                                  order=list(kv_cache_config.kv_cache_groups[0].layer_names))
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: "VllmConfig") -> Optional[str]:
+        """None: blocks are addressed through the strides of whatever layout the attention
+        backends choose (see :mod:`kvpool.vllm.layout`), so the connector never overrides the
+        layout the kernels prefer."""
+        return None
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """False: a synchronous load is complete when ``start_load_kv`` returns, so a FULL CUDA
+        graph, whose replay skips ``wait_for_layer_load``, reads loaded blocks; saves read the KV
+        after the step's forward pass (``wait_for_save``)."""
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -251,7 +272,8 @@ class KVPoolConnector(KVConnectorBase_V1):
 
     # ---- worker side -------------------------------------------------------------------
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        """vLLM's per-layer views (any layout), or vllm-ascend's per-layer tuples of tensors."""
         assert self._worker is not None
         self._worker.register_kv_caches(kv_caches)
 
@@ -266,7 +288,7 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._worker.start_load_kv(meta)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        """The step's loads are complete before its first attention layer reads the cache."""
+        """Nothing to wait for: the step's synchronous loads completed in ``start_load_kv``."""
         assert self._worker is not None
         self._worker.wait_for_layer_load()
 

@@ -22,6 +22,7 @@ KNOWN = {
     "kvpool_data_dir", "kvpool_transport", "kvpool_bulk", "kvpool_trusted_networks", "kvpool_timeout_s", "kvpool_lookup_lease_s",
     "kvpool_lookup_deadline_ms", "kvpool_dead_after_s", "kvpool_node_answer_ms",
     "kvpool_staging", "kvpool_staging_bytes", "kvpool_load_failure_policy", "kvpool_full_backoff_s",
+    "kvpool_key_format", "kvpool_load_threads", "kvpool_save_pin_limit", "kvpool_event_medium",
     "store_threshold",
     "key_prefix", "model_name", "async_save", "stats_path",
     # vLLM's Mooncake store connector's names.
@@ -71,6 +72,10 @@ class ConnectorConfig:
     lookup_deadline_s: float = 0.05
     dead_after_s: float = 1.0
     node_answer_s: float = 0.06
+    key_format: str = "kvpool"
+    load_threads: int = 4
+    save_pin_limit: Optional[int] = None  # None: a quarter of vLLM's KV blocks
+    event_medium: Optional[str] = None  # None: vLLM's MEDIUM_CPU
     ignored: list[str] = field(default_factory=list)
 
     @staticmethod
@@ -146,6 +151,17 @@ class ConnectorConfig:
         c.full_backoff_s = float(extra.get("kvpool_full_backoff_s", 1.0))
         if c.full_backoff_s < 0:
             raise ValueError("kvpool_full_backoff_s must not be negative")
+        c.key_format = str(extra.get("kvpool_key_format", "kvpool"))
+        if c.key_format not in ("kvpool", "mooncake"):
+            raise ValueError(f"kvpool_key_format must be kvpool or mooncake, not {c.key_format!r}")
+        c.load_threads = int(extra.get("kvpool_load_threads", 4))
+        if not 1 <= c.load_threads <= 64:
+            raise ValueError("kvpool_load_threads must be in [1, 64]")
+        if extra.get("kvpool_save_pin_limit") is not None:
+            c.save_pin_limit = int(extra["kvpool_save_pin_limit"])
+            if c.save_pin_limit < 0:
+                raise ValueError("kvpool_save_pin_limit must not be negative")
+        c.event_medium = extra.get("kvpool_event_medium") or None
         c.ignored = sorted(set(extra) - KNOWN)
         if c.ignored:
             log.warning("kv_connector_extra_config keys kvpool does not know (ignored): %s", c.ignored)

@@ -11,6 +11,14 @@ server (a new log). So the pool's own word settles each doubt: a block is announ
 and the thread asks the pool (``exists``, batched, at most every half second) whether pending
 blocks are still there; a removal event for an announced block is confirmed the same way before
 vLLM hears of it, since a block removed and stored again shows both events.
+
+Events are what vLLM's own block pool sends, so a KV-aware router matches pool blocks to GPU
+blocks: block hashes converted as vLLM converts them (``maybe_convert_block_hash``: 64-bit ints
+by default, raw bytes with ``VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES=0``), ``group_idx`` 0 (the one
+group the connector stores), each block's ``extra_keys`` (LoRA name, multimodal features, cache
+salt), ``lora_id``, ``lora_name``, ``session_id``, and the medium ``CPU`` (``kvpool_event_medium``
+names another). A block is in the pool when every shard (tensor parallel rank) holds it: a
+removal on any shard makes it doubtful, and the pool's answer on every shard settles it.
 """
 
 from __future__ import annotations
@@ -18,6 +26,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections import deque
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from kvpool._native import Client, KvpoolError
@@ -34,16 +43,28 @@ if TYPE_CHECKING:
     from kvpool._native import EventSubscription
 
 
+@dataclass
+class _Blocks:
+    """What a save job's BlockStored events say besides the hashes, taken when it is built."""
+
+    tokens: list[list[int]]
+    extra_keys: list[Optional[tuple[Any, ...]]]
+    lora_id: Optional[int]
+    lora_name: Optional[str]
+    session_id: Optional[str]
+
+
 class KvEvents:
-    def __init__(self, connect: Callable[[], Client], watch_prefix: str, block_size: int) -> None:
+    def __init__(self, connect: Callable[[], Client], prefixes: list[str], block_size: int,
+                 medium: Optional[str] = None) -> None:
         from vllm.distributed.kv_events import MEDIUM_CPU
 
         self.connect = connect
-        self.medium = MEDIUM_CPU
+        self.medium = medium or MEDIUM_CPU
         self.block_size = block_size
-        self.watch = watch_prefix + "@"
-        # Tokens and LoRA name of each save job's blocks, set when the job is built.
-        self.tokens: dict[int, tuple[list[list[int]], Optional[str]]] = {}
+        self.watch = [p + "@" for p in prefixes]
+        # What each save job's events say besides the hashes, set when the job is built.
+        self.blocks: dict[int, _Blocks] = {}
         self.lock = threading.Lock()
         self.out: deque[Any] = deque()
         # Blocks vLLM was told of, by hash: ``announced`` are known to be in the pool as of the
@@ -59,10 +80,30 @@ class KvEvents:
 
     # ---- the scheduler's side -----------------------------------------------------------
 
+    def remember(self, job: SaveJob, request: Any, block_size: int) -> None:
+        """Take what the events of a save job's blocks say, from the request, as vLLM does."""
+        from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, to_event_extra_keys
+
+        tokens = request.all_token_ids
+        extra: list[Optional[tuple[Any, ...]]] = []
+        mm = 0
+        for b in job.positions:
+            keys, mm = generate_block_hash_extra_keys(request, b * block_size, (b + 1) * block_size, mm)
+            extra.append(keys)
+        lora = getattr(request, "lora_request", None)
+        self.blocks[job.job] = _Blocks(
+            tokens=[list(tokens[b * block_size : (b + 1) * block_size]) for b in job.positions],
+            extra_keys=list(to_event_extra_keys(extra) or [None] * len(extra)),
+            lora_id=getattr(lora, "adapter_id", None) if lora is not None else None,
+            lora_name=getattr(lora, "name", None) if lora is not None else None,
+            session_id=getattr(request, "session_id", None),
+        )
+
     def saved(self, job: SaveJob, failed: set[int]) -> None:
         from vllm.distributed.kv_events import BlockStored
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
-        tokens, lora = self.tokens.pop(job.job, ([], None))
+        info = self.blocks.pop(job.job, None)
         with self.lock:
             for i, pos in enumerate(job.positions):
                 if pos in failed:
@@ -71,15 +112,19 @@ class KvEvents:
                 if h not in self.announced:
                     self.saves += 1
                     self.pending[h] = self.saves
+                parent = job.parents[i]
                 self.out.append(
                     BlockStored(
-                        block_hashes=[bytes.fromhex(h)],
-                        parent_block_hash=bytes.fromhex(job.parents[i]) if job.parents[i] else None,
-                        token_ids=tokens[i] if i < len(tokens) else [],
+                        block_hashes=[maybe_convert_block_hash(bytes.fromhex(h))],
+                        parent_block_hash=maybe_convert_block_hash(bytes.fromhex(parent)) if parent else None,
+                        token_ids=info.tokens[i] if info is not None else [],
                         block_size=self.block_size,
-                        lora_id=None,
+                        lora_id=info.lora_id if info is not None else None,
                         medium=self.medium,
-                        lora_name=lora,
+                        lora_name=info.lora_name if info is not None else None,
+                        extra_keys=[info.extra_keys[i]] if info is not None else None,
+                        group_idx=0,
+                        session_id=info.session_id if info is not None else None,
                     )
                 )
 
@@ -152,24 +197,32 @@ class KvEvents:
                 if e["kind"] == "stored":
                     continue
                 key = bytes(e["key"]).decode("utf-8", "replace")
-                if key.startswith(self.watch):
-                    h = key[len(self.watch) :]
-                    if h in self.announced:
-                        # One copy went; whether it was the last is the pool's to say.
-                        self.announced.discard(h)
-                        self.pending.setdefault(h, 0)
+                for w in self.watch:
+                    if key.startswith(w):
+                        h = key[len(w) :]
+                        if h in self.announced:
+                            # A copy of one shard went; whether the block is still whole in the
+                            # pool is the pool's to say.
+                            self.announced.discard(h)
+                            self.pending.setdefault(h, 0)
+                        break
 
     def _settle(self, client: Client) -> None:
-        """Ask the pool about pending blocks: still there, announced; gone, ``BlockRemoved``."""
+        """Ask the pool about pending blocks: whole (every shard), announced; not, ``BlockRemoved``."""
         from vllm.distributed.kv_events import BlockRemoved
+        from vllm.v1.core.kv_cache_utils import maybe_convert_block_hash
 
         with self.lock:
             ask = list(self.pending.items())
         if not ask:
             return
-        present: list[bool] = []
-        for i in range(0, len(ask), _BATCH):
-            present += client.exists([self.watch + h for h, _ in ask[i : i + _BATCH]])
+        shards = len(self.watch)
+        keys = [w + h for h, _ in ask for w in self.watch]
+        found: list[bool] = []
+        step = max(shards, _BATCH - _BATCH % shards)
+        for i in range(0, len(keys), step):
+            found += client.exists(keys[i : i + step])
+        present = [all(found[j * shards : (j + 1) * shards]) for j in range(len(ask))]
         with self.lock:
             for (h, n), there in zip(ask, present):
                 if self.pending.get(h) != n:
@@ -178,4 +231,5 @@ class KvEvents:
                 if there:
                     self.announced.add(h)
                 else:
-                    self.out.append(BlockRemoved(block_hashes=[bytes.fromhex(h)], medium=self.medium))
+                    self.out.append(BlockRemoved(block_hashes=[maybe_convert_block_hash(bytes.fromhex(h))],
+                                                 medium=self.medium, group_idx=0))

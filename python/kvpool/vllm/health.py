@@ -46,7 +46,11 @@ class Pool:
         self._lock = threading.Lock()
         self._probing = False
         self._stop = threading.Event()
+        # Calls with a deadline, and work nothing waits for (lease releases, cleanups), on
+        # executors of their own: a queue of releases never delays a lookup past its deadline
+        # (which would mark a healthy pool down).
         self._exec = ThreadPoolExecutor(2, thread_name_prefix=f"kvpool-{name}")
+        self._bg = ThreadPoolExecutor(2, thread_name_prefix=f"kvpool-{name}-bg")
         self.counters = {"pool_down_events": 0, "pool_reconnects": 0, "pool_down_seconds": 0.0}
         self._down_at = 0.0
         try:
@@ -146,10 +150,11 @@ class Pool:
                 self._failed(e)
                 log.debug("kvpool (%s): %s", self.name, e)
 
-        self._exec.submit(run)
+        self._bg.submit(run)
 
     def close(self) -> None:
         self._stop.set()
         self._exec.shutdown(wait=True)
+        self._bg.shutdown(wait=True)
         if self._client is not None:
             self._client.close()

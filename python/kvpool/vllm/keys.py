@@ -1,10 +1,17 @@
-"""Pool keys of the connector: vLLM's Mooncake store connector's format, so that engines of either
-connector, and engines that load one model from different paths, name a block alike.
+"""Pool keys of the connector: vLLM's Mooncake store connector's grammar, with the format of the
+bytes in it, so that engines that load one model from different paths name a block alike and
+engines whose bytes mean different things never do.
 
-``[ns][cache_prefix@]<model>@tp_rank:T@pcpP@dcpD@pp_rank:R@group:0@<block hash hex>`` where
-``<model>`` is the basename of the model path (as upstream forms it), ``ns`` stands for a
-Mooncake ``tenant_id`` other than ``default`` (``tenant:<id>/``), and one object holds one block
-of one rank: its K and V of every layer of that rank.
+``[ns][cache_prefix@]<model>@kv:<format>@tp_rank:T@pcpP@dcpD@pp_rank:R@group:0@<block hash hex>``
+where ``<model>`` is the basename of the model path (as upstream forms it), ``ns`` stands for a
+Mooncake ``tenant_id`` other than ``default`` (``tenant:<id>/``), ``<format>`` is the digest of
+what the bytes mean (:func:`kvpool.vllm.layout.kv_format`: dtypes, fp8 encoding, quantisation,
+heads, head sizes, states and content per block) in the slot where upstream puts its
+``store_namespace``, and one object holds one block of one rank: its KV of every layer of that
+rank (:mod:`kvpool.vllm.layout`).
+
+With ``kvpool_key_format: mooncake`` the ``@kv:<format>`` part is left out: keys are exactly
+upstream's, for a fleet that mixes this connector with vLLM's ``MooncakeStoreConnector``.
 
 Which ranks hold distinct bytes:
 
@@ -48,6 +55,8 @@ class KeyLayout:
     dcp_size: int = 1
     # TP ranks that hold the same bytes (see the module docs).
     replication: int = 1
+    # The format digest of the bytes ("" in Mooncake's key format).
+    format: str = ""
 
     def __post_init__(self) -> None:
         if self.replication < 1 or self.tp_size % self.replication:
@@ -62,7 +71,8 @@ class KeyLayout:
         return f"{self.namespace}{head}{self.model}@"
 
     def prefix(self, tp: int, pcp: int, dcp: int, pp: int) -> str:
-        return f"{self.model_prefix}tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:0"
+        fmt = f"kv:{self.format}@" if self.format else ""
+        return f"{self.model_prefix}{fmt}tp_rank:{tp}@pcp{pcp}@dcp{dcp}@pp_rank:{pp}@group:0"
 
     def writer(self, tp_rank: int, pcp_rank: int, dcp_rank: int, pp_rank: int) -> "RankKeys":
         """The keys a worker of these ranks reads and writes, and its share of the saves."""

@@ -47,6 +47,10 @@ class KVPoolConnectorMetadata(KVConnectorMetadata):
     # before its blocks are reused.
     preempted: set[str] = field(default_factory=set)
     unreferenced: bool = False
+    # Synchronous load jobs every worker has reported since the last step: whether any block
+    # failed on any worker. A step with synchronous loads saves only once it knows its loads
+    # all arrived (with tensor parallelism, one rank's failed load poisons every rank's KV).
+    load_verdicts: dict[int, bool] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,6 +61,9 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
 
     done: dict[int, int] = field(default_factory=dict)
     failed: dict[int, set[int]] = field(default_factory=dict)
+    # Save jobs a worker dropped because their step read blocks whose load failed: the chain
+    # position from which the request's blocks must be saved again once computed.
+    rewind: dict[int, int] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> "KVPoolWorkerMetadata":
         assert isinstance(other, KVPoolWorkerMetadata)
@@ -64,4 +71,6 @@ class KVPoolWorkerMetadata(KVConnectorWorkerMetadata):
             self.done[job] = self.done.get(job, 0) + n
         for job, positions in other.failed.items():
             self.failed.setdefault(job, set()).update(positions)
+        for job, pos in other.rewind.items():
+            self.rewind[job] = min(pos, self.rewind.get(job, pos))
         return self

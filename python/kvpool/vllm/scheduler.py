@@ -121,8 +121,9 @@ class _Job:
     failed: set[int] = field(default_factory=set)
     loads: Optional[dict[int, str]] = None  # a load's block hashes, by position
     reset_after: bool = False  # a save in flight across reset_cache: its keys go again at the end
-    tokens: Optional[list[list[int]]] = None  # per block, for BlockStored events
-    lora_name: Optional[str] = None
+    req_id: str = ""
+    rewind: Optional[int] = None  # a dropped save's first position to save again
+    sync: bool = False  # a synchronous load: its verdict goes back to the workers
 
 
 class Scheduler:
@@ -134,6 +135,7 @@ class Scheduler:
         role: str,
         num_workers: int,
         kv_events: bool,
+        num_blocks: int = 0,
     ) -> None:
         self.cfg = cfg
         self.layout = layout
@@ -156,14 +158,23 @@ class Scheduler:
         # Blocks a load just failed on: not counted again for a while, or vLLM, which asks
         # again for the request it now recomputes, would be told to load them again.
         self.unloadable = _Unloadable(UNLOADABLE_S)
-        # Async lookups run here.
+        # Async lookups, and the checks of what the pool still has of a request vLLM's own cache
+        # covers, run here, never on the scheduler's thread.
         self.bg = ThreadPoolExecutor(2, thread_name_prefix="kvpool-sched")
+        self.learning: dict[str, Future[int]] = {}
+        # vLLM blocks that save jobs may hold at once: past it, saves are dropped (a slow pool
+        # must not pin the engine's cache into preemptions).
+        self.pin_limit = cfg.save_pin_limit if cfg.save_pin_limit is not None else max(16, num_blocks // 4)
+        self.pinned = 0
+        self.verdicts: dict[int, bool] = {}  # for the workers' next metadata
         self.stats = KVPoolConnectorStats()
         self.lock = threading.Lock()
         self.totals = {"lookups": 0, "lookup_blocks": 0, "hit_blocks": 0, "lookup_errors": 0,
-                       "lookups_skipped": 0, "hits_dropped_unloadable": 0}
+                       "lookups_skipped": 0, "hits_dropped_unloadable": 0, "save_dropped_pinned": 0,
+                       "resident_checks": 0}
         self.events = (
-            KvEvents(lambda: self.cfg.client("kvpool-vllm-events"), self.prefixes[0], self.block_size)
+            KvEvents(lambda: self.cfg.client("kvpool-vllm-events"), self.prefixes, self.block_size,
+                     cfg.event_medium)
             if kv_events
             else None
         )
@@ -171,19 +182,15 @@ class Scheduler:
     # ---- lookups ------------------------------------------------------------------------
 
     def _lookup(self, client: Client, hashes: list[str]) -> tuple[int, list[int]]:
-        """Resident leading blocks in every shard, and the holds taken on them."""
+        """Resident leading blocks in every shard, and the holds taken on them: one request
+        whatever the shards, over the chain of every shard's key of each block in turn (a block
+        counts when all its shards do)."""
         t0 = time.perf_counter()
-        resident, leases = len(hashes), []
+        resident = 0
         try:
-            for p in self.prefixes:
-                n, held = client.lookup_lease(KeyLayout.chain(p, hashes[:resident]), self.cfg.lookup_lease_s)
-                leases.extend(held)
-                resident = min(resident, n)
-                if resident == 0:
-                    break
-        except KvpoolError:
-            self._release(leases)
-            raise
+            chain = [f"{p}@{h}" for h in hashes for p in self.prefixes]
+            n, leases = client.lookup_lease(chain, self.cfg.lookup_lease_s)
+            resident = n // len(self.prefixes)
         finally:
             with self.lock:
                 self.stats.record("lookup", time.perf_counter() - t0, len(hashes), hit=resident)
@@ -249,15 +256,30 @@ class Scheduler:
         return hit - num_computed, self.cfg.load_async
 
     def _learn_resident(self, request: "Request", n_blocks: int) -> None:
-        """vLLM's own cache has everything the pool could give: ask (without a hold) what the
-        pool still has, so that blocks it lost since this engine stored them (evicted, or a
-        restart) are stored again from this engine's copies."""
-        if not self.saves_on or n_blocks == 0 or not self.store.up:
+        """vLLM's own cache has everything the pool could give: ask (without a hold, off this
+        thread) what the pool still has, so that blocks it lost since this engine stored them
+        (evicted, or a restart) are stored again from this engine's copies while the request
+        runs. At most a few such checks are in flight; the rest are skipped."""
+        rid = request.request_id
+        client = self.store.client
+        if (not self.saves_on or n_blocks == 0 or not self.store.up or client is None
+                or rid in self.learning or len(self.learning) >= 8):
             return
-        chain = KeyLayout.chain(self.prefixes[0], [hash_hex(h) for h in request.block_hashes[:n_blocks]])
+        hashes = [hash_hex(h) for h in request.block_hashes[:n_blocks]]
+        chain = [f"{p}@{h}" for h in hashes for p in self.prefixes]
+        shards = len(self.prefixes)
+        self.totals["resident_checks"] += 1
+        self.learning[rid] = self.bg.submit(lambda: client.lookup(chain) // shards)
+
+    def _apply_resident(self, rid: str, t: "_Req") -> None:
+        """A check of what the pool still has came back: save again what it lost."""
+        fut = self.learning.get(rid)
+        if fut is None or not fut.done():
+            return
+        del self.learning[rid]
         try:
-            self.resident[request.request_id] = self.store.call(lambda c: c.lookup(chain), self.cfg.lookup_deadline_s)
-        except (PoolDown, KvpoolError) as e:
+            t.saved = min(t.saved, fut.result())
+        except KvpoolError as e:
             log.debug("kvpool: %s", e)
 
     def update_state_after_alloc(self, request: "Request", blocks: "KVCacheBlocks", num_external: int) -> None:
@@ -317,6 +339,7 @@ class Scheduler:
                 t.prefill_end = len(new.prefill_token_ids)
             self._current_blocks(t, new.req_id, state)
             self._issue_load(meta, new.req_id, t)
+            self._apply_resident(new.req_id, t)
             self._schedule_save(meta, t, new.num_computed_tokens + out.num_scheduled_tokens.get(new.req_id, 0))
         for i, rid in enumerate(cached.req_ids):
             t = self.reqs.get(rid)
@@ -332,11 +355,13 @@ class Scheduler:
             self._current_blocks(t, rid, state)
             if rid in cached.resumed_req_ids:
                 self._issue_load(meta, rid, t)
+            self._apply_resident(rid, t)
             self._schedule_save(meta, t, cached.num_computed_tokens[i] + out.num_scheduled_tokens.get(rid, 0))
         # Asynchronous loads: their requests wait (WAITING_FOR_REMOTE_KVS), not scheduled.
         for rid in [r for r, t in self.reqs.items() if t.loading and r in self.pending]:
             self._issue_load(meta, rid, self.reqs[rid], asynchronous=True)
         self._take_jobs(meta)
+        meta.load_verdicts, self.verdicts = self.verdicts, {}
         return meta
 
     @staticmethod
@@ -357,7 +382,8 @@ class Scheduler:
         hashes = [hash_hex(t.request.block_hashes[b]) for b in positions]
         job = LoadJob(self._job_id(), rid, positions, hashes, [t.block_ids[b] for b in positions], asynchronous)
         meta.loads.append(job)
-        self.jobs[job.job] = _Job(self.num_workers, leases=load.leases, loads=dict(zip(positions, hashes)))
+        self.jobs[job.job] = _Job(self.num_workers, leases=load.leases, loads=dict(zip(positions, hashes)), req_id=rid,
+                                  sync=not asynchronous)
 
     def _schedule_save(self, meta: KVPoolConnectorMetadata, t: _Req, computed_after: int) -> None:
         """Save the full blocks this step completes (within the prefill, unless
@@ -375,8 +401,16 @@ class Scheduler:
         positions = [
             b for b in range(start, end) if (b + 1) * bs >= self.cfg.store_threshold and t.block_ids[b] != NULL_BLOCK
         ]
+        if self.pool is not None and len(positions) > self.pin_limit - self.pinned:
+            # Saves already hold as many of vLLM's blocks as they may: the leading blocks that
+            # fit are saved (a chain is found from its root), the rest are dropped.
+            keep = max(0, self.pin_limit - self.pinned)
+            self.totals["save_dropped_pinned"] += len(positions) - keep
+            positions = positions[:keep]
         if not positions:
             return
+        if self.pool is not None:
+            self.pinned += len(positions)  # referenced by _take_jobs, this step
         meta.saves.append(
             SaveJob(
                 self._job_id(),
@@ -388,12 +422,7 @@ class Scheduler:
             )
         )
         if self.events is not None:
-            tokens = t.request.all_token_ids
-            lora = getattr(t.request, "lora_request", None)
-            self.events.tokens[meta.saves[-1].job] = (
-                [list(tokens[b * bs : (b + 1) * bs]) for b in positions],
-                getattr(lora, "lora_name", None),
-            )
+            self.events.remember(meta.saves[-1], t.request, bs)
 
     def _take_jobs(self, meta: KVPoolConnectorMetadata) -> None:
         """Reference the blocks of this step's saves until every worker has read them."""
@@ -405,6 +434,7 @@ class Scheduler:
             else:
                 pool.touch([pool.blocks[b] for b in s.block_ids])
                 job.refs = list(s.block_ids)
+            job.req_id = s.req_id
             self.jobs[s.job] = job
 
     def _job_id(self) -> int:
@@ -420,6 +450,8 @@ class Scheduler:
             if job is None:
                 continue
             job.failed |= wm.failed.get(job_id, set())
+            if job_id in wm.rewind:
+                job.rewind = min(wm.rewind[job_id], job.rewind if job.rewind is not None else wm.rewind[job_id])
             job.remaining -= n
             if job.remaining > 0:
                 continue
@@ -427,9 +459,21 @@ class Scheduler:
             if job.refs and self.pool is not None:
                 # Tail first, as vLLM frees, so a shared prefix is reused last.
                 self.pool.free_blocks(self.pool.blocks[b] for b in reversed(job.refs))
+                self.pinned -= len(job.refs)
             self._release(job.leases)
+            if job.sync:
+                self.verdicts[job_id] = bool(job.failed)
             if job.loads and job.failed:
                 self.unloadable.add(job.loads[p] for p in job.failed if p in job.loads)
+                # vLLM computes the request again from its first failed block: those blocks
+                # are saved once computed (whatever this side counted as saved before).
+                t = self.reqs.get(job.req_id)
+                if t is not None:
+                    t.saved = min(t.saved, min(job.failed))
+            if job.rewind is not None and job.req_id in self.reqs:
+                # A save dropped because its step read a failed load: saved again once computed.
+                t = self.reqs[job.req_id]
+                t.saved = min(t.saved, job.rewind)
             if job.save is not None:
                 if job.reset_after:
                     self._drop_keys(job.save.hashes)
@@ -454,6 +498,7 @@ class Scheduler:
         fut = self.lookups.pop(rid, None)
         if fut is not None:
             fut.add_done_callback(self._release_late)
+        self.learning.pop(rid, None)
 
     def request_finished(self, request: "Request") -> tuple[bool, Optional[dict[str, Any]]]:
         self._forget(request.request_id)

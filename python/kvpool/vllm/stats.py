@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import threading
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -148,7 +149,8 @@ def dump(path: Optional[str], side: str, counters: dict[str, Any]) -> None:
     if not path:
         return
     target = f"{path}.{side}.json"
-    tmp = f"{target}.{os.getpid()}.tmp"
+    # Per thread: loads and saves of several threads write at once.
+    tmp = f"{target}.{os.getpid()}.{threading.get_ident()}.tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         json.dump(counters, f)
     os.replace(tmp, target)

@@ -1,15 +1,18 @@
-"""How a worker moves blocks between vLLM's paged KV cache and the pool.
+"""How a worker moves block images (:mod:`kvpool.vllm.layout`) between vLLM's paged KV cache and
+the pool.
 
-- :class:`DirectMover` (KV cache in host memory: vLLM's CPU backend): the KV tensors are
-  registered with the client once, and each block's pieces (K and V of every layer) move straight
-  between them and the pool, gathered into or scattered from one pool object per block.
-- :class:`StagedMover` (KV cache in device memory: CUDA, Ascend NPU): the KV tensors are never
-  read from the host. A registered host staging area (shared with a same-host server, so the
-  server copies straight into it; pinned for the device's DMA) holds blocks on their way; the
-  device copies run on a stream of the connector's, ordered after the forward pass that wrote the
-  KV (saves) and before the one that reads it (loads, which complete before the step's first
-  attention layer). Loads and saves each have a part of the area, used in two halves, so one
-  half's device copies overlap the other half's transfer with the pool.
+- :class:`DirectMover` (a KV cache in host memory whose block image lies in a few runs: vLLM's
+  CPU backend, LBHNC): the KV memory is registered with the client once, and each block's image
+  moves straight between it and the pool, gathered into or scattered from one pool object.
+- :class:`StagedMover` (device memory: CUDA, Ascend NPU; or a host layout whose image is
+  scattered, such as LBNHC with several heads): the KV tensors are never read from the host. The
+  image is gathered through the tensors' strides on the device, copied into a registered host
+  staging area (shared with a same-host server, so the server copies straight into it; pinned for
+  the device's DMA), and sent from there; loads run the other way. The device work runs on a
+  stream of the connector's, ordered after the forward pass that wrote the KV (saves) and
+  complete before the step that reads it (loads). The area is cut into chunks that any number
+  of loads and saves share at once: each holds at most two, so one chunk's device copy overlaps
+  the other's transfer with the pool, and no transfer waits for another to finish.
 
 Nothing GPU or NPU ran here: the device parts of :class:`StagedMover` are torch's stream and
 event calls (``torch.cuda`` / ``torch.npu``) and host registration (``cudaHostRegister``,
@@ -19,49 +22,28 @@ always``), which is how the tests drive it.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import logging
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Optional, Sequence
+from typing import Any, Optional, Sequence, Union
 
 import torch
 
 from kvpool._native import Client, KvpoolError
+from kvpool.vllm.layout import BlockImage, RegionImage
 
 log = logging.getLogger("kvpool.vllm")
-
-# The staging area's two parts.
-SAVE, LOAD = 0, 1
 
 # Statuses of a save that leave the block in the pool.
 STORED = ("ok", "already-exists")
 
-
-def block_pieces(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> list[torch.Tensor]:
-    """Every layer's KV as byte tensors of shape ``(num_blocks, piece_bytes)``, in layer order:
-    one piece per layer when blocks come first (``(num_blocks, ...)``: CPU, FlashInfer, MLA),
-    two (K, then V) when K and V come first (``(2, num_blocks, ...)``: FlashAttention)."""
-    pieces: list[torch.Tensor] = []
-    for name, kv in kv_caches.items():
-        if not isinstance(kv, torch.Tensor) or not kv.is_contiguous():
-            raise ValueError(f"KVPoolConnector needs contiguous KV tensors; layer {name} is not")
-        if kv.shape[0] == num_blocks:
-            parts = [kv]
-        elif kv.dim() > 1 and kv.shape[0] == 2 and kv.shape[1] == num_blocks:
-            parts = [kv[0], kv[1]]
-        else:
-            raise ValueError(f"KV layout of layer {name} {tuple(kv.shape)} has no block dimension first")
-        pieces.extend(p.view(torch.uint8).reshape(num_blocks, -1) for p in parts)
-    if not pieces:
-        raise ValueError("no KV caches to register")
-    if len({p.shape[1] for p in pieces}) != 1:
-        raise ValueError("KVPoolConnector needs the same block size in bytes in every layer")
-    return pieces
+Image = Union[BlockImage, RegionImage]
 
 
 class Mover:
-    """Moves whole blocks; one pool object per block holds all its pieces, in order."""
+    """Moves whole blocks; one pool object per block holds its image."""
 
     block_bytes: int
 
@@ -90,30 +72,23 @@ class Mover:
 class DirectMover(Mover):
     """Host KV tensors registered with the client; no copy of ours in between."""
 
-    def __init__(self, client: Client, pieces: list[torch.Tensor]) -> None:
+    def __init__(self, client: Client, image: Image) -> None:
+        assert image.direct
         self.client = client
-        self.bases = [p.data_ptr() for p in pieces]
-        self.stride = pieces[0].stride(0)
-        self.piece = pieces[0].shape[1]
-        self.block_bytes = self.piece * len(pieces)
+        self.image = image
+        self.block_bytes = image.block_bytes
         self.registered: list[int] = []
-        for p in pieces:
-            s = p.untyped_storage()
-            if s.data_ptr() not in self.registered:
-                self.client.register(s.data_ptr(), s.nbytes())
-                self.registered.append(s.data_ptr())
-
-    def _ranges(self, block_ids: Sequence[int]) -> tuple[list[list[int]], list[list[int]]]:
-        ptrs = [[b0 + b * self.stride for b0 in self.bases] for b in block_ids]
-        return ptrs, [[self.piece] * len(self.bases)] * len(block_ids)
+        for start, size in image.storages():
+            self.client.register(start, size)
+            self.registered.append(start)
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
-        ptrs, sizes = self._ranges(block_ids)
+        ptrs, sizes = self.image.runs(block_ids)
         got = self.client.get_into_multi(list(keys), ptrs, sizes)
         return [st == "ok" and n == self.block_bytes for st, n in got]
 
     def save(self, keys, block_ids, parents, seq_tokens, tokens, fence):  # type: ignore[no-untyped-def]
-        ptrs, sizes = self._ranges(block_ids)
+        ptrs, sizes = self.image.runs(block_ids)
         return self.client.put_from_multi(
             list(keys), ptrs, sizes, parents=list(parents), seq_tokens=list(seq_tokens), tokens=[tokens] * len(keys)
         )
@@ -196,24 +171,52 @@ def ops_for(device: torch.device) -> HostOps:
     return HostOps() if device.type == "cpu" else TorchDeviceOps(device)
 
 
-class StagedMover(Mover):
-    """Blocks staged through a registered host area; KV tensors stay unregistered."""
+class _Chunk:
+    """Consecutive block slots of the staging area."""
 
-    def __init__(
-        self, client: Client, pieces: list[torch.Tensor], staging_bytes: int, ops: Optional[HostOps] = None
-    ) -> None:
+    def __init__(self, host: torch.Tensor, base: int, block_bytes: int) -> None:
+        self.host = host  # [slots, block_bytes] uint8
+        self.addrs = [base + i * block_bytes for i in range(host.shape[0])]
+
+
+class _Chunks:
+    """The staging area's chunks, shared by every load and save in flight. An operation waits for
+    a chunk only while it holds none, so operations never wait on each other in a circle."""
+
+    def __init__(self, chunks: list[_Chunk]) -> None:
+        self.free = list(chunks)
+        self.cond = threading.Condition()
+
+    def take(self, wait: bool) -> Optional[_Chunk]:
+        with self.cond:
+            while not self.free:
+                if not wait:
+                    return None
+                self.cond.wait()
+            return self.free.pop()
+
+    def give(self, chunk: _Chunk) -> None:
+        with self.cond:
+            self.free.append(chunk)
+            self.cond.notify()
+
+
+class StagedMover(Mover):
+    """Blocks staged through a registered host area; the KV tensors stay unregistered."""
+
+    def __init__(self, client: Client, image: Image, staging_bytes: int, ops: Optional[HostOps] = None,
+                 chunk_blocks: Optional[int] = None) -> None:
         self.client = client
-        self.pieces = pieces
-        self.device = pieces[0].device
+        self.image = image
+        self.device = image.device
         self.ops = ops if ops is not None else ops_for(self.device)
-        self.piece = pieces[0].shape[1]
-        self.block_bytes = self.piece * len(pieces)
-        # Loads and saves run on threads of their own, at once: each has its own part of the
-        # area (two halves each), else a load could land in slots a save has yet to send.
+        self.block_bytes = image.block_bytes
         slots = max(4, staging_bytes // self.block_bytes)
-        self.half = slots // 4
-        size = 4 * self.half * self.block_bytes
-        self.locks = {SAVE: threading.Lock(), LOAD: threading.Lock()}
+        # Chunks small enough that several operations run at once, large enough that one
+        # request per chunk carries many blocks.
+        self.chunk_blocks = chunk_blocks or max(1, min(32, slots // 8))
+        nchunks = max(2, slots // self.chunk_blocks)
+        size = nchunks * self.chunk_blocks * self.block_bytes
         self.buffer: Any = None
         try:
             # Memory shared with a same-host server: it copies straight into the area.
@@ -224,89 +227,124 @@ class StagedMover(Mover):
             # A server on another host: ordinary memory, page-locked by torch where it can.
             pinned = self.device.type == "cuda"
             flat = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        self.host = flat.view(4 * self.half, len(pieces), self.piece)
+        self.host = flat.view(nchunks * self.chunk_blocks, self.block_bytes)
         self.base = self.host.data_ptr()
         self.client.register(self.base, size)
         self.pinned = pinned or self.ops.pin(self.base, size)
-        self.xfer = ThreadPoolExecutor(1, thread_name_prefix="kvpool-stage")
-        log.info("kvpool: staging %d blocks of %d bytes through %s host memory (%s)", 4 * self.half,
+        c = self.chunk_blocks
+        self.chunks = _Chunks([
+            _Chunk(self.host[i * c : (i + 1) * c], self.base + i * c * self.block_bytes, self.block_bytes)
+            for i in range(nchunks)
+        ])
+        self.nchunks = nchunks
+        # Puts of saves run here while the saving thread stages the next chunk.
+        self.xfer = ThreadPoolExecutor(4, thread_name_prefix="kvpool-stage")
+        log.info("kvpool: staging %d chunks of %d blocks of %d bytes through %s host memory (%s)", nchunks, c,
                  self.block_bytes, "pinned" if self.pinned else "pageable", self.device)
-
-    def _slots(self, part: int, half: int, n: int) -> tuple[torch.Tensor, list[int]]:
-        lo = (2 * part + half) * self.half
-        return self.host[lo : lo + n], [self.base + (lo + i) * self.block_bytes for i in range(n)]
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
 
-    def _chunks(self, n: int) -> list[range]:
-        return [range(lo, min(lo + self.half, n)) for lo in range(0, n, self.half)]
+    def _batches(self, n: int) -> list[range]:
+        return [range(lo, min(lo + self.chunk_blocks, n)) for lo in range(0, n, self.chunk_blocks)]
+
+    def _stage(self, idx: torch.Tensor, slots: torch.Tensor) -> None:
+        """The images of blocks ``idx`` into host ``slots`` (in the copy stream)."""
+        if self.device.type == "cpu":
+            self.image.gather(idx, slots)
+        else:
+            scratch = torch.empty(slots.shape, dtype=torch.uint8, device=self.device)
+            self.image.gather(idx, scratch)
+            slots.copy_(scratch, non_blocking=True)
 
     def save(self, keys, block_ids, parents, seq_tokens, tokens, fence):  # type: ignore[no-untyped-def]
-        with self.locks[SAVE]:
-            return self._save(keys, block_ids, parents, seq_tokens, tokens, fence)
-
-    def _save(self, keys, block_ids, parents, seq_tokens, tokens, fence):  # type: ignore[no-untyped-def]
         out: list[str] = ["internal"] * len(keys)
-        busy: list[Optional[Future[None]]] = [None, None]
+        held: collections.deque[tuple[Future[None], _Chunk]] = collections.deque()
 
-        def put(chunk: range, addrs: list[int]) -> None:
+        def put(batch: range, chunk: _Chunk) -> None:
             st = self.client.put_from(
-                [keys[i] for i in chunk], addrs, [self.block_bytes] * len(chunk),
-                parents=[parents[i] for i in chunk], seq_tokens=[seq_tokens[i] for i in chunk],
-                tokens=[tokens] * len(chunk),
+                [keys[i] for i in batch], chunk.addrs[: len(batch)], [self.block_bytes] * len(batch),
+                parents=[parents[i] for i in batch], seq_tokens=[seq_tokens[i] for i in batch],
+                tokens=[tokens] * len(batch),
             )
-            for i, s in zip(chunk, st):
+            for i, s in zip(batch, st):
                 out[i] = s
 
         try:
-            for c, chunk in enumerate(self._chunks(len(keys))):
-                h = c % 2
-                if busy[h] is not None:
-                    busy[h].result()  # that half's transfer is done: it may be written again
-                slots, addrs = self._slots(SAVE, h, len(chunk))
-                with self.ops.stream():
-                    self.ops.wait(fence)
-                    idx = self._index([block_ids[i] for i in chunk])
-                    gathered = torch.stack([p.index_select(0, idx) for p in self.pieces], dim=1)
-                    slots.copy_(gathered, non_blocking=True)
-                    done = self.ops.record()
-                self.ops.sync(done)
-                busy[h] = self.xfer.submit(put, chunk, addrs)
+            for batch in self._batches(len(keys)):
+                chunk = self.chunks.take(wait=not held)
+                if chunk is None:  # every chunk busy: reuse this save's oldest once it is sent
+                    fut, chunk = held.popleft()
+                    fut.result()
+                try:
+                    slots = chunk.host[: len(batch)]
+                    with self.ops.stream():
+                        self.ops.wait(fence)
+                        self._stage(self._index([block_ids[i] for i in batch]), slots)
+                        done = self.ops.record()
+                    self.ops.sync(done)
+                    fut = self.xfer.submit(put, batch, chunk)
+                except BaseException:
+                    self.chunks.give(chunk)
+                    raise
+                held.append((fut, chunk))
+                if len(held) > 1:
+                    fut, old = held.popleft()
+                    try:
+                        fut.result()
+                    finally:
+                        self.chunks.give(old)
         finally:
-            for f in busy:
-                if f is not None:
-                    f.result()
+            first: Optional[BaseException] = None
+            for fut, chunk in held:
+                try:
+                    fut.result()
+                except BaseException as e:  # every chunk goes back before the error does
+                    first = first or e
+                self.chunks.give(chunk)
+            if first is not None:
+                raise first
         return out
 
     def load(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
-        with self.locks[LOAD]:
-            return self._load(keys, block_ids)
-
-    def _load(self, keys: Sequence[str], block_ids: Sequence[int]) -> list[bool]:
         ok = [False] * len(keys)
-        copying: list[Any] = [None, None]
-        for c, chunk in enumerate(self._chunks(len(keys))):
-            h = c % 2
-            self.ops.sync(copying[h])  # the device has taken what this half held
-            slots, addrs = self._slots(LOAD, h, len(chunk))
-            got = self.client.get_into([keys[i] for i in chunk], addrs, [self.block_bytes] * len(chunk))
-            good = [j for j, (st, n) in enumerate(got) if st == "ok" and n == self.block_bytes]
-            for j in good:
-                ok[chunk[j]] = True
-            if not good:
-                continue
-            with self.ops.stream():
-                sel = torch.tensor(good, dtype=torch.long)
-                src = slots.index_select(0, sel) if len(good) < len(chunk) else slots
-                dev = src.to(self.device, non_blocking=True)
-                idx = self._index([block_ids[chunk[j]] for j in good])
-                for p_i, p in enumerate(self.pieces):
-                    p.index_copy_(0, idx, dev[:, p_i])
-                copying[h] = self.ops.record()
-        # The blocks are in place before the step's forward pass reads them.
-        for ev in copying:
-            self.ops.sync(ev)
+        copying: collections.deque[tuple[Any, _Chunk]] = collections.deque()
+        try:
+            for batch in self._batches(len(keys)):
+                chunk = self.chunks.take(wait=not copying)
+                if chunk is None:  # every chunk busy: reuse this load's oldest once the device has it
+                    ev, chunk = copying.popleft()
+                    self.ops.sync(ev)
+                try:
+                    got = self.client.get_into([keys[i] for i in batch], chunk.addrs[: len(batch)],
+                                               [self.block_bytes] * len(batch))
+                    good = [j for j, (st, n) in enumerate(got) if st == "ok" and n == self.block_bytes]
+                    if good:
+                        with self.ops.stream():
+                            rows = chunk.host[: len(batch)]
+                            if len(good) < len(batch):
+                                rows = rows.index_select(0, torch.tensor(good, dtype=torch.long))
+                            src = rows.to(self.device, non_blocking=True)
+                            self.image.scatter(self._index([block_ids[batch[j]] for j in good]), src)
+                            ev = self.ops.record()
+                except BaseException:
+                    self.chunks.give(chunk)
+                    raise
+                if not good:
+                    self.chunks.give(chunk)
+                    continue
+                copying.append((ev, chunk))
+                for j in good:
+                    ok[batch[j]] = True
+                if len(copying) > 1:
+                    ev, old = copying.popleft()
+                    self.ops.sync(ev)
+                    self.chunks.give(old)
+        finally:
+            # The blocks are in place before the step that reads them.
+            for ev, chunk in copying:
+                self.ops.sync(ev)
+                self.chunks.give(chunk)
         return ok
 
     def close(self) -> None:
