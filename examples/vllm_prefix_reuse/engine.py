@@ -121,6 +121,9 @@ def main() -> None:
             result = {"ok": _reset(llm, bool(req["reset_prefix_cache"]))}
         elif "connector" in req:
             result = {"stats": _connector_stats(llm, core)}
+        elif "key_prefix" in req:
+            # The keys of this engine's blocks (they carry the digest of its KV format).
+            result = {"prefix": core.scheduler.connector._scheduler.prefixes[0] if core is not None else None}
         else:
             params = SamplingParams(max_tokens=int(req.get("max_tokens", 1)), temperature=0.0)
             t0 = time.perf_counter()

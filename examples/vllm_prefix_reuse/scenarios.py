@@ -62,10 +62,9 @@ def pool_client(pool: Pool) -> Any:
     return Client(data_dir=str(pool.dir))
 
 
-def key_prefix(model: Path) -> str:
-    from kvpool.vllm.keys import KeyLayout, model_name
-
-    return KeyLayout(model_name(str(model))).prefix(0, 0, 0, 0)
+def key_prefix(engine: Any) -> str:
+    """The prefix of an engine's keys, as its connector forms them (model, format digest, ranks)."""
+    return str(engine.call({"key_prefix": True})["prefix"])
 
 
 def fill(pool: Pool) -> int:
@@ -154,7 +153,7 @@ def main() -> int:
         client = pool_client(pool)
         compared = mismatched = 0
         worst = 0.0
-        prefix = key_prefix(llama)
+        prefix = key_prefix(a)
         for toks in prompts:
             for h, raw in c.call({"kv_blocks": toks})["blocks"]:
                 if raw is None:

@@ -354,3 +354,37 @@ def test_many_loads_and_saves_share_few_chunks_at_once() -> None:
         assert not t.is_alive(), "a load or save never finished"
     assert all(r == [True, True, False, True] for r in results.values())
     assert [pool.store[f"s{b}"] for b in range(6)] == [_image_of(kv, b) for b in range(6)]
+
+
+# ---- what a block's bytes mean ---------------------------------------------------------------
+
+
+def test_the_format_digest_tells_apart_what_byte_sizes_cannot() -> None:
+    import torch as t
+    from vllm_caches import Case
+
+    from kvpool.vllm.layout import kv_format
+
+    def digest(backend: str, layout: str, cache_dtype: str = "auto", dtype: Any = t.bfloat16) -> str:
+        vc, kcfg, _, _ = Case(backend, layout, cache_dtype, 64, model_dtype=dtype).build()
+        return kv_format(vc, kcfg).digest
+
+    base = digest("FLASH_ATTN", "LBNHC")
+    assert base == digest("FLASH_ATTN", "LBNHC"), "one configuration, one digest"
+    assert base == digest("FLASH_ATTN", "LBHNC"), "the layout changes where bytes lie, not what they mean"
+    assert base != digest("FLASH_ATTN", "LBNHC", dtype=t.float16)
+    assert digest("TRITON_ATTN", "LBNHC", "fp8_e4m3") != digest("TRITON_ATTN", "LBNHC", "fp8_e5m2")
+    assert digest("TRITON_ATTN", "LBNHC", "fp8") == digest("TRITON_ATTN", "LBNHC", "fp8_e4m3")
+    assert base != digest("ROCM_ATTN", "LBHNC"), "ROCm packs K and V as two head slots"
+
+
+def test_vllms_name_for_the_load_failure_policy_is_honoured_in_the_extra_config() -> None:
+    assert ConnectorConfig.from_extra({}).load_failure_policy == "recompute"
+    assert ConnectorConfig.from_extra({"kv_load_failure_policy": "fail"}).load_failure_policy == "fail"
+    assert ConnectorConfig.from_extra({"kvpool_load_failure_policy": "fail"}).load_failure_policy == "fail"
+    with pytest.raises(ValueError, match="disagree"):
+        ConnectorConfig.from_extra({"kv_load_failure_policy": "fail", "kvpool_load_failure_policy": "recompute"})
+    for bad, word in [({"kvpool_key_format": "x"}, "key_format"), ({"kvpool_load_threads": 0}, "load_threads"),
+                      ({"kvpool_save_pin_limit": -1}, "pin_limit")]:
+        with pytest.raises(ValueError, match=word):
+            ConnectorConfig.from_extra(bad)

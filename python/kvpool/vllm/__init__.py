@@ -30,14 +30,25 @@ Select it with::
 ``kvpool_node_answer_ms``    on a cluster, a storage node that answers neither a load nor a
                              ping within this long is skipped until it answers again (default
                              60): its blocks are computed here
-``kvpool_staging``           ``auto`` (device KV caches go through a host staging area, host
-                             caches are registered directly) or ``always`` (stage host caches
-                             too)
-``kvpool_staging_bytes``     size of the staging area per worker (default 256 MiB; at least two
-                             blocks are kept)
+``kvpool_staging``           ``auto`` (device KV caches, and host layouts whose block image is
+                             scattered, go through a host staging area; host caches whose image
+                             lies in a few runs, as vLLM's CPU backend's, are registered
+                             directly) or ``always`` (stage every cache)
+``kvpool_staging_bytes``     size of the staging area per worker (default 256 MiB, cut into
+                             chunks that loads and saves share; at least four blocks)
+``kvpool_key_format``        ``kvpool`` (default: keys carry the digest of what the bytes mean,
+                             see :mod:`kvpool.vllm.layout`) or ``mooncake``: keys and objects
+                             exactly as vLLM's ``MooncakeStoreConnector`` forms them, for a
+                             fleet that mixes both connectors (refused where another engine
+                             already stores another format under those keys)
+``kvpool_load_threads``      asynchronous loads in flight at once (default 4)
+``kvpool_save_pin_limit``    vLLM blocks that saves in flight may hold at once (default a
+                             quarter of the KV cache); saves past it are dropped (counted)
+``kvpool_event_medium``      the ``medium`` of KV events (default vLLM's ``CPU``)
 ``kvpool_load_failure_policy``  ``recompute`` (default: vLLM's ``kv_load_failure_policy`` is set
                              to ``recompute``, so a block that cannot be loaded is computed) or
-                             ``fail`` (vLLM's setting stands)
+                             ``fail`` (vLLM's setting stands); ``kv_load_failure_policy`` in
+                             ``kv_connector_extra_config`` says the same (see below)
 ``kvpool_full_backoff_s``     after the pool answered no-space, drop saves for this long
                              (default 1 s) instead of holding vLLM's blocks through more waits
 ``store_threshold``          save only blocks whose prefix length (tokens) is at least this
@@ -59,8 +70,24 @@ Select it with::
 
 What the connector does, and what it refuses:
 
-- Keys are Mooncake's connector format (see :mod:`kvpool.vllm.keys`), so vLLM's own
-  ``MooncakeStoreConnector`` and this one name a block alike.
+- Every KV cache layout vLLM 0.32 hands out (the strided per-layer views of FlashAttention,
+  FlashInfer, Triton, FlexAttention, ROCm, the MLA backends, CPU; kernel-block splits, padded
+  pages, fp8 and per-token-head quantised caches) and vllm-ascend's per-layer tuples: a block is
+  stored as its *logical* KV (:mod:`kvpool.vllm.layout`), so engines whose bytes mean the same
+  share it whatever their layout, and keys carry a digest of what the bytes mean, so engines
+  whose bytes mean something else (another dtype, fp8 encoding, packing, heads per rank, block
+  size) never load each other's blocks.
+- Keys follow Mooncake's connector grammar (see :mod:`kvpool.vllm.keys`); with
+  ``kvpool_key_format: mooncake`` they are upstream's exactly.
+- A synchronous load (``load_async: false``) is complete when ``start_load_kv`` returns (FULL
+  CUDA graphs skip ``wait_for_layer_load``). A step that read a block whose load failed, on any
+  worker, saves nothing; its requests' blocks are saved once vLLM has computed them again.
+- Every load and save ends in a report, whatever exception it meets: vLLM computes what did not
+  arrive, and the blocks a save referenced are freed.
+- vLLM 0.32 cannot tell an explicit ``kv_load_failure_policy="fail"`` from its default (which is
+  ``fail``): the connector turns ``fail`` into ``recompute`` (logged) unless
+  ``kv_connector_extra_config`` says ``kvpool_load_failure_policy`` (or ``kv_load_failure_policy``)
+  ``fail``; ``recompute`` set by the user is kept as it is.
 - ``kv_role``: a ``kv_consumer`` never saves, a ``kv_producer`` never loads.
 - One KV cache group of attention layers (full attention; sliding-window layers when vLLM's
   hybrid KV cache manager is off, which it is for connectors without ``SupportsHMA``, as this
@@ -184,9 +211,11 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._worker: Optional[Worker] = None
         if role == KVConnectorRole.SCHEDULER:
             if cfg.load_failure_policy == "recompute" and kvt.kv_load_failure_policy != "recompute":
-                # The scheduler reads this right after building its connector.
-                log.info("kvpool: kv_load_failure_policy %r -> 'recompute' (a block the pool lost is computed "
-                         "instead; set kvpool_load_failure_policy='fail' to keep it)", kvt.kv_load_failure_policy)
+                # The scheduler reads this right after building its connector. vLLM's default is
+                # "fail", and nothing tells an explicit "fail" from it.
+                log.warning("kvpool: kv_load_failure_policy %r -> 'recompute': a block the pool lost is computed "
+                            "instead of failing its request (to keep 'fail', set kvpool_load_failure_policy='fail' "
+                            "in kv_connector_extra_config)", kvt.kv_load_failure_policy)
                 kvt.kv_load_failure_policy = "recompute"
             events = vllm_config.kv_events_config
             self._scheduler = Scheduler(

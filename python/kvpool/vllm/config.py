@@ -23,6 +23,7 @@ KNOWN = {
     "kvpool_lookup_deadline_ms", "kvpool_dead_after_s", "kvpool_node_answer_ms",
     "kvpool_staging", "kvpool_staging_bytes", "kvpool_load_failure_policy", "kvpool_full_backoff_s",
     "kvpool_key_format", "kvpool_load_threads", "kvpool_save_pin_limit", "kvpool_event_medium",
+    "kv_load_failure_policy",
     "store_threshold",
     "key_prefix", "model_name", "async_save", "stats_path",
     # vLLM's Mooncake store connector's names.
@@ -136,7 +137,10 @@ class ConnectorConfig:
         if c.staging not in ("auto", "always"):
             raise ValueError(f"kvpool_staging must be auto or always, not {c.staging!r}")
         c.staging_bytes = mooncake.parse_size(extra.get("kvpool_staging_bytes", 256 << 20))
-        c.load_failure_policy = str(extra.get("kvpool_load_failure_policy", "recompute"))
+        policies = {str(extra[k]) for k in ("kvpool_load_failure_policy", "kv_load_failure_policy") if k in extra}
+        if len(policies) > 1:
+            raise ValueError(f"kvpool_load_failure_policy and kv_load_failure_policy disagree: {sorted(policies)}")
+        c.load_failure_policy = policies.pop() if policies else "recompute"
         if c.load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kvpool_load_failure_policy must be recompute or fail")
         c.lookup_deadline_s = float(extra.get("kvpool_lookup_deadline_ms", 50)) / 1e3
