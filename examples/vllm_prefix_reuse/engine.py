@@ -39,6 +39,9 @@ def main() -> None:
     p.add_argument("--transport", default="auto")
     p.add_argument("--sync-save", action="store_true", help="save inside wait_for_save (async_save False)")
     p.add_argument("--connector-module", default="kvpool.vllm", help="module of the KVPoolConnector class")
+    p.add_argument("--kv-connector", default="KVPoolConnector",
+                   help="the connector class (vLLM's own, such as MooncakeStoreConnector, by name alone)")
+    p.add_argument("--kv-role", default="kv_both")
     p.add_argument("--extra", default="{}", help="more kv_connector_extra_config, as JSON")
     p.add_argument("--num-gpu-blocks", type=int, help="KV cache blocks (a small cache makes vLLM preempt)")
     p.add_argument("--max-batched-tokens", type=int, help="prefill budget per step (chunked prefill)")
@@ -58,7 +61,12 @@ def main() -> None:
 
     kv = None
     extra: dict[str, Any] = json.loads(args.extra)
-    if args.kvpool_data_dir or extra:
+    if args.kv_connector != "KVPoolConnector":
+        # One of vLLM's own connectors (its settings come from its own environment, such as
+        # MOONCAKE_CONFIG_PATH for MooncakeStoreConnector).
+        kv = KVTransferConfig(kv_connector=args.kv_connector, kv_role=args.kv_role,
+                              kv_load_failure_policy="recompute", kv_connector_extra_config=extra)
+    elif args.kvpool_data_dir or extra:
         if args.kvpool_data_dir:
             extra.setdefault("kvpool_data_dir", args.kvpool_data_dir)
         extra.setdefault("kvpool_transport", args.transport)
@@ -68,7 +76,7 @@ def main() -> None:
         kv = KVTransferConfig(
             kv_connector="KVPoolConnector",
             kv_connector_module_path=args.connector_module,
-            kv_role="kv_both",
+            kv_role=args.kv_role,
             kv_load_failure_policy="recompute",
             kv_connector_extra_config=extra,
         )

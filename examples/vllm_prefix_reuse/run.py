@@ -119,7 +119,8 @@ class Engine:
     """An ``engine.py`` process: one vLLM engine."""
 
     def __init__(self, name: str, model: Path, workdir: Path, pool_dir: Optional[Path], transport: str,
-                 sync_save: bool = False, extra_args: Sequence[str] = (), host: Sequence[str] = ()) -> None:
+                 sync_save: bool = False, extra_args: Sequence[str] = (), host: Sequence[str] = (),
+                 env: Optional[dict[str, str]] = None) -> None:
         self.name = name
         self.stats_path = workdir / f"connector-{name}" if pool_dir else None
         cmd = [*host, sys.executable, str(HERE / "engine.py"), "--model", str(model), "--transport", transport]
@@ -128,7 +129,7 @@ class Engine:
             if sync_save:
                 cmd.append("--sync-save")
         cmd += list(extra_args)
-        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1")
+        env = dict(os.environ, HF_HUB_OFFLINE="1", VLLM_CPU_KVCACHE_SPACE="1", PYTHONUNBUFFERED="1", **(env or {}))
         self.log_path = workdir / f"engine-{name}.log"
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=open(self.log_path, "wb"), text=True, env=env)

@@ -128,3 +128,21 @@ def test_an_engine_on_another_host_loads_the_prefix_and_outlives_its_node(tmp_pa
         assert t["same_tokens"] and t["stored_on_nodes"][1] == 0 and t["stored_on_nodes"][0] > 0
         assert t["cross_host_cached"] >= 128 * s["prefix_blocks"]
     assert s["node_killed"]["same_tokens"] and s["node_killed"]["extra_s"] <= 0.1
+
+
+def test_vllms_own_mooncake_store_connector_runs_on_kvpool_through_the_alias(tmp_path: Path) -> None:
+    """vLLM's ``MooncakeStoreConnector``, unchanged, with ``mooncake.store`` served by kvpool
+    (``python -m kvpool.mooncake_alias install``): writer and reader, producer and consumer, the
+    cold engine's tokens, the pool's objects byte for byte W's KV, a reset through the connector."""
+    out = tmp_path / "mooncake.json"
+    r = subprocess.run(
+        [PY, str(EXAMPLE / "mooncake_connector.py"), "--check", "--json", str(out),
+         "--workdir", str(tmp_path / "work"), "--server-bin", str(server_binary())],
+        capture_output=True, text=True, timeout=1800,
+    )
+    print(r.stdout[-4000:])
+    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-4000:]
+    s = json.loads(out.read_text())
+    assert not s["failures"]
+    assert s["blocks_compared"] > 0 and s["blocks_equal"] == s["blocks_compared"]
+    assert min(s["R_cached"]) > 0 and min(s["K_cached"]) > 0 and s["reset_after"] == 0
