@@ -24,7 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 try:
     import vllm  # noqa: F401
 except ImportError:
-    collect_ignore = ["test_vllm_connector.py", "test_vllm_units.py", "test_vllm_layouts.py", "test_vllm_robust.py"]
+    collect_ignore = ["test_vllm_connector.py", "test_vllm_units.py", "test_vllm_layouts.py", "test_vllm_robust.py",
+                      "test_mooncake_consumers.py"]
 
 
 def server_binary() -> Path:

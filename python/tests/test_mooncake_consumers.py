@@ -1,0 +1,107 @@
+"""Mooncake Store's consumers, driven through their own code, on a kvpool server through kvpool's
+alias of ``mooncake.store`` (``kvpool.mooncake_alias``): SGLang 0.5.23's HiCache ``MooncakeStore``
+over a real SGLang host KV pool (``MHATokenToKVPoolHost`` on CPU), and LMCache 0.5.6's
+``mooncakestore://`` remote connector. An SGLang or LMCache *engine* needs a GPU here; what runs
+is each project's storage class, with its own key naming, buffer registration, batching and
+existence checks, against a real kvpool server. Needs the vLLM venv (torch) with the ``sglang``
+and ``lmcache`` wheels (``examples/vllm_prefix_reuse/setup_venv.sh`` installs them); run by
+``.ci/vllm-e2e.sh``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any, Iterator
+
+import pytest
+import torch
+from conftest import Server
+
+from kvpool import _mooncake_alias
+
+pytestmark = pytest.mark.vllm
+
+PAGE = 16
+
+
+@pytest.fixture
+def alias() -> Iterator[None]:
+    """``mooncake.store`` served by kvpool in this process (as the ``.pth`` makes it for a
+    whole environment)."""
+    for name in ("mooncake", "mooncake.store"):
+        sys.modules.pop(name, None)
+    _mooncake_alias.activate("kvpool")
+    try:
+        yield
+    finally:
+        _mooncake_alias.deactivate()
+        for name in ("mooncake", "mooncake.store"):
+            sys.modules.pop(name, None)
+
+
+@pytest.fixture
+def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
+    s = Server()
+    # Mooncake's own configuration file, with kvpool's credentials beside its fields.
+    cfg = tmp_path / "mooncake.json"
+    cfg.write_text(json.dumps({"master_server_address": s.addr, "metadata_server": "P2PHANDSHAKE",
+                               "protocol": "tcp", "device_name": "", "global_segment_size": 64 << 20,
+                               "local_buffer_size": 16 << 20, "kvpool_data_dir": str(s.dir)}))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(cfg))
+    monkeypatch.setenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", str(cfg))
+    monkeypatch.setenv("KVPOOL_DATA_DIR", str(s.dir))
+    yield s
+    s.stop()
+
+
+def _host_pool(seed: int) -> Any:
+    """An SGLang host KV pool on CPU (page_first), as HiCache builds it from a device pool."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
+
+    dev = MHATokenToKVPool(size=256, page_size=PAGE, dtype=torch.bfloat16, head_num=2, head_dim=8, layer_num=3,
+                           device="cpu", enable_memory_saver=False, enable_alt_stream=False)
+    host = MHATokenToKVPoolHost(dev._mha_buffer_info(), 2.0, 0, PAGE, "page_first", pin_memory=False,
+                                device="cpu", device_capacity_tokens=256, start_layer=0, end_layer=3)
+    g = torch.Generator().manual_seed(seed)
+    host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=g).to(host.kv_buffer.dtype))
+    return host
+
+
+def _sglang_store(host: Any, pool: Server) -> Any:
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeStore
+
+    cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                               is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                               model_name="tiny/model")
+    store = MooncakeStore(cfg, mem_pool=host)
+    store.register_mem_pool_host(host)
+    return store
+
+
+def test_sglangs_mooncake_store_sets_and_gets_pages_of_its_host_pool(alias: None, pool: Server) -> None:
+    src = _host_pool(1)
+    a = _sglang_store(src, pool)
+    keys = [f"page-{i}" for i in range(6)]
+    indices = torch.arange(PAGE, PAGE * 7)  # pages 1..6 of the host pool
+    assert a.batch_set_v1(keys, indices) == [True] * 6
+    assert a.batch_exists(keys) == 6
+    assert a.batch_exists(keys[:3] + ["missing"] + keys[3:]) == 3, "leading pages present"
+    # A second pool (another process's) reads them into other pages.
+    dst = _host_pool(2)
+    b = _sglang_store(dst, pool)
+    out = torch.arange(PAGE * 10, PAGE * 16)
+    assert b.batch_get_v1(keys, out) == [True] * 6
+    sp, _ = src.get_page_buffer_meta(indices)
+    dp, _ = dst.get_page_buffer_meta(out)
+    ks = src.get_ksize_per_token() * PAGE
+    import ctypes
+
+    assert all(ctypes.string_at(p, ks) == ctypes.string_at(q, ks) for p, q in zip(sp, dp))
+    # Setting the same pages again stores nothing twice (it checks existence first).
+    assert a.batch_set_v1(keys, indices) == [True] * 6
+    a.close()
+    b.close()
