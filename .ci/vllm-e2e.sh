@@ -22,7 +22,7 @@ export KVPOOL_SERVER_BIN="$target/debug/kvpool-server" KVPOOL_VLLM_PYTHON="$PY"
 t2=$SECONDS
 echo "== the vLLM connector under vLLM's real scheduler (stand-in model) and every KV layout vLLM builds (about 3 minutes)"
 (cd python/tests && "$PY" -m pytest -q -rs -m vllm test_vllm_units.py test_vllm_connector.py test_vllm_robust.py \
-    test_vllm_layouts.py)
+    test_vllm_layouts.py test_mooncake_consumers.py)
 t3=$SECONDS
 echo "== vLLM CPU end-to-end (engines via LLM: prefix reuse, scenarios; 2 OpenAI servers via curl)"
 (cd python/tests && "$PY" -m pytest -q -s -rs -m slow test_vllm_e2e.py)

