@@ -161,6 +161,8 @@ class Scheduler:
         # Async lookups, and the checks of what the pool still has of a request vLLM's own cache
         # covers, run here, never on the scheduler's thread.
         self.bg = ThreadPoolExecutor(2, thread_name_prefix="kvpool-sched")
+        # One thread: a pool that stopped answering holds up these checks only, never a lookup.
+        self.checks = ThreadPoolExecutor(1, thread_name_prefix="kvpool-sched-check")
         self.learning: dict[str, Future[int]] = {}
         # vLLM blocks that save jobs may hold at once: past it, saves are dropped (a slow pool
         # must not pin the engine's cache into preemptions).
@@ -269,7 +271,7 @@ class Scheduler:
         chain = [f"{p}@{h}" for h in hashes for p in self.prefixes]
         shards = len(self.prefixes)
         self.totals["resident_checks"] += 1
-        self.learning[rid] = self.bg.submit(lambda: client.lookup(chain) // shards)
+        self.learning[rid] = self.checks.submit(lambda: client.lookup(chain) // shards)
 
     def _apply_resident(self, rid: str, t: "_Req") -> None:
         """A check of what the pool still has came back: save again what it lost."""
@@ -562,4 +564,5 @@ class Scheduler:
         if self.events is not None:
             self.events.close()
         self.bg.shutdown(wait=True)
+        self.checks.shutdown(wait=True)
         self.store.close()
