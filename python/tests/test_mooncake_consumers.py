@@ -105,3 +105,50 @@ def test_sglangs_mooncake_store_sets_and_gets_pages_of_its_host_pool(alias: None
     assert a.batch_set_v1(keys, indices) == [True] * 6
     a.close()
     b.close()
+
+
+def test_lmcaches_mooncakestore_connector_round_trips_a_chunk(alias: None, pool: Server) -> None:
+    """LMCache's ``mooncakestore://`` remote connector, built as LMCache builds it (its config,
+    metadata and CPU backend), puts a KV chunk and reads it back through its default read path
+    (``batch_get_buffer``: a ``BufferHandle`` read without an extra copy)."""
+    import asyncio
+    import threading
+
+    from lmcache.utils import CacheEngineKey
+    from lmcache.v1.config import LMCacheEngineConfig
+    from lmcache.v1.memory_management import MemoryFormat
+    from lmcache.v1.metadata import LMCacheMetadata
+    from lmcache.v1.storage_backend.connector.mooncakestore_connector import MooncakestoreConnector
+    from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend
+
+    cfg = LMCacheEngineConfig.from_defaults(chunk_size=256, local_cpu=True, max_local_cpu_size=0.2,
+                                            remote_url="mooncakestore://localhost:0/", remote_serde="naive")
+    meta = LMCacheMetadata(model_name="m", world_size=1, local_world_size=1, worker_id=0, local_worker_id=0,
+                           kv_dtype=torch.bfloat16, kv_shape=(2, 2, 256, 2, 16))
+    backend = LocalCPUBackend(cfg, meta)
+    loop = asyncio.new_event_loop()
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+
+    def run(coro: Any) -> Any:
+        return asyncio.run_coroutine_threadsafe(coro, loop).result(30)
+
+    conn = MooncakestoreConnector(loop, backend, cfg)
+    try:
+        objs, keys, want = [], [], []
+        for i in range(3):
+            obj = backend.allocate(torch.Size([2, 2, 256, 32]), torch.bfloat16, fmt=MemoryFormat.KV_2LTD)
+            obj.tensor.copy_(torch.randn(obj.tensor.shape, generator=torch.Generator().manual_seed(i)).to(torch.bfloat16))
+            objs.append(obj)
+            want.append(obj.tensor.clone())
+            keys.append(CacheEngineKey("m", 1, 0, 1000 + i, torch.bfloat16))
+        for k, o in zip(keys, objs):
+            run(conn.put(k, o))
+        assert all(run(conn.exists(k)) for k in keys)
+        assert conn.support_batched_get()
+        got = run(conn.batched_get(keys + [CacheEngineKey("m", 1, 0, 99, torch.bfloat16)]))
+        assert got[-1] is None, "a missing chunk reads as None"
+        for g, w in zip(got, want):
+            assert g is not None and torch.equal(g.tensor, w)
+    finally:
+        run(conn.close()) if asyncio.iscoroutinefunction(conn.close) else conn.close()
+        loop.call_soon_threadsafe(loop.stop)
