@@ -18,17 +18,10 @@ fn main() {
         let lib = out.join(format!("libkvpool_{front}_standin.so"));
         let mut cmd = cc.to_command();
         // Only the runtime's symbols and the test controls are exported (core.h marks them).
-        cmd.args([
-            "-std=c11",
-            "-shared",
-            "-fPIC",
-            "-fvisibility=hidden",
-            "-O2",
-            "-Wall",
-            "-Wextra",
-            "-pthread",
-            define,
-        ]);
+        // Never unloaded (as a runtime a process uses): stream workers may still be finishing
+        // queued work after the last handle to the library is closed.
+        let flags = ["-std=c11", "-shared", "-fPIC", "-fvisibility=hidden", "-O2", "-Wall", "-Wextra", "-pthread"];
+        cmd.args(flags).args(["-Wl,-z,nodelete", define]);
         cmd.arg(dir.join("core.c")).arg(dir.join(format!("{front}.c"))).arg("-o").arg(&lib);
         let o = cmd.output().unwrap_or_else(|e| panic!("{cmd:?}: {e}"));
         if !o.status.success() {

@@ -86,6 +86,7 @@ typedef struct stream {
 
 typedef struct event {
   int pending, error;
+  int destroyed; /* freed by the worker once it completes, as CUDA frees a pending event */
 } event_t;
 
 /* One lock for all state: the stand-in is for correctness, not speed. */
@@ -155,7 +156,7 @@ static void *worker(void *arg) {
   pthread_mutex_lock(&g_mu);
   for (;;) {
     while (!s->head && !s->stop) pthread_cond_wait(&s->cv, &g_mu);
-    if (!s->head) break;
+    if (!s->head) break; /* stopped and drained */
     op_t *o = s->head;
     pthread_mutex_unlock(&g_mu);
     if (!o->ev) {
@@ -168,6 +169,7 @@ static void *worker(void *arg) {
       o->ev->error = s->error;
       s->error = 0;
       o->ev->pending = 0;
+      if (o->ev->destroyed) free(o->ev);
     } else if (o->fail) {
       s->error = 1;
       g_c.failed_copies++;
@@ -183,6 +185,8 @@ static void *worker(void *arg) {
     pthread_cond_broadcast(&g_done);
   }
   pthread_mutex_unlock(&g_mu);
+  pthread_cond_destroy(&s->cv);
+  free(s);
   return NULL;
 }
 
@@ -219,17 +223,17 @@ static int drain(stream_t *s) {
   return e;
 }
 
+/* As cudaStreamDestroy and aclrtDestroyStream: returns at once; the queued work still runs, then
+ * the worker frees the stream (so a destroy cannot hide a missing sync either). */
 void stream_free(void *stream) {
   stream_t *s = stream;
   pthread_mutex_lock(&g_mu);
-  drain(s);
+  pthread_t th = s->th; /* s may be gone once the lock is released */
   s->stop = 1;
   pthread_cond_signal(&s->cv);
   g_c.streams_destroyed++;
   pthread_mutex_unlock(&g_mu);
-  pthread_join(s->th, NULL);
-  pthread_cond_destroy(&s->cv);
-  free(s);
+  pthread_detach(th);
 }
 
 int dev_malloc(void **out, size_t size, int device, int managed) {
@@ -477,13 +481,16 @@ void *stream_create(int device) {
 
 void *event_new(void) { return calloc(1, sizeof(event_t)); }
 
-/* CUDA frees a pending event once it completes; the stand-in waits for that here. */
+/* CUDA returns at once and frees a pending event once it completes: so does the stand-in (a
+ * destroy never waits for copies, so it cannot hide a missing sync). */
 void event_free(void *ev) {
   event_t *e = ev;
   pthread_mutex_lock(&g_mu);
-  while (e->pending) pthread_cond_wait(&g_done, &g_mu);
+  if (e->pending)
+    e->destroyed = 1;
+  else
+    free(e);
   pthread_mutex_unlock(&g_mu);
-  free(e);
 }
 
 int stream_sync(void *stream) {
