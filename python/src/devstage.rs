@@ -293,6 +293,8 @@ impl<M: StageMem> Staging<M> {
         let result = loop {
             let Some(batch) = cur.take() else { break Ok(()) };
             // The next chunk's copies run while this one is waited for and sent.
+            // SAFETY: as above; the other slot's last chunk was sent already (sends are
+            // synchronous), so nothing reads it.
             let next =
                 chunks.next().map(|c| unsafe { queue(&mut slots[1 - k], rts, items, c, Direction::DeviceToHost) });
             let ready = batch.settle(&mut out);
