@@ -18,8 +18,9 @@ echo "== wheel (maturin, release): pip wheel ./python"
 "${pip[@]}" --force-reinstall --no-deps "$wheels"/kvpool-*.whl
 t1=$SECONDS
 # The server the tests start: this tree's debug build (the one scripts/test.sh built), never a
-# stale binary from another profile.
-cargo build -q -p kvpool-server --bin kvpool-server
+# stale binary from another profile; beside it the stand-in device runtimes' carrier, which
+# test_device_memory.py asks for the CUDA and ACL stand-ins.
+cargo build -q -p kvpool-server --bin kvpool-server -p kvpool-devmem --bin kvpool-devmem-standin
 export KVPOOL_SERVER_BIN="$target/debug/kvpool-server"
 t2=$SECONDS
 echo "== pytest python/tests (the slow vLLM ones are deselected here: .ci/vllm-e2e.sh runs them)"

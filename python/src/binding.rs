@@ -1,12 +1,14 @@
 //! The extension module proper (built with the `extension` feature; see the crate docs).
 //!
-//! `client` is the `Client` class (the store), with its raw-address transfers in `ranges`;
+//! `client` is the `Client` class (the store), with its raw-address transfers in `ranges` and
+//! device memory (CUDA, Ascend) in `device`;
 //! `buffer` the `SharedBuffer` class, `events` the `EventSubscription` class; `args` turns
 //! Python arguments into the client's, and `error` is `KvpoolError` and how failures become it.
 
 mod args;
 mod buffer;
 mod client;
+mod device;
 mod error;
 mod events;
 mod ranges;

@@ -10,6 +10,7 @@
 //! ranges registered with `Client.register`; see [`regions`]. The binding itself is built only
 //! with the `extension` feature (maturin turns it on).
 
+pub mod devstage;
 pub mod hostmem;
 pub mod regions;
 

@@ -4,8 +4,11 @@
 //! forms) are checked against these ranges before any byte is touched: an address range that
 //! is not entirely inside one registered range is refused with an error, never dereferenced.
 //! A range may be backed by a kvpool shared buffer (then the server copies straight between its
-//! segment and that memory); the backing is kept alive while the range stays registered.
+//! segment and that memory); the backing is kept alive while the range stays registered. A range
+//! may also be device memory (a GPU's or an NPU's, as its runtime said at registration): its bytes
+//! are only ever moved by that runtime's copies, never read from the host.
 
+use kvpool_devmem::Location;
 use std::collections::BTreeMap;
 
 /// Why a registration or an address range was refused.
@@ -25,12 +28,23 @@ pub enum RegionError {
     Aliased { a: usize, a_len: usize, b: usize, b_len: usize },
 }
 
-/// One registered range; `shared` is the kvpool buffer it lies in (and its offset there).
+/// What a registered range is.
+#[derive(Debug, Clone)]
+pub enum Mem<B> {
+    /// Host memory of this process.
+    Host,
+    /// Inside this kvpool shared buffer, at this offset.
+    Shared(B, usize),
+    /// Memory of this device.
+    Device(Location),
+}
+
+/// One registered range.
 #[derive(Debug, Clone)]
 pub struct Region<B> {
     pub start: usize,
     pub len: usize,
-    pub shared: Option<(B, usize)>,
+    pub mem: Mem<B>,
 }
 
 /// Where the bytes of a checked address range are.
@@ -40,6 +54,8 @@ pub enum Place<'a, B> {
     Shared(&'a B, usize),
     /// Ordinary memory of this process.
     Plain,
+    /// Device memory: moved by its runtime only.
+    Device(Location),
 }
 
 /// The registered ranges of one client, disjoint, by start address.
@@ -57,7 +73,7 @@ impl<B> Default for Regions<B> {
 impl<B> Regions<B> {
     /// Register `[start, start + len)`. Ranges may not overlap (Mooncake refuses a second
     /// registration of the same memory too).
-    pub fn add(&mut self, start: usize, len: usize, shared: Option<(B, usize)>) -> Result<(), RegionError> {
+    pub fn add(&mut self, start: usize, len: usize, mem: Mem<B>) -> Result<(), RegionError> {
         let end = match start.checked_add(len) {
             Some(e) if len > 0 && start > 0 => e,
             _ => return Err(RegionError::BadRange { start, len }),
@@ -67,7 +83,7 @@ impl<B> Regions<B> {
                 return Err(RegionError::Overlap { start, len, other: r.1.start, other_len: r.1.len });
             }
         }
-        self.map.insert(start, Region { start, len, shared });
+        self.map.insert(start, Region { start, len, mem });
         Ok(())
     }
 
@@ -89,9 +105,10 @@ impl<B> Regions<B> {
     /// Check `[ptr, ptr + len)` and say where its bytes are.
     pub fn place(&self, ptr: usize, len: usize) -> Result<Place<'_, B>, RegionError> {
         let r = self.find(ptr, len)?;
-        Ok(match &r.shared {
-            Some((b, off)) => Place::Shared(b, off + (ptr - r.start)),
-            None => Place::Plain,
+        Ok(match &r.mem {
+            Mem::Shared(b, off) => Place::Shared(b, off + (ptr - r.start)),
+            Mem::Host => Place::Plain,
+            Mem::Device(loc) => Place::Device(*loc),
         })
     }
 
@@ -137,15 +154,19 @@ mod tests {
     #[test]
     fn ranges_must_lie_inside_one_registration() {
         let mut r: Regions<u32> = Regions::default();
-        r.add(0x1000, 0x100, None).unwrap();
-        r.add(0x1100, 0x100, Some((7, 0x40))).unwrap();
+        r.add(0x1000, 0x100, Mem::Host).unwrap();
+        r.add(0x1100, 0x100, Mem::Shared(7, 0x40)).unwrap();
+        let gpu = Location { kind: kvpool_devmem::Kind::Cuda, device: 1 };
+        r.add(0x1400, 0x100, Mem::Device(gpu)).unwrap();
         assert_eq!(r.place(0x1000, 0x100), Ok(Place::Plain));
         assert_eq!(r.place(0x1180, 0x10), Ok(Place::Shared(&7, 0xc0)));
+        assert_eq!(r.place(0x1410, 0x10), Ok(Place::Device(gpu)));
+        assert!(r.place(0x13f0, 0x20).is_err());
         // Spans two adjacent registrations: refused, each is a separate buffer.
         assert_eq!(r.place(0x10f0, 0x20), Err(RegionError::Outside { ptr: 0x10f0, len: 0x20 }));
         // Before, after, one byte past the end, address-space wrap.
         assert!(r.place(0xfff, 1).is_err());
-        assert!(r.place(0x1200, 1).is_err());
+        assert!(r.place(0x1300, 1).is_err());
         assert!(r.place(0x11ff, 2).is_err());
         assert!(r.place(usize::MAX - 1, 4).is_err());
         // An empty range at the end of a registration is inside it.
@@ -155,12 +176,12 @@ mod tests {
     #[test]
     fn registrations_do_not_overlap_and_unregister_by_start() {
         let mut r: Regions<()> = Regions::default();
-        r.add(0x2000, 0x100, None).unwrap();
-        assert!(matches!(r.add(0x20ff, 1, None), Err(RegionError::Overlap { other: 0x2000, .. })));
-        assert!(matches!(r.add(0x1f00, 0x101, None), Err(RegionError::Overlap { .. })));
-        assert!(matches!(r.add(0, 8, None), Err(RegionError::BadRange { .. })));
-        assert!(matches!(r.add(0x10, 0, None), Err(RegionError::BadRange { .. })));
-        r.add(0x1f00, 0x100, None).unwrap();
+        r.add(0x2000, 0x100, Mem::Host).unwrap();
+        assert!(matches!(r.add(0x20ff, 1, Mem::Host), Err(RegionError::Overlap { other: 0x2000, .. })));
+        assert!(matches!(r.add(0x1f00, 0x101, Mem::Host), Err(RegionError::Overlap { .. })));
+        assert!(matches!(r.add(0, 8, Mem::Host), Err(RegionError::BadRange { .. })));
+        assert!(matches!(r.add(0x10, 0, Mem::Host), Err(RegionError::BadRange { .. })));
+        r.add(0x1f00, 0x100, Mem::Host).unwrap();
         assert_eq!(r.iter().count(), 2);
         assert_eq!(r.remove(0x2010).unwrap_err(), RegionError::NotRegistered(0x2010));
         r.remove(0x2000).unwrap();

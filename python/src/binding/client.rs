@@ -2,10 +2,12 @@
 
 use super::args::{key_bytes, keys_of, mode, pieces_of, put_options, single_pieces, value_ref, ValueRef};
 use super::buffer::SharedBuffer;
+use super::device::{Claim, DEVICE_CHUNK};
 use super::error::{Error, Res};
 use super::events::EventSubscription;
 use super::ranges::Stage;
-use crate::regions::Regions;
+use crate::devstage::Staging;
+use crate::regions::{Mem, Regions};
 use kvpool_client::blocking::Client as Blocking;
 use kvpool_client::proto::EventScope;
 use kvpool_client::{Buffer, ClientConfig, ErrorCode, PutEntry, SubscribeOptions, TransportChoice, Trust};
@@ -14,7 +16,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict, PyList};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::{Arc, OnceLock, Weak};
 use std::time::Duration;
 
 /// A kvpool connection (see the module docs).
@@ -26,6 +28,12 @@ pub(super) struct Client {
     /// that lie inside one.
     pub(super) shared: Mutex<BTreeMap<usize, Weak<Buffer>>>,
     pub(super) stage: Stage,
+    /// Device runtimes (CUDA, ACL), read from the environment at the first registration.
+    pub(super) devices: OnceLock<Result<kvpool_devmem::Runtimes, kvpool_devmem::DevmemError>>,
+    /// Pinned staging buffers for device memory.
+    pub(super) staging: Staging<Buffer>,
+    /// The last failed device copy, for `last_device_error`.
+    pub(super) device_error: Mutex<Option<String>>,
     pub(super) closed: AtomicBool,
 }
 
@@ -64,11 +72,13 @@ impl Client {
     /// (seconds, default 0.25) is skipped until it answers again (its blocks miss);
     /// `etcd` (`http://host:port`, comma-separated) finds the cluster's leading master there
     /// under `etcd_prefix` instead of `server`, trusting the fingerprint it published.
+    /// `device_chunk` (bytes, default 16 MiB) is the staging chunk of transfers from and to
+    /// device memory (see `register`).
     #[new]
     #[pyo3(signature = (server=None, api_key=None, *, fingerprint=None, ca_file=None, data_dir=None,
                         server_name=None, transport="auto", timeout=30.0, client_name=None,
                         verify_shm_gets=false, dead_after=None, etcd=None, etcd_prefix="/kvpool/",
-                        node_answer_within=None, bulk="auto", trusted_networks=None))]
+                        node_answer_within=None, bulk="auto", trusted_networks=None, device_chunk=None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -88,7 +98,12 @@ impl Client {
         node_answer_within: Option<f64>,
         bulk: &str,
         trusted_networks: Option<Vec<String>>,
+        device_chunk: Option<usize>,
     ) -> PyResult<Self> {
+        let device_chunk = device_chunk.unwrap_or(DEVICE_CHUNK);
+        if !(4096..=1 << 30).contains(&device_chunk) {
+            return Err(Error::Argument(format!("device_chunk must be 4 KiB to 1 GiB, not {device_chunk}")).into());
+        }
         let trust = match (fingerprint, ca_file) {
             (Some(f), _) => Some(Trust::Fingerprint(kvpool_client::parse_fingerprint(&f).map_err(Error::from)?)),
             (None, Some(c)) => Some(Trust::CaFile(c.into())),
@@ -162,6 +177,10 @@ impl Client {
             regions: RwLock::new(Regions::default()),
             shared: Mutex::new(BTreeMap::new()),
             stage: Stage::default(),
+            devices: OnceLock::new(),
+            // Two chunks per call in flight; as many kept as two calls at once use.
+            staging: Staging::new(device_chunk, 4 * device_chunk),
+            device_error: Mutex::new(None),
             closed: AtomicBool::new(false),
         })
     }
@@ -491,6 +510,14 @@ impl Client {
     /// `unregister(ptr)`. Overlapping an existing registration is refused. When the range lies
     /// inside a buffer of `alloc_buffer`, transfers through it are zero-copy, and the buffer is
     /// kept alive while registered. Returns True when the range is such a shared buffer.
+    ///
+    /// Device memory (a CUDA or Ascend device pointer: a torch tensor's `data_ptr()`) is asked
+    /// of the device runtimes first (`cudaPointerGetAttributes`, `aclrtPointerGetAttributes`;
+    /// `KVPOOL_CUDA_RUNTIME` / `KVPOOL_ACL_RUNTIME` choose them, by default those this process
+    /// loaded): a range that one calls device memory, start and end on the same device, is
+    /// registered as such and moves through pinned staging buffers, never read from the host.
+    /// Any other range must be host memory this process can read and write (a device pointer no
+    /// runtime claims is refused with `invalid-argument`, never read).
     fn register(&self, py: Python<'_>, ptr: usize, size: usize) -> PyResult<bool> {
         let backing = {
             let shared = self.shared.lock();
@@ -500,11 +527,20 @@ impl Client {
             })
         };
         let zero_copy = backing.is_some();
-        if !zero_copy {
-            // A device pointer (CUDA, Ascend) is refused here, before anything reads it.
-            crate::hostmem::check(ptr, size).map_err(Error::from)?;
-        }
-        py.detach(|| self.regions.write().add(ptr, size, backing)).map_err(Error::from)?;
+        let mem = match backing {
+            Some((b, off)) => Mem::Shared(b, off),
+            None => match py.detach(|| self.claim(ptr, size))? {
+                Some(Claim::Device(loc)) => Mem::Device(loc),
+                // Pinned or managed host memory, as its runtime says.
+                Some(Claim::Host) => Mem::Host,
+                None => {
+                    // A device pointer (CUDA, Ascend) is refused here, before anything reads it.
+                    crate::hostmem::check(ptr, size).map_err(Error::from)?;
+                    Mem::Host
+                }
+            },
+        };
+        py.detach(|| self.regions.write().add(ptr, size, mem)).map_err(Error::from)?;
         Ok(zero_copy)
     }
 
@@ -515,13 +551,39 @@ impl Client {
         Ok(())
     }
 
-    /// The registered ranges: `(ptr, size, zero_copy)` in address order.
-    fn registered(&self) -> Vec<(usize, usize, bool)> {
-        self.regions.read().iter().map(|r| (r.start, r.len, r.shared.is_some())).collect()
+    /// The registered ranges: `(ptr, size, zero_copy)` in address order; with `memory=True`,
+    /// `(ptr, size, zero_copy, memory)` where `memory` is `"host"`, `"shared"` (an
+    /// `alloc_buffer` buffer) or the device, as `"cuda:0"` or `"acl:1"`.
+    #[pyo3(signature = (memory=false))]
+    fn registered<'py>(&self, py: Python<'py>, memory: bool) -> PyResult<Bound<'py, PyList>> {
+        let regions = self.regions.read();
+        let rows = regions.iter().map(|r| {
+            let zero_copy = matches!(r.mem, Mem::Shared(..));
+            if !memory {
+                return (r.start, r.len, zero_copy).into_pyobject(py);
+            }
+            let what = match &r.mem {
+                Mem::Host => "host".to_string(),
+                Mem::Shared(..) => "shared".to_string(),
+                Mem::Device(loc) => loc.to_string(),
+            };
+            (r.start, r.len, zero_copy, what).into_pyobject(py)
+        });
+        PyList::new(py, rows.collect::<PyResult<Vec<_>>>()?)
+    }
+
+    /// Why the last device copy of this client failed (an item answered `device-error`): the
+    /// runtime call and its error, as `"CUDA: cudaEventSynchronize failed with error 700: ..."`.
+    /// None when none has.
+    #[getter]
+    fn last_device_error(&self) -> Option<String> {
+        self.device_error.lock().clone()
     }
 
     /// Put values from registered memory, one address range per key. One status per key; a
-    /// range outside the registrations answers `invalid-argument` and is not read.
+    /// range outside the registrations answers `invalid-argument` and is not read. Ranges in
+    /// device memory are copied to pinned staging buffers chunk by chunk while the previous chunk
+    /// is sent; an item whose device copy failed answers `device-error`.
     #[pyo3(signature = (keys, ptrs, sizes, upsert=false, parents=None, tokens=None, seq_tokens=None, pin=None))]
     #[allow(clippy::too_many_arguments)]
     fn put_from(
@@ -566,6 +628,9 @@ impl Client {
     /// Get values into registered memory, one range per key: `(status, size)` per key. A value
     /// larger than its range answers `value-too-large` (nothing written there); a range outside
     /// the registrations answers `invalid-argument`. Destinations of one call may not overlap.
+    /// Ranges in device memory are filled from pinned staging buffers, each chunk's copies
+    /// running while the next chunk is fetched; all of them are complete when the call returns
+    /// (an item whose copy failed answers `device-error`).
     fn get_into(
         &self,
         py: Python<'_>,

@@ -2,6 +2,7 @@
 
 use crate::regions::RegionError;
 use kvpool_client::{ClientError, ErrorCode};
+use kvpool_devmem::DevmemError;
 use pyo3::exceptions::PyException;
 use pyo3::prelude::*;
 
@@ -22,6 +23,9 @@ pub(super) enum Error {
     Region(#[from] RegionError),
     #[error("invalid-argument: {0}")]
     Argument(String),
+    /// A device runtime refused a range (`invalid-argument`) or failed (`device-error`).
+    #[error("{code}: {0}", code = device_code(.0))]
+    Device(#[from] DevmemError),
     #[error("closed: the client was closed")]
     Closed,
 }
@@ -34,8 +38,16 @@ impl Error {
             Error::Client(ClientError::Connect { .. } | ClientError::Io(_) | ClientError::Closed(_)) => "unavailable",
             Error::Client(e) => e.code().name(),
             Error::Region(_) | Error::Argument(_) => ErrorCode::InvalidArgument.name(),
+            Error::Device(e) => device_code(e),
             Error::Closed => "closed",
         }
+    }
+}
+
+fn device_code(e: &DevmemError) -> &'static str {
+    match e {
+        DevmemError::Refused { .. } => ErrorCode::InvalidArgument.name(),
+        _ => super::device::DEVICE_ERROR,
     }
 }
 

@@ -1,9 +1,12 @@
 //! Raw-address transfers (`put_from`, `get_into` and their `_multi` forms): each item's ranges
 //! checked against the registrations and moved by the cheapest path (zero-copy through a shared
-//! buffer, in place, or gathered and scattered through a staging buffer).
+//! buffer, in place, or gathered and scattered through a staging buffer); items with a range in
+//! device memory go through the device staging of `device.rs`.
 
 use super::client::Client;
+use super::device::device_pieces;
 use super::error::Res;
+use crate::devstage::Piece;
 use crate::regions::{self, Place, Regions};
 use kvpool_client::blocking::Client as Blocking;
 use kvpool_client::{BufSlice, Buffer, ErrorCode, PutEntry, PutMode, PutOptions};
@@ -49,6 +52,8 @@ pub(super) enum Route {
     Plain(usize, usize),
     /// Several ranges: gathered into (or scattered from) a staging buffer.
     Pieces(Vec<(usize, usize)>),
+    /// Some range in device memory: copied by its runtime through pinned staging buffers.
+    Device(Vec<Piece>),
 }
 
 impl Client {
@@ -62,14 +67,18 @@ impl Client {
                         return Route::Refused("invalid-argument");
                     }
                 }
+                if let Some(pieces) = device_pieces(regions, p) {
+                    return Route::Device(pieces);
+                }
                 let joined = regions::coalesce(p);
                 match joined.as_slice() {
                     [] => Route::Plain(0, 0),
                     [(ptr, len)] => match regions.place(*ptr, *len) {
                         Ok(Place::Shared(b, off)) => Route::Shared(b.clone(), off, *len),
                         Ok(Place::Plain) => Route::Plain(*ptr, *len),
-                        // Adjacent registrations joined into one range: move the pieces apart.
-                        Err(_) => Route::Pieces(p.clone()),
+                        // Adjacent registrations joined into one range (a device one cannot
+                        // be here: checked above): move the pieces apart.
+                        Ok(Place::Device(_)) | Err(_) => Route::Pieces(p.clone()),
                     },
                     _ => Route::Pieces(joined),
                 }
@@ -89,13 +98,19 @@ impl Client {
         let regions = self.regions.read();
         let routes = Self::route(&regions, pieces);
         let mut out: Vec<&'static str> = vec!["ok"; keys.len()];
-        let (mut shared, mut plain, mut gather) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut shared, mut plain, mut gather, mut device) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (i, r) in routes.iter().enumerate() {
             match r {
                 Route::Refused(code) => out[i] = code,
                 Route::Shared(..) => shared.push(i),
                 Route::Plain(..) => plain.push(i),
                 Route::Pieces(_) => gather.push(i),
+                Route::Device(p) => device.push((i, p.clone())),
+            }
+        }
+        if !device.is_empty() {
+            for (&(i, _), st) in device.iter().zip(self.put_staged(client, keys, opts, mode, &device)?) {
+                out[i] = st;
             }
         }
         let chunk = self.max_batch();
@@ -165,13 +180,19 @@ impl Client {
         let regions = self.regions.read();
         let routes = Self::route(&regions, pieces);
         let mut out: Vec<(&'static str, u64)> = vec![("ok", 0); keys.len()];
-        let (mut shared, mut plain, mut scatter) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut shared, mut plain, mut scatter, mut device) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
         for (i, r) in routes.iter().enumerate() {
             match r {
                 Route::Refused(code) => out[i] = (code, 0),
                 Route::Shared(..) => shared.push(i),
                 Route::Plain(..) => plain.push(i),
                 Route::Pieces(_) => scatter.push(i),
+                Route::Device(p) => device.push((i, p.clone())),
+            }
+        }
+        if !device.is_empty() {
+            for (&(i, _), r) in device.iter().zip(self.get_staged(client, keys, &device)?) {
+                out[i] = r;
             }
         }
         let chunk = self.max_batch();
