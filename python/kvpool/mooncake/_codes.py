@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, Callable, Union
+from typing import Callable, Union
 
 from kvpool._native import Client, KvpoolError
 
@@ -93,7 +92,3 @@ def replace_leased(c: Client, keys: list[Key], st: list[str], idx: list[int],
     for i, s in zip(idx, retry(keys)):
         st[i] = s
     return st
-
-
-def same_length(*seqs: Sequence[Any]) -> bool:
-    return len({len(s) for s in seqs}) <= 1
