@@ -51,18 +51,36 @@ def parse_bool(value: Any) -> bool:
     raise ValueError(f"not a boolean: {value!r}")
 
 
+def load_file() -> dict[str, Any]:
+    """The fields of the JSON file ``MOONCAKE_CONFIG_PATH`` names (``{}`` when it is unset).
+    ``OSError``/``ValueError`` name the file when it cannot be read or parsed."""
+    path = os.environ.get("MOONCAKE_CONFIG_PATH")
+    if not path:
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except OSError as e:
+        raise OSError(f"MOONCAKE_CONFIG_PATH={path}: {e.strerror or e}") from e
+    except ValueError as e:
+        raise ValueError(f"MOONCAKE_CONFIG_PATH={path}: not JSON: {e}") from e
+    if not isinstance(cfg, dict):
+        raise ValueError(f"MOONCAKE_CONFIG_PATH={path}: not a JSON object")
+    return cfg
+
+
 def load() -> dict[str, Any]:
     """Mooncake's settings from ``MOONCAKE_CONFIG_PATH`` (a JSON file), else from the
     ``MOONCAKE_*`` environment variables when ``MOONCAKE_MASTER`` is set, else ``{}``.
 
     Keys as in the file: ``master_server_address``, ``protocol``, ``device_name``,
     ``tenant_id``, ``global_segment_size``, ``local_buffer_size``, ``metadata_server``,
-    ``local_hostname``. Sizes are parsed (bytes)."""
+    ``local_hostname`` (and kvpool's ``kvpool_*`` fields, see :data:`CLIENT_FIELDS`). Sizes are
+    parsed (bytes)."""
     path = os.environ.get("MOONCAKE_CONFIG_PATH")
     cfg: dict[str, Any]
     if path:
-        with open(path, encoding="utf-8") as f:
-            cfg = dict(json.load(f))
+        cfg = dict(load_file())
         te = cfg.get("transfer_engine") or {}
         if "backend" in te and "protocol" not in cfg:
             cfg["protocol"] = te["backend"]
@@ -137,3 +155,91 @@ def pool_address(server: Optional[str], metadata_server: Optional[str], etcd: Op
     if server:
         return server, None
     return None, etcd_endpoints(metadata_server)
+
+
+#: kvpool's own fields that a ``mooncake_store_config.json`` (or ``setup``'s dict) may carry for
+#: the client, and the environment variable that overrides each. Mooncake ignores fields it does
+#: not know; kvpool's server logs them as ignored.
+CLIENT_FIELDS: dict[str, str] = {
+    "kvpool_server": "KVPOOL_SERVER",
+    "kvpool_api_key": "KVPOOL_API_KEY",
+    "kvpool_api_key_file": "KVPOOL_API_KEY_FILE",
+    "kvpool_fingerprint": "KVPOOL_FINGERPRINT",
+    "kvpool_ca": "KVPOOL_CA",
+    "kvpool_data_dir": "KVPOOL_DATA_DIR",
+    "kvpool_etcd": "KVPOOL_ETCD",
+}
+
+
+class ClientSettings:
+    """How a Mooncake-configured client reaches and trusts its kvpool server. Each value comes
+    from the first of: ``setup``'s keyword argument, the ``KVPOOL_*`` environment variable, the
+    ``kvpool_*`` field of ``setup``'s dict, the ``kvpool_*`` field of the ``MOONCAKE_CONFIG_PATH``
+    file. The address falls back to Mooncake's ``master_server_addr[ess]`` (``MOONCAKE_MASTER``)
+    and its ``metadata_server`` (``etcd://``). ``origin`` says where each value came from."""
+
+    def __init__(self, explicit: dict[str, Any], cfg: dict[str, Any], file_cfg: dict[str, Any],
+                 fallback_server: Optional[str] = None) -> None:
+        self.origin: dict[str, str] = {}
+        path = os.environ.get("MOONCAKE_CONFIG_PATH")
+
+        def pick(field: str, kw: str) -> Optional[str]:
+            env = CLIENT_FIELDS[field]
+            for value, where in ((explicit.get(kw), f"setup({kw}=)"), (os.environ.get(env), env),
+                                 (cfg.get(field), f"setup's {field}"), (file_cfg.get(field), f"{field} in {path}")):
+                if value not in (None, ""):
+                    self.origin[kw] = where
+                    return str(value)
+            return None
+
+        self.data_dir = pick("kvpool_data_dir", "data_dir")
+        self.api_key = pick("kvpool_api_key", "api_key")
+        key_file = pick("kvpool_api_key_file", "api_key_file")
+        if self.api_key is None and key_file:
+            try:
+                with open(key_file, encoding="utf-8") as f:
+                    self.api_key = f.readline().strip() or None
+            except OSError as e:
+                raise OSError(f"API key file {key_file} (from {self.origin['api_key_file']}): {e.strerror or e}") from e
+            self.origin["api_key"] = f"the file {key_file} (from {self.origin['api_key_file']})"
+        self.fingerprint = pick("kvpool_fingerprint", "fingerprint")
+        self.ca_file = pick("kvpool_ca", "ca_file")
+        server = pick("kvpool_server", "server")
+        if server is None:
+            for value, where in ((cfg.get("master_server_addr"), "master_server_addr"),
+                                 (cfg.get("master_server_address"), "master_server_address"),
+                                 (fallback_server, "setup_dummy's server_address")):
+                if value:
+                    server, self.origin["server"] = str(value), where
+                    break
+        self.server, self.etcd = pool_address(server, cfg.get("metadata_server"), pick("kvpool_etcd", "etcd"))
+        if self.etcd and "etcd" not in self.origin:
+            self.origin["etcd"] = "master_server_address" if server and server.lower().startswith("etcd://") else "metadata_server"
+
+    def missing(self) -> list[str]:
+        """What is missing to connect, each with where it can be given (empty when complete)."""
+        if self.data_dir:
+            return []  # the data directory holds the address, the fingerprint and the key
+        where = f"in {os.environ['MOONCAKE_CONFIG_PATH']}" if os.environ.get("MOONCAKE_CONFIG_PATH") else "in the Mooncake config"
+        out = []
+        if not self.server and not self.etcd:
+            out.append("the kvpool server's address (master_server_address " + where + ", setup's "
+                       "master_server_addr, MOONCAKE_MASTER, kvpool_server or KVPOOL_SERVER)")
+        if not self.api_key:
+            out.append("an API key (kvpool_api_key or kvpool_api_key_file " + where + ", or KVPOOL_API_KEY / "
+                       "KVPOOL_API_KEY_FILE)")
+        if not self.etcd and not self.fingerprint and not self.ca_file:
+            out.append("the server certificate's SHA-256 fingerprint or a CA (kvpool_fingerprint or kvpool_ca "
+                       + where + ", or KVPOOL_FINGERPRINT / KVPOOL_CA)")
+        if out:
+            out.append("or, on the server's host, its data directory (kvpool_data_dir " + where + " or KVPOOL_DATA_DIR) "
+                       "instead of all of these")
+        return out
+
+    def describe(self) -> str:
+        """The server this connects to, and where that came from (for error messages)."""
+        if self.server:
+            return f"{self.server} (from {self.origin.get('server', 'the data directory')})"
+        if self.etcd:
+            return f"the leader published in etcd {self.etcd} (from {self.origin.get('etcd')})"
+        return f"the server of the data directory {self.data_dir} (from {self.origin.get('data_dir')})"

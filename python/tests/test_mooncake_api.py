@@ -9,21 +9,34 @@ from __future__ import annotations
 import ctypes
 import importlib.util
 import json
+import logging
 import os
 import threading
+import time
 
 import numpy as np
 import pytest
 
 import kvpool
 from kvpool.mooncake import (
+    INTERNAL_ERROR,
     INVALID_PARAMS,
     NO_AVAILABLE_HANDLE,
+    NOT_SUPPORTED,
     OBJECT_HAS_LEASE,
     OBJECT_NOT_FOUND,
+    TASK_NOT_FOUND,
     KVPoolStore,
     MooncakeDistributedStore,
+    MooncakeHostMemAllocator,
+    ObjectDataType,
+    ReplicaDescriptor,
+    ReplicaStatus,
     ReplicateConfig,
+    SoftPinAction,
+    bind_to_numa_node,
+    get_alloc_func_addr,
+    get_free_func_addr,
 )
 
 from conftest import Server
@@ -340,15 +353,27 @@ def test_health_check_reports_an_unreachable_server() -> None:
     st.close()
 
 
-def test_setup_errors() -> None:
+def test_setup_errors(caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch) -> None:
+    for var in ("MOONCAKE_CONFIG_PATH", "KVPOOL_API_KEY", "KVPOOL_API_KEY_FILE", "KVPOOL_FINGERPRINT", "KVPOOL_CA",
+                "KVPOOL_DATA_DIR", "KVPOOL_SERVER"):
+        monkeypatch.delenv(var, raising=False)
     st = MooncakeDistributedStore()
-    # Nothing to authenticate with.
-    assert st.setup("localhost", "", 0, 0, "tcp", "", "127.0.0.1:9") == INVALID_PARAMS
+    # Nothing to authenticate with: the log names each missing setting and where to give it.
+    with caplog.at_level(logging.ERROR, "kvpool.mooncake"):
+        assert st.setup("localhost", "", 0, 0, "tcp", "", "127.0.0.1:9") == INVALID_PARAMS
+    assert "an API key (kvpool_api_key" in caplog.text and "KVPOOL_API_KEY" in caplog.text
+    assert "fingerprint or a CA" in caplog.text and "address" not in caplog.text.split("kvpool needs")[1].split(";")[0]
+    caplog.clear()
+    assert st.setup("localhost", "", 0, 0, "tcp", "", "", api_key="k") == INVALID_PARAMS
+    assert "the kvpool server's address (master_server_address" in caplog.text
     assert st.setup("localhost", "", "lots", 0, "tcp", "", "127.0.0.1:9", api_key="k",  # type: ignore[arg-type]
                     fingerprint="00" * 32) == INVALID_PARAMS
-    # Nobody listens there: a connection failure, not an exception.
+    # Nobody listens there: Mooncake's code for a master it cannot reach (-1), and the log says
+    # which server and where its address came from.
+    caplog.clear()
     assert st.setup("localhost", "", 0, 0, "quic", "", "127.0.0.1:9", api_key="k", fingerprint="00" * 32,
-                    timeout=1.0) < 0
+                    timeout=1.0) == INTERNAL_ERROR
+    assert "cannot connect to the kvpool server 127.0.0.1:9 (from master_server_addr)" in caplog.text
     assert st.health_check() == 1
 
 
@@ -380,6 +405,172 @@ def test_setup_from_mooncake_config_file_and_dict(server: Server, tmp_path, monk
     assert st2.get("cfg") == b"1"
     assert st2.remove("cfg", force=True) == 0
     st2.close()
+
+
+def test_credentials_in_the_mooncake_config_file(server: Server, tmp_path, monkeypatch,  # type: ignore[no-untyped-def]
+                                                 caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM's connector reads MOONCAKE_CONFIG_PATH itself and passes its fields positionally: the
+    file's kvpool_* fields still reach setup, and a missing one is named with the file."""
+    for var in ("KVPOOL_API_KEY", "KVPOOL_API_KEY_FILE", "KVPOOL_FINGERPRINT", "KVPOOL_CA", "KVPOOL_DATA_DIR",
+                "KVPOOL_SERVER"):
+        monkeypatch.delenv(var, raising=False)
+    key_file = tmp_path / "key"
+    key_file.write_text(server.api_key + "\n")
+    cfg = {"local_hostname": "localhost", "metadata_server": "P2PHANDSHAKE", "protocol": "tcp",
+           "master_server_address": server.addr, "kvpool_api_key_file": str(key_file),
+           "kvpool_fingerprint": server.fingerprint}
+    path = tmp_path / "mooncake.json"
+    path.write_text(json.dumps(cfg))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(path))
+    st = MooncakeDistributedStore()
+    assert st.setup("localhost", "P2PHANDSHAKE", 1 << 30, 1 << 27, "tcp", "", server.addr) == 0  # as vLLM calls it
+    assert st.put("cfgfile", b"1") == 0 and st.remove("cfgfile") == 0
+    st.close()
+    assert st.setup() == 0 and st.close() == 0
+    # setup's dict may carry them too, and a keyword wins over both.
+    assert st.setup({"local_hostname": "x", "master_server_addr": server.addr, "kvpool_api_key": "wrong",
+                     "kvpool_fingerprint": server.fingerprint}, api_key=server.api_key) == 0
+    st.close()
+    with caplog.at_level(logging.ERROR, "kvpool.mooncake"):
+        assert st.setup({"local_hostname": "x", "master_server_addr": server.addr, "kvpool_api_key": "wrong",
+                         "kvpool_fingerprint": server.fingerprint}) == INTERNAL_ERROR  # refused key
+    assert f"cannot connect to the kvpool server {server.addr} (from master_server_addr)" in caplog.text
+    del cfg["kvpool_fingerprint"]
+    path.write_text(json.dumps(cfg))
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, "kvpool.mooncake"):
+        assert st.setup("localhost", "P2PHANDSHAKE", 0, 0, "tcp", "", server.addr) == INVALID_PARAMS
+    assert f"kvpool_fingerprint or kvpool_ca in {path}" in caplog.text and "API key" not in caplog.text
+    # The data directory alone, as a field of the file.
+    path.write_text(json.dumps({"protocol": "tcp", "kvpool_data_dir": str(server.dir)}))
+    assert st.setup() == 0 and st.get_hostname() and st.close() == 0
+    path.write_text("{not json")
+    caplog.clear()
+    with caplog.at_level(logging.ERROR, "kvpool.mooncake"):
+        assert st.setup("localhost", "", 0, 0, "tcp", "", server.addr) == INVALID_PARAMS
+    assert f"MOONCAKE_CONFIG_PATH={path}: not JSON" in caplog.text
+
+
+def test_setup_dummy_init_all_and_the_memory_pool(server: Server, monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's standalone mode: setup_dummy connects as setup() does (its server_address is the
+    server when nothing else names one); alloc_from_mem_pool then gives shared memory."""
+    for var in ("MOONCAKE_CONFIG_PATH", "MOONCAKE_MASTER", "KVPOOL_SERVER", "KVPOOL_DATA_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("KVPOOL_API_KEY", server.api_key)
+    monkeypatch.setenv("KVPOOL_FINGERPRINT", server.fingerprint)
+    st = MooncakeDistributedStore()
+    assert st.setup_dummy(64 << 20, 16 << 20, server.addr) == 0
+    p = st.alloc_from_mem_pool(1 << 20)
+    assert p != 0 and st.register_buffer(p, 1 << 20) == 0
+    ctypes.memmove(p, b"standalone", 10)
+    assert st.put_from("dummy/1", p, 10) == 0 and st.get("dummy/1") == b"standalone"
+    assert st.client.registered() == [(p, 1 << 20, True)]  # the server reads it directly
+    assert st.init_all("tcp", "") == INVALID_PARAMS  # already set up, as Mooncake
+    st.remove_all(True)
+    st.close()
+    # After setup (a real client, in Mooncake's terms) there is no memory pool: 0, as Mooncake.
+    assert st.setup("localhost", "", 0, 0, "tcp", "", server.addr) == 0 and st.alloc_from_mem_pool(1 << 20) == 0
+    st.close()
+    monkeypatch.setenv("MOONCAKE_MASTER", server.addr)
+    assert st.init_all("tcp", "mlx5_0", 1 << 24) == 0 and st.health_check() == 0
+    st.close()
+
+
+def test_reads_lease_for_the_servers_lease_time(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A read leases the block for cache.lease_ttl_ms (5 s by default; 600 ms here), renewed by a
+    later read: until then remove answers -706, after it 0."""
+    conf = tmp_path / "lease.toml"
+    conf.write_text("[cache]\nlease_ttl_ms = 600\n")
+    s = Server(extra=("--config", str(conf)))
+    st = MooncakeDistributedStore()
+    try:
+        assert st.setup("localhost", "", 0, 0, "tcp", "", s.addr, api_key=s.api_key, fingerprint=s.fingerprint) == 0
+        for read in (lambda: st.get("l"), lambda: st.get_size("l"), lambda: st.get_buffer("l"),
+                     lambda: st.get_replica_desc("l")):
+            assert st.put("l", b"v" * 100) == 0
+            read()
+            assert st.remove("l") == OBJECT_HAS_LEASE
+            time.sleep(0.3)
+            read()  # renews
+            time.sleep(0.4)
+            assert st.remove("l") == OBJECT_HAS_LEASE
+            time.sleep(0.5)
+            assert st.remove("l") == 0
+    finally:
+        st.close()
+        s.stop()
+
+
+def test_replicas_tasks_segments_and_process_calls(store: MooncakeDistributedStore) -> None:
+    assert store.put("rd", b"12345") == 0
+    (d,) = store.get_replica_desc("rd")
+    assert isinstance(d, ReplicaDescriptor) and d.status == ReplicaStatus.COMPLETE and d.is_memory_replica()
+    assert not d.is_disk_replica() and not d.is_local_disk_replica()
+    bd = d.get_memory_descriptor().buffer_descriptor
+    assert (bd.size, bd.buffer_address) == (5, 0) and bd.transport_endpoint
+    with pytest.raises(RuntimeError):
+        d.get_disk_descriptor()
+    assert store.get_replica_desc("missing") == [] and list(store.batch_get_replica_desc(["rd", "missing"])) == ["rd"]
+    assert store.remove("rd") == OBJECT_HAS_LEASE  # the query leased it, as Mooncake's
+    assert store.create_copy_task("rd", ["seg"]) == ((0, 0), NOT_SUPPORTED)
+    assert store.create_move_task("rd", "a", "b") == ((0, 0), NOT_SUPPORTED)
+    assert store.create_copy_task("missing", ["seg"]) == ((0, 0), OBJECT_NOT_FOUND)
+    assert store.query_task((1, 2)) == (None, TASK_NOT_FOUND)
+    assert store.mount_segment("/dev/shm/x", 1 << 20) == {"ret": NOT_SUPPORTED, "segment_ids": []}
+    assert store.allocate_and_mount_segment(1 << 20) == {"ret": NOT_SUPPORTED, "segment_ids": [], "allocated_size": 0}
+    assert (store.unmount_segment([]), store.unmount_segment(["x"]), store.unmount_and_free_segment(["x"])) == (0, -1, -1)
+    assert store.unmount_local_disk_segment() == 0 and store.get_offload_rpc_read_count() == 0
+    assert store._get_pyclient_capsule() is None
+    assert store.put_batch(["c1", "c2", "c3"], [b"1", b"2", b"3"]) == 0 and store.get("c3") == b"3"
+    assert sorted(store.batch_replica_clear(["c1", "c3", "missing"])) == ["c1"]  # c3 is leased
+    assert store.batch_replica_clear(["c2"], "some-segment") == [] and store.batch_is_exist(["c1", "c2"]) == [0, 1]
+    # Process-level calls, as module functions (LMCache imports bind_to_numa_node) and methods.
+    assert bind_to_numa_node(0) is None and bind_to_numa_node(10_000) is None and store.bind_to_numa_node(0) is None
+    alloc = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_size_t)(get_alloc_func_addr())
+    free = ctypes.CFUNCTYPE(None, ctypes.c_void_p)(get_free_func_addr())
+    p = alloc(1 << 16)
+    assert p and p % 4096 == 0
+    ctypes.memset(p, 7, 1 << 16)
+    free(p)
+    a = MooncakeHostMemAllocator()
+    p = a.alloc(1 << 20)
+    assert p and p % 4096 == 0 and ctypes.string_at(p, 4) == b"\0" * 4
+    assert store.register_buffer(p, 1 << 20) == 0 and store.put_from("host", p, 4096) == 0
+    assert store.unregister_buffer(p) == 0 and a.free(p) == 0 and a.free(p) == -1 and a.alloc(0) == 0
+
+
+def test_replicate_config_fields_pins_and_group_ids(store: MooncakeDistributedStore) -> None:
+    c = ReplicateConfig()
+    assert (c.replica_num, c.nof_replica_num, c.dfs_replica_num, c.soft_pin_action, c.soft_pin_ttl_ms) == \
+        (1, 0, 0, SoftPinAction.PRESERVE, None)
+    assert (c.group_ids, c.session_ids, c.data_type, c.preferred_nof_segments) == (None, None, ObjectDataType.UNKNOWN, [])
+    assert str(c).startswith("ReplicateConfig: { replica_num: 1, nof_replica_num: 0")
+    c.soft_pin_action = SoftPinAction.ENABLE
+    assert store.put("soft", b"x", c) == 0 and store.get("soft") == b"x"
+    two = ReplicateConfig()
+    two.group_ids, two.session_ids = ["g", ""], ["s1", "s2"]
+    one = ReplicateConfig()
+    one.group_ids = ["g"]
+    assert store.put_batch(["g1", "g2"], [b"1", b"2"], two) == 0
+    assert store.put_batch(["g3", "g4"], [b"3", b"4"], one) == INVALID_PARAMS
+    assert store.put("g5", b"5", two) == INVALID_PARAMS and store.put("g6", b"6", one) == 0
+    buf = store.alloc_buffer(1 << 16)
+    assert store.register_buffer(buf.address, buf.size) == 0
+    assert store.batch_put_from(["g7", "g8"], [buf.address] * 2, [10, 10], one) == [INVALID_PARAMS] * 2
+    assert store.batch_put_from(["g7", "g8"], [buf.address] * 2, [10, 10], two) == [0, 0]
+    assert store.batch_is_exist(["g1", "g2", "g3", "g4", "g5", "g6", "g7", "g8"]) == [1, 1, 0, 0, 0, 1, 1, 1]
+    assert store.unregister_buffer(buf.address) == 0
+
+
+def test_module_offers_every_method_and_name_of_mooncake_store() -> None:
+    import kvpool.mooncake as m
+
+    from parity_checks_api import MODULE_NAMES, MOONCAKE_METHODS
+
+    assert [n for n in MOONCAKE_METHODS if not callable(getattr(MooncakeDistributedStore, n, None))] == []
+    assert [n for n in MODULE_NAMES if not hasattr(m, n)] == []
+    assert MooncakeDistributedStore.__module__ == ReplicaDescriptor.__module__ == "kvpool.mooncake"
+    assert m.PROCESSING is m.TaskStatus.PROCESSING and m.COMPLETE is ReplicaStatus.COMPLETE
 
 
 def test_no_space_is_minus_200(small_server: Server) -> None:

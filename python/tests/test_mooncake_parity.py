@@ -1,16 +1,24 @@
 """kvpool's Mooncake API side by side with real Mooncake Store: the same checks, the same answers.
 
 Each check is a small function of a store (Mooncake's ``MooncakeDistributedStore`` or kvpool's)
-and a key maker; it returns what a caller observes (return codes, values, sizes). The checks run
+and a key maker; it returns what a caller observes (return codes, values, sizes, the bytes a
+tensor method stored). The checks of bytes in and out are here; ``parity_checks_api.py`` (replicas,
+buffers, ranges, sessions, group ids, tasks, segments, the value types) and
+``parity_checks_tensors.py`` (every tensor method: layouts byte for byte, tensor parallelism,
+parallel IO, safetensors) register more into ``parity_registry.py``. The checks run
 once against a real ``mooncake_master`` with an in-process Mooncake store lending a segment, and
 against kvpool (one server, and a cluster of a master and two storage nodes). Results must be
 equal except for the checks in ``DELIBERATE``, which README.md's "Deliberate differences from
 Mooncake" paragraph lists too; a deliberate difference that no longer differs fails as well, so
 the table stays true.
 
+``test_tensors_cross_between_mooncake_and_kvpool`` copies the objects one side's tensor methods
+stored to the other side and reads them there.
+
 Mooncake is skipped where it is not installed (``bench/peers/setup.sh mooncake``) unless
-``KVPOOL_REQUIRE_PEERS=1``; checks of the tensor methods need torch as well and are skipped
-without it (even with ``KVPOOL_REQUIRE_PEERS=1``: CI's interpreter has Mooncake but no torch).
+``KVPOOL_REQUIRE_PEERS=1``; checks of the tensor methods need torch (and ``safetensors``) as well
+and are skipped without it unless ``KVPOOL_REQUIRE_TORCH=1`` (CI's plain interpreter has Mooncake
+but no torch; its tensor job installs the CPU wheel of torch and sets both variables).
 """
 
 from __future__ import annotations
@@ -23,7 +31,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -31,47 +39,10 @@ import pytest
 
 from conftest import Cluster, Server
 
-Key = Callable[[str], str]
-Check = Callable[[Any, Key], Any]
+from parity_registry import CHECKS, DELIBERATE, TENSOR_CHECKS, Check, Key, _Buffer, _replicate_config, check
 
-CHECKS: dict[str, Check] = {}
-
-
-def check(fn: Check) -> Check:
-    CHECKS[fn.__name__] = fn
-    return fn
-
-
-#: check name -> why kvpool answers differently on purpose (README.md lists the same).
-DELIBERATE: dict[str, str] = {
-    "put_from_zero_bytes": "a put_from of 0 bytes answers -600 and stores nothing, as Mooncake's batch "
-    "forms do; Mooncake's single put_from answers 0 for a value it does not store",
-    "put_parts_of_no_bytes": "put_parts/upsert_parts of no bytes answer -600 (as put of b''); Mooncake "
-    "answers 0 and stores nothing",
-}
-
-
-def _replicate_config(store: Any) -> Any:
-    """The ``ReplicateConfig`` class of the store's own implementation."""
-    store = getattr(store, "_store", store)  # through _Settled
-    return importlib.import_module(type(store).__module__).ReplicateConfig()
-
-
-class _Buffer:
-    """A registered numpy buffer, unregistered on exit."""
-
-    def __init__(self, store: Any, size: int, fill: bool = True) -> None:
-        self.store = store
-        self.a = (np.arange(size, dtype=np.uint64) % 251).astype(np.uint8) if fill else np.zeros(size, np.uint8)
-        self.addr = int(self.a.ctypes.data)
-        self.rc = store.register_buffer(self.addr, size)
-
-    def __enter__(self) -> _Buffer:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.store.unregister_buffer(self.addr)
-
+import parity_checks_api  # noqa: F401  (registers its checks)
+import parity_checks_tensors  # noqa: F401
 
 # ---- bytes ------------------------------------------------------------------------------------
 
@@ -334,95 +305,6 @@ def remove_by_regex_keeps_leased(s: Any, k: Key) -> Any:
     return s.remove_by_regex("^" + base), s.is_exist(k("a")), s.remove_by_regex("^" + base, True), s.is_exist(k("a"))
 
 
-# ---- tensors (need torch) ---------------------------------------------------------------------
-
-TENSOR_CHECKS: dict[str, Check] = {}
-
-
-def tensor_check(fn: Check) -> Check:
-    TENSOR_CHECKS[fn.__name__] = fn
-    return fn
-
-
-def _t(x: Any) -> Any:
-    """What a caller sees of a tensor result: dtype, shape, values (codes and None as they are)."""
-    if x is None or isinstance(x, int):
-        return x
-    return str(x.dtype), tuple(x.shape), x.float().reshape(-1).tolist()
-
-
-@tensor_check
-def put_tensor_and_get_tensor(s: Any, k: Key) -> Any:
-    import torch
-
-    t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-    return s.put_tensor(k("t"), t), s.get_size(k("t")), _t(s.get_tensor(k("t"))), s.put_tensor(k("t"), t * 2), \
-        _t(s.get_tensor(k("t"))), s.get_tensor(k("missing"))
-
-
-@tensor_check
-def tensor_dtypes_and_shapes(s: Any, k: Key) -> Any:
-    import torch
-
-    tensors = {
-        "bf16": torch.ones(2, 3, dtype=torch.bfloat16), "f16": torch.full((4,), 1.5, dtype=torch.float16),
-        "i64": torch.arange(6, dtype=torch.int64).reshape(3, 2).t(), "bool": torch.tensor([True, False]),
-        "u8": torch.arange(5, dtype=torch.uint8), "scalar": torch.tensor(5), "empty": torch.empty(0, 3),
-        "f8": torch.ones(3, dtype=torch.float8_e4m3fn), "f64": torch.tensor([[1.25]], dtype=torch.float64),
-    }
-    out = {}
-    for name, t in tensors.items():
-        out[name] = (s.put_tensor(k(name), t), s.get_size(k(name)), _t(s.get_tensor(k(name))))
-    return out
-
-
-@tensor_check
-def put_tensor_of_wrong_values(s: Any, k: Key) -> Any:
-    import torch
-
-    return s.put_tensor(k("b"), b"abc"), s.put_tensor(k("c"), torch.ones(2, dtype=torch.complex64)), \
-        s.put_tensor(k("d"), torch.ones([1] * 9)), s.batch_is_exist([k("b"), k("c"), k("d")])
-
-
-@tensor_check
-def get_tensor_of_plain_bytes(s: Any, k: Key) -> Any:
-    s.put(k("raw"), b"x" * 400)
-    return s.get_tensor(k("raw")), s.batch_get_tensor([k("raw"), k("missing")])
-
-
-@tensor_check
-def batch_put_tensor_and_batch_get_tensor(s: Any, k: Key) -> Any:
-    import torch
-
-    put = s.batch_put_tensor([k("a"), k("b"), k("c")], [torch.ones(2), torch.zeros(3, dtype=torch.int8), b"x"])
-    got = [_t(x) for x in s.batch_get_tensor([k("a"), k("b"), k("c")])]
-    return put, got, s.batch_put_tensor([], []), s.batch_put_tensor([k("x")], [])
-
-
-@tensor_check
-def get_tensor_into(s: Any, k: Key) -> Any:
-    import torch
-
-    with _Buffer(s, 1 << 16, fill=False) as b:
-        t = torch.arange(12, dtype=torch.float32).reshape(3, 4)
-        s.put_tensor(k("t"), t)
-        got = s.get_tensor_into(k("t"), b.addr, 4096)
-        shares = got is not None and got.data_ptr() - b.addr
-        return (_t(got), shares, s.get_tensor_into(k("t"), b.addr, 100), s.get_tensor_into(k("missing"), b.addr, 4096),
-                s.get_tensor_into(k("t"), 0, 4096))
-
-
-@tensor_check
-def batch_get_tensor_into(s: Any, k: Key) -> Any:
-    import torch
-
-    with _Buffer(s, 1 << 16, fill=False) as b:
-        s.batch_put_tensor([k("a"), k("b")], [torch.ones(2, 2), torch.arange(3)])
-        got = s.batch_get_tensor_into([k("a"), k("missing"), k("b")], [b.addr, b.addr + 4096, b.addr + 8192],
-                                      [4096, 4096, 10])
-        return [_t(x) for x in got], s.batch_get_tensor_into([k("a")], [], [])
-
-
 # ---- running them -----------------------------------------------------------------------------
 
 
@@ -434,11 +316,16 @@ def _require_mooncake() -> None:
         pytest.skip("Mooncake not installed (bench/peers/setup.sh mooncake)")
 
 
+def _have_torch() -> bool:
+    have = importlib.util.find_spec("torch") is not None and importlib.util.find_spec("safetensors") is not None
+    if not have and os.environ.get("KVPOOL_REQUIRE_TORCH") == "1":
+        pytest.fail("KVPOOL_REQUIRE_TORCH=1 but torch or safetensors is not installed")
+    return have
+
+
 def _checks() -> dict[str, Check]:
-    """Every check; the tensor checks only where torch is installed (not in CI's interpreter)."""
-    if importlib.util.find_spec("torch") is None:
-        return CHECKS
-    return {**CHECKS, **TENSOR_CHECKS}
+    """Every check; the tensor checks only where torch is installed (not in CI's plain interpreter)."""
+    return {**CHECKS, **TENSOR_CHECKS} if _have_torch() else CHECKS
 
 
 def _free_port() -> int:
@@ -458,9 +345,9 @@ def _run(store: Any, prefix: str, checks: dict[str, Check]) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def mooncake_results() -> Iterator[dict[str, Any]]:
-    """Every check's result on real Mooncake: a ``mooncake_master`` on free loopback ports and an
-    in-process store that lends the segment its puts land in (as ``bench/peers``)."""
+def mooncake_store() -> Iterator[Any]:
+    """Real Mooncake: a ``mooncake_master`` on free loopback ports and an in-process store that
+    lends the segment its puts land in (as ``bench/peers``)."""
     _require_mooncake()
     from mooncake.store import MooncakeDistributedStore  # type: ignore[import-not-found]
 
@@ -487,7 +374,7 @@ def mooncake_results() -> Iterator[dict[str, Any]]:
         rc = store.setup("127.0.0.1", "P2PHANDSHAKE", 128 << 20, 64 << 20, "tcp", "", f"127.0.0.1:{port}")
         assert rc == 0, f"Mooncake setup failed: {rc}"
         try:
-            yield _run(store, "parity", _checks())
+            yield store
         finally:
             store.close()
     finally:
@@ -495,6 +382,12 @@ def mooncake_results() -> Iterator[dict[str, Any]]:
         master.wait()
         log.close()
         shutil.rmtree(work, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def mooncake_results(mooncake_store: Any) -> dict[str, Any]:
+    """Every check's result on real Mooncake."""
+    return _run(mooncake_store, "parity", _checks())
 
 
 def _kvpool_store(addr: str, api_key: str, fingerprint: str) -> Any:
@@ -528,11 +421,10 @@ def test_parity_on_one_server(mooncake_results: dict[str, Any], server: Server) 
         st.close()
 
 
-_WRITES = {
-    "put", "upsert", "put_batch", "upsert_batch", "put_from", "upsert_from", "batch_put_from", "batch_upsert_from",
-    "batch_put_from_multi_buffers", "put_parts", "upsert_parts", "put_tensor", "batch_put_tensor", "remove",
-    "batch_remove", "remove_by_regex", "remove_all",
-}
+def _writes(name: str) -> bool:
+    """Whether a method stores or removes (its answer is awaited by the cluster's master)."""
+    return (any(w in name for w in ("put", "upsert", "pub_", "remove", "replica_clear", "load_tensor"))
+            and "session_start" not in name) or name == "batch_put_session_end"
 
 
 class _Settled:
@@ -548,7 +440,7 @@ class _Settled:
 
     def __getattr__(self, name: str) -> Any:
         attr = getattr(self._store, name)
-        if name not in _WRITES:
+        if not _writes(name):
             return attr
 
         def settled(*args: Any, **kwargs: Any) -> Any:
@@ -566,3 +458,55 @@ def test_parity_on_a_cluster(mooncake_results: dict[str, Any], cluster: Cluster)
     finally:
         st.remove_all(True)
         st.close()
+
+
+def _tensor_writes(s: Any, p: str) -> list[str]:
+    """Tensors of every layout written under the prefix ``p``; the keys they were stored under."""
+    import torch
+
+    from parity_checks_tensors import _Writer, _axis, _grid, _par
+
+    t = _grid()
+    s.put_tensor(p + "whole", t)
+    s.put_tensor(p + "bf16", torch.ones(3, 4, dtype=torch.bfloat16) / 3)
+    s.put_tensor_with_tp(p + "tp", t, tp_size=2, split_dim=1)
+    for r in range(2):
+        s.put_tensor_with_parallelism(p + "par", t[:, r * 6:(r + 1) * 6], _par(s, _axis(s, "tp", r, 2, 1)))
+        s.put_tensor_with_parallelism(p + "wp", t, writer_partition=_Writer(r, 2, 0))
+    s.put_tensor_with_parallelism(p + "gen", t, _par(s, _axis(s, "dp", 1, 2)))
+    return [p + x for x in ("whole", "bf16", "tp_tp_0", "tp_tp_1", "par_tp_0", "par_tp_1", "par__parallelism_manifest",
+                            "wp__writer_0of2_sd0", "wp__writer_1of2_sd0", "wp__writer_manifest", "gen__dp_1of2")]
+
+
+def _tensor_reads(s: Any, p: str) -> list[Any]:
+    from parity_checks_tensors import _axis, _par, _t, _target
+
+    tp = lambda r, n: _par(s, _axis(s, "tp", r, n, 1))  # noqa: E731
+    return [_t(x) for x in (
+        s.get_tensor(p + "whole"), s.get_tensor(p + "bf16"), s.get_tensor_with_tp(p + "tp", 1, 2),
+        *s.batch_get_tensor_with_tp([p + "tp"], 0, 2), s.get_tensor_with_parallelism(p + "par", _target(s, "full", tp(0, 2))),
+        s.get_tensor_with_parallelism(p + "par", _target(s, "shard", tp(1, 3))),
+        s.get_tensor_with_parallelism(p + "wp", _target(s, "full")),
+        s.get_tensor_with_parallelism(p + "gen", _target(s, "shard", _par(s, _axis(s, "dp", 1, 2)))),
+    )]
+
+
+def test_tensors_cross_between_mooncake_and_kvpool(mooncake_store: Any, server: Server) -> None:
+    """Tensors Mooncake wrote, their stored bytes copied to kvpool, read on kvpool as on Mooncake;
+    and the other way round. Needs torch (skipped without it)."""
+    if not _have_torch():
+        pytest.skip("torch is not installed here")
+    kv = _kvpool_store(server.addr, server.api_key, server.fingerprint)
+    try:
+        for writer, reader, p in ((mooncake_store, kv, "cross/mc/"), (kv, mooncake_store, "cross/kv/")):
+            keys = _tensor_writes(writer, p)
+            values = writer.get_batch(keys)
+            assert all(values), [k for k, v in zip(keys, values) if not v]
+            assert reader.put_batch(keys, values) == 0
+            expected = _tensor_reads(writer, p)
+            assert None not in expected
+            assert _tensor_reads(reader, p) == expected, f"written by {type(writer).__module__}"
+    finally:
+        kv.remove_all(True)
+        kv.close()
+        mooncake_store.remove_all(True)

@@ -10,88 +10,46 @@ from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 from kvpool import _mooncake_config as mooncake_config
+from kvpool._native import Client, KvpoolError
+from kvpool.mooncake._buffers import BufferMethods
+from kvpool.mooncake._codes import (
+    INTERNAL_ERROR,
+    INVALID_PARAMS,
+    OK,
+    error_code as _error_code,
+    first_error,
+    held_elsewhere,
+    put_code,
+    replace_leased,
+    to_mooncake_code,
+)
+from kvpool.mooncake._replica import ReplicaMethods
+from kvpool.mooncake._sessions import SessionMethods
 from kvpool.mooncake._tensor import TensorMethods
-from kvpool._native import Client, KvpoolError, SharedBuffer
+from kvpool.mooncake._tensor_par import ParallelismMethods
+from kvpool.mooncake._tensor_tp import TensorParallelMethods
+from kvpool.mooncake._types import ReplicateConfig, group_ids_fit, pin_of
 
 log = logging.getLogger("kvpool.mooncake")
 
+__all__ = ["MooncakeDistributedStore", "ReplicateConfig"]
+
 Key = Union[str, bytes]
 
-OK = 0
-INTERNAL_ERROR = -1
-BUFFER_OVERFLOW = -10
-NO_AVAILABLE_HANDLE = -200
-INVALID_KEY = -400
-INVALID_PARAMS = -600
-INVALID_READ = -701
-OBJECT_NOT_FOUND = -704
-OBJECT_ALREADY_EXISTS = -705
-OBJECT_HAS_LEASE = -706
-RPC_FAIL = -900
 
-_CODES = {
-    "ok": OK,
-    "not-found": OBJECT_NOT_FOUND,
-    "already-exists": OBJECT_ALREADY_EXISTS,
-    "leased": OBJECT_HAS_LEASE,
-    "no-space": NO_AVAILABLE_HANDLE,
-    "rejected": NO_AVAILABLE_HANDLE,
-    "value-too-large": BUFFER_OVERFLOW,
-    "key-too-long": INVALID_KEY,
-    "invalid-argument": INVALID_PARAMS,
-    "batch-too-large": INVALID_PARAMS,
-    "frame-too-large": INVALID_PARAMS,
-    "corrupt": INVALID_READ,
-    "timeout": RPC_FAIL,
-    "unavailable": RPC_FAIL,
-    "closed": RPC_FAIL,
-    "shutting-down": RPC_FAIL,
-    "unauthorized": RPC_FAIL,
-}
-
-
-def to_mooncake_code(code: str) -> int:
-    """Mooncake's error code for a kvpool status name (see the module's table)."""
-    return _CODES.get(code, INTERNAL_ERROR)
-
-
-def _error_code(e: KvpoolError) -> int:
-    return to_mooncake_code(e.code)  # type: ignore[attr-defined]
-
-
-def _pin(config: Any) -> Optional[str]:
-    """A Mooncake ``ReplicateConfig`` (or anything with its attributes) -> kvpool pin."""
-    if config is None:
-        return None
-    if getattr(config, "with_hard_pin", False):
-        return "hard"
-    if getattr(config, "with_soft_pin", False):
-        return "soft"
-    return None
-
-
-class ReplicateConfig:
-    """Mooncake's put options. kvpool is single-node: ``replica_num`` and the segment preferences
-    are accepted and ignored; ``with_soft_pin`` and ``with_hard_pin`` pin the block."""
-
-    def __init__(self) -> None:
-        self.replica_num = 1
-        self.with_soft_pin = False
-        self.with_hard_pin = False
-        self.preferred_segment = ""
-        self.preferred_segments: list[str] = []
-        self.prefer_alloc_in_same_node = False
-
-
-class MooncakeDistributedStore(TensorMethods):
+class MooncakeDistributedStore(
+    SessionMethods, BufferMethods, ReplicaMethods, ParallelismMethods, TensorParallelMethods, TensorMethods
+):
     """``mooncake.store.MooncakeDistributedStore`` on kvpool (see the module docs).
 
     Besides Mooncake's ``setup`` arguments, kvpool needs to know how to authenticate and trust
-    the server. ``setup`` takes them as keyword arguments (``api_key``, ``fingerprint``,
-    ``ca_file``, ``data_dir``) or from the environment: ``KVPOOL_DATA_DIR`` (a local server's data
-    directory: address, certificate fingerprint and API key), or ``KVPOOL_API_KEY`` /
-    ``KVPOOL_API_KEY_FILE`` with ``KVPOOL_FINGERPRINT`` or ``KVPOOL_CA``; ``KVPOOL_SERVER``
-    overrides the address.
+    the server: ``setup``'s keyword arguments (``api_key``, ``fingerprint``, ``ca_file``,
+    ``data_dir``), the environment (``KVPOOL_API_KEY`` / ``KVPOOL_API_KEY_FILE``,
+    ``KVPOOL_FINGERPRINT`` / ``KVPOOL_CA``, ``KVPOOL_DATA_DIR``, ``KVPOOL_SERVER``), or the same
+    settings as ``kvpool_*`` fields of the Mooncake config (``setup``'s dict, the
+    ``MOONCAKE_CONFIG_PATH`` file): ``kvpool_api_key``, ``kvpool_api_key_file``,
+    ``kvpool_fingerprint``, ``kvpool_ca``, ``kvpool_data_dir``, ``kvpool_server``,
+    ``kvpool_etcd``. The first of keyword, environment, dict, file wins.
     """
 
     def __init__(self) -> None:
@@ -99,6 +57,10 @@ class MooncakeDistributedStore(TensorMethods):
         self._ns = ""
         self._hostname = ""
         self._closed = False
+        self._dummy = False
+        self._endpoint = ""
+        self._init_buffers()
+        self._init_sessions()
 
     # ---- life cycle -------------------------------------------------------------------
 
@@ -125,23 +87,29 @@ class MooncakeDistributedStore(TensorMethods):
         overload), or nothing: then ``MOONCAKE_CONFIG_PATH`` names a ``mooncake_store_config.json``,
         or, without it, ``MOONCAKE_MASTER``, ``MOONCAKE_PROTOCOL``, ``MOONCAKE_DEVICE``,
         ``MOONCAKE_TENANT_ID`` (and Mooncake's other ``MOONCAKE_*`` variables) are read as Mooncake
-        reads them. Sizes are binary as in Mooncake (``"4GB"`` is 4 GiB).
+        reads them. Sizes are binary as in Mooncake (``"4GB"`` is 4 GiB). Credentials: see the
+        class docs (the ``MOONCAKE_CONFIG_PATH`` file's ``kvpool_*`` fields are read however
+        ``setup`` is called, so vLLM's connector, which passes the file's fields positionally,
+        finds them).
 
         Mapping (the server maps the same fields of that file the same way):
         ``master_server_addr``/``master_server_address`` -> the kvpool server address (QUIC);
         ``protocol`` ``tcp`` -> shared memory when the server is on this host, QUIC otherwise;
         ``quic``/``shm`` force one. ``local_hostname``, ``metadata_server``, ``rdma_devices``,
         ``engine``, ``global_segment_size`` and ``local_buffer_size`` are accepted and ignored (a
-        kvpool client lends no memory to the pool). Returns 0, or -600 for unusable arguments,
-        -900 when the server cannot be reached or refuses the key.
-        """
+        kvpool client lends no memory to the pool).
+
+        Returns 0; -600 for unusable arguments or settings, and when a credential is missing (the
+        log names each missing setting and where it can be given); -1 (Mooncake's code when its
+        master cannot be reached) when the server cannot be reached or refuses the key. Every
+        failure is logged at ERROR on the ``kvpool.mooncake`` logger with the reason."""
         if isinstance(local_hostname, dict):
             cfg: dict[str, Any] = dict(local_hostname)
         elif local_hostname is None and not master_server_addr:
             try:
                 cfg = mooncake_config.load()
             except (OSError, ValueError) as e:
-                log.error("setup: %s", e)
+                log.error("MooncakeDistributedStore.setup failed: %s", e)
                 return INVALID_PARAMS
         else:
             cfg = {
@@ -155,51 +123,67 @@ class MooncakeDistributedStore(TensorMethods):
             }
         if unused:
             log.debug("setup: ignoring %s", sorted(unused))
+        explicit = {"api_key": api_key, "fingerprint": fingerprint, "ca_file": ca_file, "data_dir": data_dir}
+        return self._connect(cfg, explicit, tenant_id, timeout, None)
+
+    def setup_dummy(self, mem_pool_size: int, local_buffer_size: int, server_address: str) -> int:
+        """Mooncake's standalone mode (SGLang's ``standalone_storage``): Mooncake connects to a
+        ``mooncake_client`` process at ``server_address`` and shares ``mem_pool_size`` bytes of
+        memory with it. A kvpool client talks to the pool's server itself: this connects as
+        ``setup()`` with no arguments does (``MOONCAKE_CONFIG_PATH``, ``MOONCAKE_*``, the
+        ``KVPOOL_*`` environment), and, when none of them names a server, to ``server_address`` as
+        the kvpool server. Sizes are accepted and ignored; ``alloc_from_mem_pool`` then gives
+        memory the server reads directly. Returns 0 or a code as ``setup``."""
+        try:
+            cfg = mooncake_config.load()
+        except (OSError, ValueError) as e:
+            log.error("MooncakeDistributedStore.setup_dummy failed: %s", e)
+            return INVALID_PARAMS
+        rc = self._connect(cfg, {}, None, 30.0, str(server_address or "") or None)
+        self._dummy = rc == OK
+        return rc
+
+    def _connect(self, cfg: dict[str, Any], explicit: dict[str, Any], tenant_id: Optional[str], timeout: float,
+                 fallback_server: Optional[str]) -> int:
         try:
             for k in ("global_segment_size", "local_buffer_size"):
                 if cfg.get(k):
                     mooncake_config.parse_size(cfg[k])
             namespace = mooncake_config.tenant_namespace(tenant_id if tenant_id is not None else cfg.get("tenant_id"))
-        except ValueError as e:
-            log.error("setup: %s", e)
+            settings = mooncake_config.ClientSettings(explicit, cfg, mooncake_config.load_file(), fallback_server)
+        except (OSError, ValueError) as e:
+            log.error("MooncakeDistributedStore.setup failed: %s", e)
             return INVALID_PARAMS
-        server = cfg.get("master_server_addr") or cfg.get("master_server_address") or None
-        server = os.environ.get("KVPOOL_SERVER") or server
-        try:
-            server, etcd = mooncake_config.pool_address(server, cfg.get("metadata_server"), os.environ.get("KVPOOL_ETCD"))
-        except ValueError as e:
-            log.error("setup: %s", e)
+        missing = settings.missing()
+        if missing:
+            log.error("MooncakeDistributedStore.setup failed: kvpool needs %s", "; ".join(missing))
             return INVALID_PARAMS
-        data_dir = data_dir or os.environ.get("KVPOOL_DATA_DIR")
-        api_key = api_key or os.environ.get("KVPOOL_API_KEY")
-        key_file = os.environ.get("KVPOOL_API_KEY_FILE")
-        if api_key is None and key_file:
-            with open(key_file, encoding="utf-8") as f:
-                api_key = f.readline().strip()
-        fingerprint = fingerprint or os.environ.get("KVPOOL_FINGERPRINT")
-        ca_file = ca_file or os.environ.get("KVPOOL_CA")
         try:
             client = Client(
-                server,
-                api_key,
-                fingerprint=fingerprint,
-                ca_file=ca_file,
-                data_dir=data_dir,
+                settings.server,
+                settings.api_key,
+                fingerprint=settings.fingerprint,
+                ca_file=settings.ca_file,
+                data_dir=settings.data_dir,
                 transport=mooncake_config.transport(cfg.get("protocol", "tcp")),
                 timeout=timeout,
                 client_name="kvpool-mooncake",
-                etcd=etcd,
+                etcd=settings.etcd,
                 etcd_prefix=os.environ.get("KVPOOL_ETCD_PREFIX") or "/kvpool/",
             )
         except KvpoolError as e:
-            log.error("setup: %s", e)
-            return INVALID_PARAMS if e.code == "invalid-argument" else RPC_FAIL  # type: ignore[attr-defined]
+            code = e.code  # type: ignore[attr-defined]
+            log.error("MooncakeDistributedStore.setup failed: cannot connect to the kvpool server %s: %s",
+                      settings.describe(), e.args[0] if e.args else e)
+            return INVALID_PARAMS if code == "invalid-argument" else INTERNAL_ERROR
         if self._client is not None:
             self._client.close()
         self._client = client
         self._ns = namespace
         self._hostname = cfg.get("local_hostname") if isinstance(cfg.get("local_hostname"), str) else ""
+        self._endpoint = settings.server or settings.etcd or settings.data_dir or ""
         self._closed = False
+        self._dummy = False
         return OK
 
     def _k(self, keys: Sequence[Key]) -> list[Key]:
@@ -210,7 +194,9 @@ class MooncakeDistributedStore(TensorMethods):
         return [ns.encode() + k if isinstance(k, bytes) else ns + k for k in keys]
 
     def close(self) -> int:
-        """Close the connection. Returns 0."""
+        """Close the connection (ending open sessions and releasing their leases). Returns 0."""
+        self._end_sessions()
+        self._drop_buffers()
         if self._client is not None:
             self._client.close()
             self._client = None
@@ -252,37 +238,38 @@ class MooncakeDistributedStore(TensorMethods):
         """Store many values in one request. Returns 0 when every item was stored (or existed),
         else the first item's error code (as Mooncake's ``put_batch``); an empty value fails the
         whole batch with -600 before anything is stored."""
-        return _first_error(self._put(keys, values, False, config))
+        return first_error(self._put(keys, values, False, config))
 
     def upsert_batch(self, keys: Sequence[Key], values: Sequence[Any], config: Any = None) -> int:
         """Insert or replace many values; 0 or the first item's error code."""
-        return _first_error(self._put(keys, values, True, config))
+        return first_error(self._put(keys, values, True, config))
 
     def _put(self, keys: Sequence[Key], values: Sequence[Any], upsert: bool, config: Any) -> list[int]:
         c = self._c()
         if c is None:
             return [INTERNAL_ERROR] * len(keys)
-        if len(keys) != len(values) or any(_nbytes(v) == 0 for v in values):
+        if len(keys) != len(values) or not group_ids_fit(config, len(keys)) or any(_nbytes(v) == 0 for v in values):
             return [INVALID_PARAMS] * len(keys)
         values = list(values)
-        pin = _pin(config)
+        pin = pin_of(config)
+        out = [OK] * len(keys)
         try:
-            held = _held_elsewhere(c, self._k(keys), upsert)
-            if any(held):
-                live = [i for i, h in enumerate(held) if not h]
-                codes = self._put([keys[i] for i in live], [values[i] for i in live], upsert, config) if live else []
-                out = [OK] * len(keys)
-                for i, code in zip(live, codes):
-                    out[i] = code
+            held = held_elsewhere(c, self._k(keys), upsert)
+            live = [i for i, h in enumerate(held) if not h]
+            if not live:
                 return out
-            st = c.put_batch(self._k(keys), values, upsert, pin=pin)
-            again = [i for i, s in enumerate(st) if upsert and s == "leased"]
+            lkeys = self._k([keys[i] for i in live])
+            lvalues = [values[i] for i in live]
+            st = c.put_batch(lkeys, lvalues, upsert, pin=pin)
+            again = [j for j, s in enumerate(st) if upsert and s == "leased"]
             if again:
-                st = _replace_leased(c, [self._k(keys)[i] for i in again], st, again,
-                                     lambda ks: c.put_batch(ks, [values[i] for i in again], True, pin=pin))
+                st = replace_leased(c, [lkeys[j] for j in again], st, again,
+                                    lambda ks: c.put_batch(ks, [lvalues[j] for j in again], True, pin=pin))
         except KvpoolError as e:
             return [_error_code(e)] * len(keys)
-        return [_put_code(s) for s in st]
+        for i, s in zip(live, st):
+            out[i] = put_code(s)
+        return out
 
     def put_parts(self, key: Key, *parts: Any, config: Any = None) -> int:
         """Store the concatenation of ``parts`` (1-D bytes-like objects) as one value, as
@@ -400,160 +387,6 @@ class MooncakeDistributedStore(TensorMethods):
         appends its transfer engine's port; a kvpool client listens on no port."""
         return self._hostname or socket.gethostname()
 
-    # ---- registered memory ------------------------------------------------------------
-
-    def alloc_buffer(self, size: int) -> SharedBuffer:
-        """kvpool's own: memory shared with a same-host server (numpy-compatible through the buffer
-        protocol: ``numpy.frombuffer(buf, dtype=...)``). Register it (``register_buffer(
-        buf.address, buf.size)``) and ``put_from``/``get_into`` through it are zero-copy: the server
-        copies between its DRAM segment and this memory, no byte crosses a socket. Over QUIC
-        (another host) the same calls send the bytes in band."""
-        return self.client.alloc_buffer(size)
-
-    def register_buffer(self, buffer_ptr: int, size: int) -> int:
-        """Register ``[buffer_ptr, buffer_ptr + size)`` (a numpy ``ctypes.data``, torch
-        ``data_ptr()`` or a ``SharedBuffer.address``) for ``put_from``/``get_into``. 0, or -600
-        for an empty range or one that overlaps a registered range.
-
-        Path: a range inside an ``alloc_buffer`` buffer moves zero-copy (the server copies
-        directly); any other memory is copied once by the client into shared staging memory on
-        the same host (or sent in band over QUIC elsewhere)."""
-        c = self._c()
-        if c is None:
-            return INTERNAL_ERROR
-        try:
-            c.register(int(buffer_ptr), int(size))
-            return OK
-        except KvpoolError as e:
-            log.warning("register_buffer: %s", e)
-            return _error_code(e)
-
-    def unregister_buffer(self, buffer_ptr: int) -> int:
-        """0, or -600 when nothing is registered at ``buffer_ptr``. Waits for transfers using it."""
-        c = self._c()
-        if c is None:
-            return INTERNAL_ERROR
-        try:
-            c.unregister(int(buffer_ptr))
-            return OK
-        except KvpoolError as e:
-            return _error_code(e)
-
-    def put_from(self, key: Key, buffer_ptr: int, size: int, config: Any = None) -> int:
-        """Store ``size`` bytes at ``buffer_ptr`` (inside a registered buffer); 0 or a code."""
-        return self.batch_put_from([key], [buffer_ptr], [size], config)[0]
-
-    def upsert_from(self, key: Key, buffer_ptr: int, size: int, config: Any = None) -> int:
-        """``put_from`` that replaces an existing value."""
-        return self._put_from([key], [[buffer_ptr]], [[size]], True, config)[0]
-
-    def get_into(self, key: Key, buffer_ptr: int, size: int) -> int:
-        """Read the value into ``[buffer_ptr, buffer_ptr + size)``; the number of bytes read, or a
-        negative code (-704 missing, -10 value larger than ``size``, -600 unregistered range)."""
-        return self.batch_get_into([key], [buffer_ptr], [size])[0]
-
-    def batch_put_from(
-        self, keys: Sequence[Key], buffer_ptrs: Sequence[int], sizes: Sequence[int], config: Any = None
-    ) -> list[int]:
-        """``put_from`` for many keys in one request; one code per key."""
-        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
-            return [INVALID_PARAMS] * len(keys)
-        return self._put_from(keys, [[p] for p in buffer_ptrs], [[s] for s in sizes], False, config)
-
-    def batch_upsert_from(
-        self, keys: Sequence[Key], buffer_ptrs: Sequence[int], sizes: Sequence[int], config: Any = None
-    ) -> list[int]:
-        """``upsert_from`` for many keys; one code per key."""
-        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
-            return [INVALID_PARAMS] * len(keys)
-        return self._put_from(keys, [[p] for p in buffer_ptrs], [[s] for s in sizes], True, config)
-
-    def batch_get_into(self, keys: Sequence[Key], buffer_ptrs: Sequence[int], sizes: Sequence[int]) -> list[int]:
-        """``get_into`` for many keys in one request; bytes read or a negative code per key.
-        Destinations of one call may not overlap (-600 for all)."""
-        if not (len(keys) == len(buffer_ptrs) == len(sizes)):
-            return [INVALID_PARAMS] * len(keys)
-        return self._get_into(keys, [[p] for p in buffer_ptrs], [[s] for s in sizes])
-
-    def batch_put_from_multi_buffers(
-        self,
-        keys: Sequence[Key],
-        all_buffer_ptrs: Sequence[Sequence[int]],
-        all_sizes: Sequence[Sequence[int]],
-        config: Any = None,
-    ) -> list[int]:
-        """Each value is the concatenation of several registered ranges (e.g. one KV block's slice
-        of every layer). Ranges that follow each other in memory move as one; scattered pieces
-        are gathered by the client into shared staging memory (one copy), which the server reads
-        directly on the same host. One code per key."""
-        return self._put_from(keys, all_buffer_ptrs, all_sizes, False, config)
-
-    def batch_get_into_multi_buffers(
-        self,
-        keys: Sequence[Key],
-        all_buffer_ptrs: Sequence[Sequence[int]],
-        all_sizes: Sequence[Sequence[int]],
-        prefer_alloc_in_same_node: bool = False,
-    ) -> list[int]:
-        """Each value is split over several registered ranges, filled in order. Bytes read or a
-        negative code per key. ``prefer_alloc_in_same_node`` is accepted and ignored."""
-        return self._get_into(keys, all_buffer_ptrs, all_sizes)
-
-    def _put_from(
-        self,
-        keys: Sequence[Key],
-        ptrs: Sequence[Sequence[int]],
-        sizes: Sequence[Sequence[int]],
-        upsert: bool,
-        config: Any,
-    ) -> list[int]:
-        c = self._c()
-        if c is None:
-            return [INTERNAL_ERROR] * len(keys)
-        if len(keys) != len(ptrs) or len(keys) != len(sizes):
-            return [INVALID_PARAMS] * len(keys)
-        # As Mooncake's batch forms: an empty item answers -600, the others are stored.
-        live = [i for i, sz in enumerate(sizes) if sum(sz) > 0]
-        out = [INVALID_PARAMS] * len(keys)
-        if not live:
-            return out
-        try:
-            held = _held_elsewhere(c, self._k([keys[i] for i in live]), upsert)
-        except KvpoolError as e:
-            return [_error_code(e) if i in live else INVALID_PARAMS for i in range(len(keys))]
-        for i in [i for i, h in zip(live, held) if h]:
-            out[i] = OK
-        live = [i for i, h in zip(live, held) if not h]
-        if not live:
-            return out
-        lkeys = self._k([keys[i] for i in live])
-        ptrs = [list(ptrs[i]) for i in live]
-        sizes = [list(sizes[i]) for i in live]
-        pin = _pin(config)
-        try:
-            st = c.put_from_multi(lkeys, ptrs, sizes, upsert, pin=pin)
-            again = [j for j, s in enumerate(st) if upsert and s == "leased"]
-            if again:
-                st = _replace_leased(c, [lkeys[j] for j in again], st, again, lambda ks: c.put_from_multi(
-                    ks, [ptrs[j] for j in again], [sizes[j] for j in again], True, pin=pin))
-        except KvpoolError as e:
-            return [_error_code(e) if i in live else INVALID_PARAMS for i in range(len(keys))]
-        for i, s in zip(live, st):
-            out[i] = _put_code(s)
-        return out
-
-    def _get_into(self, keys: Sequence[Key], ptrs: Sequence[Sequence[int]], sizes: Sequence[Sequence[int]]) -> list[int]:
-        c = self._c()
-        if c is None:
-            return [INTERNAL_ERROR] * len(keys)
-        try:
-            got = c.get_into_multi(self._k(keys), [list(p) for p in ptrs], [list(s) for s in sizes])
-        except KvpoolError as e:
-            return [_error_code(e)] * len(keys)
-        # Mooncake answers -600 (not -10) for a destination smaller than the value.
-        return [int(n) if s == "ok" else INVALID_PARAMS if s == "value-too-large" else to_mooncake_code(s)
-                for s, n in got]
-
 
 def _join_parts(parts: Sequence[Any]) -> bytes:
     """The parts of ``put_parts`` as one value; Mooncake's error for parts that are not 1-D
@@ -574,35 +407,3 @@ def _nbytes(value: Any) -> int:
         return memoryview(value).nbytes
     except TypeError:
         return -1
-
-
-def _held_elsewhere(c: Client, keys: list[Key], upsert: bool) -> list[bool]:
-    """On a cluster, which keys of a put (not an upsert) are already stored. The master places a
-    put on a node without asking whether another node holds the key, so a second put would store
-    a second copy that reads may prefer; Mooncake keeps the first value, so these keys are not
-    sent (answering 0). Not atomic: two puts racing can still both store. One server refuses
-    the second put by itself (no extra request)."""
-    if upsert or not c.cluster:
-        return [False] * len(keys)
-    return [bool(p) for p in c.exists(keys)]
-
-
-def _put_code(status: str) -> int:
-    """A put's code. Mooncake's put of a key that exists succeeds and keeps the first value,
-    which is what kvpool does; only the code differs."""
-    return OK if status == "already-exists" else to_mooncake_code(status)
-
-
-def _replace_leased(c: Client, keys: list[Key], st: list[str], idx: list[int], retry: Any) -> list[str]:
-    """Upsert of values that reads have leased: Mooncake replaces them, so drop the leased blocks
-    (force) and store again. kvpool blocks are immutable, so this is not atomic: a read in between
-    misses the key."""
-    c.remove(keys, True)
-    st = list(st)
-    for i, s in zip(idx, retry(keys)):
-        st[i] = s
-    return st
-
-
-def _first_error(codes: list[int]) -> int:
-    return next((c for c in codes if c != OK), OK)
