@@ -34,8 +34,10 @@ Select it with::
                              scattered, go through a host staging area; host caches whose image
                              lies in a few runs, as vLLM's CPU backend's, are registered
                              directly) or ``always`` (stage every cache)
-``kvpool_staging_bytes``     size of the staging area per worker (default 256 MiB, cut into
-                             chunks that loads and saves share; at least four blocks)
+``kvpool_staging_bytes``     size of the host staging area per worker (default 256 MiB, cut
+                             into chunks that loads and saves share; at least four blocks)
+``kvpool_device_staging_bytes``  for device caches: the staging area in device memory that the
+                             client moves through its own pinned buffers (default 64 MiB)
 ``kvpool_key_format``        ``kvpool`` (default: keys carry the digest of what the bytes mean,
                              see :mod:`kvpool.vllm.layout`) or ``mooncake``: keys and objects
                              exactly as vLLM's ``MooncakeStoreConnector`` forms them, for a

@@ -23,7 +23,7 @@ KNOWN = {
     "kvpool_lookup_deadline_ms", "kvpool_dead_after_s", "kvpool_node_answer_ms",
     "kvpool_staging", "kvpool_staging_bytes", "kvpool_load_failure_policy", "kvpool_full_backoff_s",
     "kvpool_key_format", "kvpool_load_threads", "kvpool_save_pin_limit", "kvpool_event_medium",
-    "kv_load_failure_policy",
+    "kv_load_failure_policy", "kvpool_device_staging_bytes",
     "store_threshold",
     "key_prefix", "model_name", "async_save", "stats_path",
     # vLLM's Mooncake store connector's names.
@@ -68,6 +68,7 @@ class ConnectorConfig:
     save_decode_cache: bool = False
     staging: str = "auto"
     staging_bytes: int = 256 << 20
+    device_staging_bytes: int = 64 << 20
     load_failure_policy: str = "recompute"
     full_backoff_s: float = 1.0
     lookup_deadline_s: float = 0.05
@@ -137,6 +138,7 @@ class ConnectorConfig:
         if c.staging not in ("auto", "always"):
             raise ValueError(f"kvpool_staging must be auto or always, not {c.staging!r}")
         c.staging_bytes = mooncake.parse_size(extra.get("kvpool_staging_bytes", 256 << 20))
+        c.device_staging_bytes = mooncake.parse_size(extra.get("kvpool_device_staging_bytes", 64 << 20))
         policies = {str(extra[k]) for k in ("kvpool_load_failure_policy", "kv_load_failure_policy") if k in extra}
         if len(policies) > 1:
             raise ValueError(f"kvpool_load_failure_policy and kv_load_failure_policy disagree: {sorted(policies)}")

@@ -6,18 +6,22 @@ the pool.
   moves straight between it and the pool, gathered into or scattered from one pool object.
 - :class:`StagedMover` (device memory: CUDA, Ascend NPU; or a host layout whose image is
   scattered, such as LBNHC with several heads): the KV tensors are never read from the host. The
-  image is gathered through the tensors' strides on the device, copied into a registered host
-  staging area (shared with a same-host server, so the server copies straight into it; pinned for
-  the device's DMA), and sent from there; loads run the other way. The device work runs on a
-  stream of the connector's, ordered after the forward pass that wrote the KV (saves) and
-  complete before the step that reads it (loads). The area is cut into chunks that any number
-  of loads and saves share at once: each holds at most two, so one chunk's device copy overlaps
-  the other's transfer with the pool, and no transfer waits for another to finish.
+  image is gathered through the tensors' strides on the device into chunks of a staging area
+  that any number of loads and saves share at once (each holds at most two, so one chunk's
+  gather overlaps the other's transfer). For device caches the area is device memory registered
+  with the client, which moves it through its own pinned host buffers on its own stream,
+  pipelined with the transfer (the one staging implementation of the Python client, the same
+  that ``kvpool.mooncake``'s device buffers take); where the client cannot take device memory
+  (no CUDA or ACL runtime it can load), the area is host memory and torch copies into it. Host
+  caches gather straight into host chunks (shared with a same-host server). The device work runs
+  on a stream of the connector's, ordered after the forward pass that wrote the KV (saves) and
+  complete before the step that reads it (loads).
 
 Nothing GPU or NPU ran here: the device parts of :class:`StagedMover` are torch's stream and
-event calls (``torch.cuda`` / ``torch.npu``) and host registration (``cudaHostRegister``,
-``npuHostRegister``). The staging logic itself runs on CPU tensors (``kvpool_staging:
-always``), which is how the tests drive it.
+event calls (``torch.cuda`` / ``torch.npu``), gathers as device kernels, and the client's device
+staging (tested against stand-in runtimes of the same ABI, ``python/tests/test_device_memory.py``).
+The staging logic itself runs on CPU tensors (``kvpool_staging: always``), which is how the tests
+drive it.
 """
 
 from __future__ import annotations
@@ -174,9 +178,9 @@ def ops_for(device: torch.device) -> HostOps:
 class _Chunk:
     """Consecutive block slots of the staging area."""
 
-    def __init__(self, host: torch.Tensor, base: int, block_bytes: int) -> None:
-        self.host = host  # [slots, block_bytes] uint8
-        self.addrs = [base + i * block_bytes for i in range(host.shape[0])]
+    def __init__(self, mem: torch.Tensor, base: int, block_bytes: int) -> None:
+        self.mem = mem  # [slots, block_bytes] uint8, on the host or the caches' device
+        self.addrs = [base + i * block_bytes for i in range(mem.shape[0])]
 
 
 class _Chunks:
@@ -205,42 +209,69 @@ class StagedMover(Mover):
     """Blocks staged through a registered host area; the KV tensors stay unregistered."""
 
     def __init__(self, client: Client, image: Image, staging_bytes: int, ops: Optional[HostOps] = None,
-                 chunk_blocks: Optional[int] = None) -> None:
+                 chunk_blocks: Optional[int] = None, device_staging_bytes: int = 64 << 20) -> None:
         self.client = client
         self.image = image
         self.device = image.device
         self.ops = ops if ops is not None else ops_for(self.device)
         self.block_bytes = image.block_bytes
-        slots = max(4, staging_bytes // self.block_bytes)
-        # Chunks small enough that several operations run at once, large enough that one
-        # request per chunk carries many blocks.
-        self.chunk_blocks = chunk_blocks or max(1, min(32, slots // 8))
-        nchunks = max(2, slots // self.chunk_blocks)
-        size = nchunks * self.chunk_blocks * self.block_bytes
-        self.buffer: Any = None
-        try:
-            # Memory shared with a same-host server: it copies straight into the area.
-            self.buffer = client.alloc_buffer(size)
-            flat = torch.frombuffer(self.buffer, dtype=torch.uint8)
-            pinned = False
-        except KvpoolError:
-            # A server on another host: ordinary memory, page-locked by torch where it can.
-            pinned = self.device.type == "cuda"
-            flat = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
-        self.host = flat.view(nchunks * self.chunk_blocks, self.block_bytes)
-        self.base = self.host.data_ptr()
-        self.client.register(self.base, size)
-        self.pinned = pinned or self.ops.pin(self.base, size)
+        self.on_device = False
+        flat: Optional[torch.Tensor] = None
+        pinned = False
+        if self.device.type != "cpu":
+            # Device memory the client takes: it stages it through its own pinned buffers. Kept
+            # small (it is the engine's device memory): the client's chunks pipeline the rest.
+            slots = max(4, device_staging_bytes // self.block_bytes)
+            flat = self._device_area(self._layout(slots, chunk_blocks)[2])
+            self.on_device = flat is not None
+        if flat is None:
+            slots = max(4, staging_bytes // self.block_bytes)
+        self.chunk_blocks, nchunks, size = self._layout(slots, chunk_blocks)
+        if flat is None:
+            try:
+                # Memory shared with a same-host server: it copies straight into the area.
+                self.buffer = client.alloc_buffer(size)
+                flat = torch.frombuffer(self.buffer, dtype=torch.uint8)
+            except KvpoolError:
+                # A server on another host: ordinary memory, page-locked by torch where it can.
+                pinned = self.device.type == "cuda"
+                flat = torch.empty(size, dtype=torch.uint8, pin_memory=pinned)
+            self.client.register(flat.data_ptr(), size)
+            pinned = pinned or self.ops.pin(flat.data_ptr(), size)
+        self.area = flat.view(nchunks * self.chunk_blocks, self.block_bytes)
+        self.base = self.area.data_ptr()
+        self.pinned = pinned
         c = self.chunk_blocks
         self.chunks = _Chunks([
-            _Chunk(self.host[i * c : (i + 1) * c], self.base + i * c * self.block_bytes, self.block_bytes)
+            _Chunk(self.area[i * c : (i + 1) * c], self.base + i * c * self.block_bytes, self.block_bytes)
             for i in range(nchunks)
         ])
         self.nchunks = nchunks
         # Puts of saves run here while the saving thread stages the next chunk.
         self.xfer = ThreadPoolExecutor(4, thread_name_prefix="kvpool-stage")
-        log.info("kvpool: staging %d chunks of %d blocks of %d bytes through %s host memory (%s)", nchunks, c,
-                 self.block_bytes, "pinned" if self.pinned else "pageable", self.device)
+        where = ("device memory the client stages" if self.on_device
+                 else f"{'pinned' if self.pinned else 'pageable'} host memory")
+        log.info("kvpool: staging %d chunks of %d blocks of %d bytes through %s (%s)", nchunks, c,
+                 self.block_bytes, where, self.device)
+
+    def _layout(self, slots: int, chunk_blocks: Optional[int]) -> tuple[int, int, int]:
+        """Blocks per chunk, chunks, bytes: chunks small enough that several operations run at
+        once, large enough that one request per chunk carries many blocks."""
+        c = chunk_blocks or max(1, min(32, slots // 8))
+        n = max(2, slots // c)
+        return c, n, n * c * self.block_bytes
+
+    def _device_area(self, size: int) -> Optional[torch.Tensor]:
+        """A staging area in the caches' device memory, registered with the client; None where
+        the client cannot take device memory (then torch stages through host memory)."""
+        area = torch.empty(size, dtype=torch.uint8, device=self.device)
+        try:
+            self.client.register(area.data_ptr(), size)
+        except KvpoolError as e:
+            log.warning("kvpool: the client does not take %s memory (%s): staging through host memory with "
+                        "torch's copies instead", self.device, e)
+            return None
+        return area
 
     def _index(self, block_ids: Sequence[int]) -> torch.Tensor:
         return torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
@@ -249,8 +280,8 @@ class StagedMover(Mover):
         return [range(lo, min(lo + self.chunk_blocks, n)) for lo in range(0, n, self.chunk_blocks)]
 
     def _stage(self, idx: torch.Tensor, slots: torch.Tensor) -> None:
-        """The images of blocks ``idx`` into host ``slots`` (in the copy stream)."""
-        if self.device.type == "cpu":
+        """The images of blocks ``idx`` into staging ``slots`` (in the copy stream)."""
+        if self.device.type == "cpu" or self.on_device:
             self.image.gather(idx, slots)
         else:
             scratch = torch.empty(slots.shape, dtype=torch.uint8, device=self.device)
@@ -277,7 +308,7 @@ class StagedMover(Mover):
                     fut, chunk = held.popleft()
                     fut.result()
                 try:
-                    slots = chunk.host[: len(batch)]
+                    slots = chunk.mem[: len(batch)]
                     with self.ops.stream():
                         self.ops.wait(fence)
                         self._stage(self._index([block_ids[i] for i in batch]), slots)
@@ -321,9 +352,9 @@ class StagedMover(Mover):
                     good = [j for j, (st, n) in enumerate(got) if st == "ok" and n == self.block_bytes]
                     if good:
                         with self.ops.stream():
-                            rows = chunk.host[: len(batch)]
+                            rows = chunk.mem[: len(batch)]
                             if len(good) < len(batch):
-                                rows = rows.index_select(0, torch.tensor(good, dtype=torch.long))
+                                rows = rows.index_select(0, torch.tensor(good, dtype=torch.long, device=rows.device))
                             src = rows.to(self.device, non_blocking=True)
                             self.image.scatter(self._index([block_ids[batch[j]] for j in good]), src)
                             ev = self.ops.record()

@@ -104,7 +104,8 @@ class Worker:
         if image.direct and image.device.type == "cpu" and self.cfg.staging != "always":
             self.mover = DirectMover(client, image)
         else:
-            self.mover = StagedMover(client, image, self.cfg.staging_bytes)
+            self.mover = StagedMover(client, image, self.cfg.staging_bytes,
+                                     device_staging_bytes=self.cfg.device_staging_bytes)
         log.info("kvpool connector: %s, %d bytes per block, %s, transport %s, format %s", image.device,
                  self.mover.block_bytes, type(self.mover).__name__, client.transport,
                  self.format.describe() if self.format else "unknown")
