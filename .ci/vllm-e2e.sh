@@ -17,12 +17,17 @@ if [ -z "$wheel" ]; then
     wheel="$(ls "$target"/kvpool-wheels/kvpool-*.whl | head -1)"
 fi
 "$PY" -m pip install -q --disable-pip-version-check --force-reinstall --no-deps "$wheel"
+# An interrupted earlier run may have left kvpool's Mooncake alias installed in the cached venv.
+"$PY" -m kvpool.mooncake_alias uninstall >/dev/null
 cargo build -q -p kvpool-server --bin kvpool-server
 export KVPOOL_SERVER_BIN="$target/debug/kvpool-server" KVPOOL_VLLM_PYTHON="$PY"
 t2=$SECONDS
 echo "== the vLLM connector under vLLM's real scheduler (stand-in model) and every KV layout vLLM builds (about 3 minutes)"
 (cd python/tests && "$PY" -m pytest -q -rs -m vllm test_vllm_units.py test_vllm_connector.py test_vllm_robust.py \
     test_vllm_layouts.py test_mooncake_consumers.py)
+echo "== kvpool.mooncake's tensor methods against real Mooncake (the venv has torch and Mooncake's CPU build)"
+(cd python/tests && PATH="$(dirname "$PY"):$PATH" KVPOOL_MOONCAKE_ALIAS=off KVPOOL_REQUIRE_PEERS=1 KVPOOL_REQUIRE_TORCH=1 \
+    "$PY" -m pytest -q -rs test_mooncake_parity.py test_mooncake_api_tensors.py)
 t3=$SECONDS
 echo "== vLLM CPU end-to-end (engines via LLM: prefix reuse, scenarios; 2 OpenAI servers via curl)"
 (cd python/tests && "$PY" -m pytest -q -s -rs -m slow test_vllm_e2e.py)

@@ -83,7 +83,7 @@ def main() -> None:
         "device_name": "", "global_segment_size": "64MB", "local_buffer_size": "64MB",
         "kvpool_data_dir": str(pool.dir),
     }))
-    env = {"MOONCAKE_CONFIG_PATH": str(cfg), "KVPOOL_DATA_DIR": str(pool.dir)}  # XXX until setup reads the file
+    env = {"MOONCAKE_CONFIG_PATH": str(cfg)}
     ck = Checks()
     engines: list[Engine] = []
     alias(sys.executable, True)

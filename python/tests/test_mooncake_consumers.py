@@ -51,20 +51,21 @@ def pool(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Server]:
                                "local_buffer_size": 16 << 20, "kvpool_data_dir": str(s.dir)}))
     monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(cfg))
     monkeypatch.setenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", str(cfg))
-    monkeypatch.setenv("KVPOOL_DATA_DIR", str(s.dir))
     yield s
     s.stop()
 
 
-def _host_pool(seed: int) -> Any:
-    """An SGLang host KV pool on CPU (page_first), as HiCache builds it from a device pool."""
+def _host_pool(seed: int, allocator: str = "default") -> Any:
+    """An SGLang host KV pool on CPU (page_first), as HiCache builds it from a device pool;
+    ``allocator="mooncake"`` allocates it with ``MooncakeHostMemAllocator`` (standalone mode)."""
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.mem_cache.pool_host.mha import MHATokenToKVPoolHost
 
     dev = MHATokenToKVPool(size=256, page_size=PAGE, dtype=torch.bfloat16, head_num=2, head_dim=8, layer_num=3,
                            device="cpu", enable_memory_saver=False, enable_alt_stream=False)
     host = MHATokenToKVPoolHost(dev._mha_buffer_info(), 2.0, 0, PAGE, "page_first", pin_memory=False,
-                                device="cpu", device_capacity_tokens=256, start_layer=0, end_layer=3)
+                                device="cpu", allocator_type=allocator, device_capacity_tokens=256,
+                                start_layer=0, end_layer=3)
     g = torch.Generator().manual_seed(seed)
     host.kv_buffer.copy_(torch.randn(host.kv_buffer.shape, generator=g).to(host.kv_buffer.dtype))
     return host
@@ -105,6 +106,37 @@ def test_sglangs_mooncake_store_sets_and_gets_pages_of_its_host_pool(alias: None
     assert a.batch_set_v1(keys, indices) == [True] * 6
     a.close()
     b.close()
+
+
+def test_sglangs_standalone_mode_allocates_with_mooncakes_allocator_and_stores(alias: None, pool: Server,
+                                                                               tmp_path: Path,
+                                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """SGLang's standalone mode: the host pool allocated by ``MooncakeHostMemAllocator``, the
+    store set up with ``setup_dummy`` (a separate Mooncake client process would own the pool in
+    Mooncake; a kvpool client needs none), pages stored and read back."""
+    import os
+
+    from sglang.srt.mem_cache.storage.mooncake_store.mooncake_store import MooncakeHostTensorAllocator
+
+    cfg = json.loads(Path(os.environ["MOONCAKE_CONFIG_PATH"]).read_text())
+    cfg.update(standalone_storage=True, client_server_address=pool.addr, global_segment_size=0)
+    f = tmp_path / "standalone.json"
+    f.write_text(json.dumps(cfg))
+    monkeypatch.setenv("SGLANG_HICACHE_MOONCAKE_CONFIG_PATH", str(f))
+    src = _host_pool(3, allocator="mooncake")
+    assert isinstance(src.allocator, MooncakeHostTensorAllocator)
+    a = _sglang_store(src, pool)
+    keys = [f"solo-{i}" for i in range(3)]
+    assert a.batch_set_v1(keys, torch.arange(PAGE, PAGE * 4)) == [True] * 3
+    dst = _host_pool(4, allocator="mooncake")
+    b = _sglang_store(dst, pool)
+    assert b.batch_get_v1(keys, torch.arange(PAGE * 5, PAGE * 8)) == [True] * 3
+    sp, _ = src.get_page_buffer_meta(torch.arange(PAGE, PAGE * 4))
+    dp, _ = dst.get_page_buffer_meta(torch.arange(PAGE * 5, PAGE * 8))
+    import ctypes
+
+    n = src.get_ksize_per_token() * PAGE
+    assert all(ctypes.string_at(p, n) == ctypes.string_at(q, n) for p, q in zip(sp, dp))
 
 
 def test_lmcaches_mooncakestore_connector_round_trips_a_chunk(alias: None, pool: Server) -> None:

@@ -388,3 +388,17 @@ def test_vllms_name_for_the_load_failure_policy_is_honoured_in_the_extra_config(
                       ({"kvpool_save_pin_limit": -1}, "pin_limit")]:
         with pytest.raises(ValueError, match=word):
             ConnectorConfig.from_extra(bad)
+
+
+def test_kvpools_fields_in_mooncakes_config_file_reach_the_connector(monkeypatch: pytest.MonkeyPatch,
+                                                                     tmp_path: Path) -> None:
+    for k in ("KVPOOL_SERVER", "KVPOOL_API_KEY", "KVPOOL_FINGERPRINT", "KVPOOL_DATA_DIR", "MOONCAKE_MASTER"):
+        monkeypatch.delenv(k, raising=False)
+    f = tmp_path / "mooncake.json"
+    f.write_text(json.dumps({"master_server_address": "pool.example:7100", "kvpool_api_key": "k1",
+                             "kvpool_fingerprint": "ab" * 32, "kvpool_data_dir": "/var/lib/kvpool"}))
+    monkeypatch.setenv("MOONCAKE_CONFIG_PATH", str(f))
+    c = ConnectorConfig.from_extra({})
+    assert (c.server, c.api_key, c.fingerprint, c.data_dir) == ("pool.example:7100", "k1", "ab" * 32, "/var/lib/kvpool")
+    # kvpool's own settings still win.
+    assert ConnectorConfig.from_extra({"kvpool_api_key": "k2"}).api_key == "k2"

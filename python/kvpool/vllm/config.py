@@ -85,21 +85,24 @@ class ConnectorConfig:
         """Read ``kv_connector_extra_config``; raise ``ValueError`` for settings kvpool refuses."""
         c = ConnectorConfig()
         mc = mooncake.load()
+        # kvpool's own fields in Mooncake's config file (as kvpool.mooncake reads them).
+        mf = mooncake.load_file()
         env = os.environ.get
-        c.server = extra.get("kvpool_server") or env("KVPOOL_SERVER") or mc.get("master_server_address") or None
+        c.server = (extra.get("kvpool_server") or env("KVPOOL_SERVER") or mf.get("kvpool_server")
+                    or mc.get("master_server_address") or None)
         # A cluster's leading master found in etcd (then kvpool_server is not needed).
         c.server, c.etcd = mooncake.pool_address(
-            c.server, mc.get("metadata_server"), extra.get("kvpool_etcd") or env("KVPOOL_ETCD")
+            c.server, mc.get("metadata_server"), extra.get("kvpool_etcd") or env("KVPOOL_ETCD") or mf.get("kvpool_etcd")
         )
         c.etcd_prefix = str(extra.get("kvpool_etcd_prefix") or env("KVPOOL_ETCD_PREFIX") or "/kvpool/")
-        c.api_key = extra.get("kvpool_api_key") or env("KVPOOL_API_KEY")
-        key_file = extra.get("kvpool_api_key_file") or env("KVPOOL_API_KEY_FILE")
+        c.api_key = extra.get("kvpool_api_key") or env("KVPOOL_API_KEY") or mf.get("kvpool_api_key")
+        key_file = extra.get("kvpool_api_key_file") or env("KVPOOL_API_KEY_FILE") or mf.get("kvpool_api_key_file")
         if c.api_key is None and key_file:
             with open(key_file, encoding="utf-8") as f:
                 c.api_key = f.readline().strip()
-        c.fingerprint = extra.get("kvpool_fingerprint") or env("KVPOOL_FINGERPRINT")
-        c.ca = extra.get("kvpool_ca") or env("KVPOOL_CA")
-        c.data_dir = extra.get("kvpool_data_dir") or env("KVPOOL_DATA_DIR")
+        c.fingerprint = extra.get("kvpool_fingerprint") or env("KVPOOL_FINGERPRINT") or mf.get("kvpool_fingerprint")
+        c.ca = extra.get("kvpool_ca") or env("KVPOOL_CA") or mf.get("kvpool_ca")
+        c.data_dir = extra.get("kvpool_data_dir") or env("KVPOOL_DATA_DIR") or mf.get("kvpool_data_dir")
         c.transport = str(extra.get("kvpool_transport") or mooncake.transport(mc.get("protocol")))
         if c.transport not in ("auto", "quic", "shm"):
             raise ValueError(f"kvpool_transport must be auto, quic or shm, not {c.transport!r}")
