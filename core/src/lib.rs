@@ -9,6 +9,8 @@
 //! [`Policies`] in two locks, so that reads never wait on a policy call; [`Pool`] drives both
 //! in one thread, the way the benchmark's replay and the unit tests do.
 
+#![forbid(unsafe_code)]
+
 mod blocks;
 mod changes;
 mod effects;

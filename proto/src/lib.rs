@@ -1,6 +1,8 @@
 //! kvpool wire protocol, shared by the server and the clients. `docs/PROTOCOL.md` is the
 //! language-neutral description of the same thing; keep both in step.
 
+#![forbid(unsafe_code)]
+
 pub mod codec;
 mod facts;
 pub mod frame;
