@@ -8,6 +8,7 @@ mod facts;
 pub mod frame;
 mod messages;
 
+pub use facts::{RequestFacts, REQUESTS, REQUEST_NAMES, REQUEST_TAGS, V1_REQUEST_TAGS};
 pub use messages::*;
 
 /// Serde glue for a list of keys: each key as a byte string (one length, then the bytes, as any
