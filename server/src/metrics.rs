@@ -5,35 +5,8 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-pub const OPS: [&str; 27] = [
-    "hello",
-    "put",
-    "get",
-    "lookup",
-    "exists",
-    "remove",
-    "remove_all",
-    "stats",
-    "ping",
-    "policy_load",
-    "policy_list",
-    "policy_rollback",
-    "shm_attach",
-    "put_intent",
-    "put_done",
-    "get_locate",
-    "release",
-    "put_from",
-    "get_into",
-    "write",
-    "read",
-    "node_join",
-    "node_report",
-    "nodes",
-    "route",
-    "place",
-    "node_put",
-];
+/// Every request's name, from the request table: each gets its latency and error series.
+pub const OPS: [&str; kvpool_proto::REQUESTS.len()] = kvpool_proto::REQUEST_NAMES;
 
 pub struct Metrics {
     pub registry: Registry,
