@@ -202,14 +202,14 @@ impl Metrics {
             local_refused: counter(
                 &reg,
                 "local_refused_total",
-                "Control socket connections refused (user, token, or socket limit)",
+                "Control socket connections refused (user, token, socket limit, or too many waiting for a token)",
             ),
             bulk_requests: counter(&reg, "bulk_requests_total", "Requests answered on TCP bulk connections"),
             bulk_bound: counter(&reg, "bulk_connections_total", "TCP bulk connections bound to a QUIC session"),
             bulk_refused: counter(
                 &reg,
                 "bulk_refused_total",
-                "TCP bulk connections refused (TLS handshake, token, address, plaintext, or connection limit)",
+                "TCP bulk connections refused (TLS handshake or ALPN, token, address, plaintext, or connection limits)",
             ),
             lookup_blocks: counter_vec(
                 &reg,
