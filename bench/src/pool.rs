@@ -20,7 +20,7 @@
 //! the client implements it too (`crate::live`), and `kvpool-bench live-replay` checks that it
 //! agrees with a [`SimPool`] of [`Semantics::Server`] request by request.
 
-use kvpool_core::{Commit, Granularity, Index, PinRequest, Policies, PutPlan, PutSpec, PutStatus};
+use kvpool_core::{Commit, Granularity, Index, PinRequest, Planned, Policies, PutPlan, PutRefusal, PutSpec};
 use kvpool_policy_sdk::{key_hash, AdmissionPolicy, EvictionPolicy, IndexView, NodeSet, Tier};
 use std::collections::HashSet;
 use std::time::{Duration, Instant};
@@ -201,14 +201,14 @@ impl SimPool {
 
     /// [`Semantics::Server`]'s put after admission: reserve block by block (evicting a chunk
     /// when the tier is full), then commit every reserved block in order.
-    fn put_like_the_server(&mut self, specs: &[PutSpec<'_>], admitted: &[(usize, u64)], now_us: u64) {
+    fn put_like_the_server(&mut self, specs: &[PutSpec<'_>], admitted: &[(usize, Planned)], now_us: u64) {
         let chunk = (self.capacity / 64).max(1);
         let mut reserved = Vec::with_capacity(admitted.len());
-        for &(i, id) in admitted {
+        for &(i, planned) in admitted {
             loop {
                 let used = self.core.index.counts().1 as usize + reserved.len();
                 if used < self.capacity {
-                    reserved.push((i, id));
+                    reserved.push((i, planned));
                     break;
                 }
                 if self.make_room(chunk) == 0 {
@@ -221,22 +221,20 @@ impl SimPool {
             self.stats.shortfalls += 1;
         }
         let now = self.now();
-        for (i, id) in reserved {
-            if self.publish(id, specs[i], now, now_us).is_ok() {
+        for (i, planned) in reserved {
+            if self.publish(planned, specs[i], now, now_us).is_ok() {
                 self.stats.stored += 1;
             }
         }
     }
 
-    /// Publish an admitted block (insert mode, no checksum, its id as its DRAM copy).
-    fn publish(&mut self, id: u64, spec: PutSpec<'_>, now: Instant, now_us: u64) -> Result<(), PutStatus> {
+    /// Publish an admitted block (no checksum, its id as its DRAM copy).
+    fn publish(&mut self, planned: Planned, spec: PutSpec<'_>, now: Instant, now_us: u64) -> Result<(), PutRefusal> {
         let c = Commit {
-            tenant: self.tenant(),
-            id,
+            planned,
             spec,
-            upsert: false,
             checksum: 0,
-            dram: Some(id),
+            dram: Some(planned.id),
             ssd: None,
             now,
             wall_ms: now_us / 1000,
@@ -315,14 +313,14 @@ impl ReplayPool for SimPool {
             self.stats.invalid_admissions += 1;
         }
         let (plans, policy_rejected) = (decided.plans, decided.policy_rejected as u64);
-        let rejected = plans.iter().filter(|p| **p == PutPlan::Skip(PutStatus::Rejected)).count() as u64;
+        let rejected = plans.iter().filter(|p| **p == PutPlan::Skip(PutRefusal::Rejected)).count() as u64;
         self.stats.rejected += rejected;
         self.stats.chain_rejected += rejected.saturating_sub(policy_rejected);
-        let admitted: Vec<(usize, u64)> = plans
+        let admitted: Vec<(usize, Planned)> = plans
             .iter()
             .enumerate()
             .filter_map(|(i, p)| match *p {
-                PutPlan::Store { id, .. } => Some((i, id)),
+                PutPlan::Store(planned) => Some((i, planned)),
                 PutPlan::Skip(_) => None,
             })
             .collect();
@@ -342,7 +340,7 @@ impl ReplayPool for SimPool {
             }
         }
         let now = self.now();
-        for (n, &(i, id)) in admitted.iter().enumerate() {
+        for (n, &(i, planned)) in admitted.iter().enumerate() {
             // A parent that is neither resident nor stored by this put (not enough room, or
             // gone since the lookup) leaves the rest of the chain unreachable: the client stops.
             let parent_gone = specs[i].parent.is_some_and(|p| !self.core.index.exists(self.tenant(), &[p.to_vec()])[0]);
@@ -350,7 +348,7 @@ impl ReplayPool for SimPool {
                 self.stats.dropped += (admitted.len() - n) as u64;
                 break;
             }
-            if self.publish(id, specs[i], now, now_us).is_ok() {
+            if self.publish(planned, specs[i], now, now_us).is_ok() {
                 self.stats.stored += 1;
             }
         }

@@ -9,6 +9,8 @@
 //! [`Policies`] in two locks, so that reads never wait on a policy call; [`Pool`] drives both
 //! in one thread, the way the benchmark's replay and the unit tests do.
 
+#![forbid(unsafe_code)]
+
 mod blocks;
 mod changes;
 mod effects;
@@ -22,10 +24,10 @@ mod tests;
 pub use blocks::{BlockRecord, CopyHandle, MAX_KEY_LEN};
 pub use changes::{Change, ChangeBatch, ChangeKind, ChangeLog, ChangeWindow};
 pub use effects::{Dropped, MetaOp};
-pub use index::{
-    Commit, Demoted, Evicted, Granularity, Index, Located, Pending, PinRequest, PutPlan, PutSpec, PutStatus, Recovered,
-    RemoveStatus, TenantCounters, DEFAULT_MISS_MEMORY,
-};
+pub use index::evict::{Demoted, Evicted};
+pub use index::put::{Commit, Pending, PinRequest, Planned, PutPlan, PutRefusal, PutSpec};
+pub use index::recover::Recovered;
+pub use index::{Granularity, Index, Located, RemoveStatus, TenantCounters, DEFAULT_MISS_MEMORY};
 pub use policies::{Admitter, Evictor, Native, NewSlot, Placer, Policies};
 pub use pool::Pool;
 pub use put::{placed_tiers, placement_batch, plan_put, PutDecision, PutSides};

@@ -2,7 +2,9 @@
 //! pool, taking the same put decision the server's store takes.
 
 use crate::blocks::CopyHandle;
-use crate::index::{Evicted, Index, PutPlan, PutSpec};
+use crate::index::evict::Evicted;
+use crate::index::put::{PutPlan, PutSpec};
+use crate::index::Index;
 use crate::policies::Policies;
 use crate::put::{plan_put, PutDecision, PutSides};
 use kvpool_policy_sdk::{Admit, NodeSet, Tier};

@@ -3,7 +3,8 @@
 //! through [`plan_put`]; each tells it through [`PutSides`] where its index and policies are.
 
 use crate::blocks::CopyHandle;
-use crate::index::{Index, PutPlan, PutSpec};
+use crate::index::put::{PutPlan, PutSpec};
+use crate::index::Index;
 use crate::policies::Policies;
 use kvpool_policy_sdk::{Admit, AdmitBatch, NodeSet, PlaceBatch, Placements, Tier, NO_NODE, NO_PARENT};
 

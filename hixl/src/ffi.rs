@@ -117,9 +117,8 @@ impl ShimLib {
             ($name:literal, $ty:ty) => {{
                 // SAFETY: the symbol's type is the one kvpool_hixl_shim.h declares for this ABI
                 // version (checked first); the pointer stays valid while `lib` is held.
-                let s: libloading::Symbol<$ty> =
-                    unsafe { lib.get(concat!($name, "\0").as_bytes()) }.map_err(|_| missing($name))?;
-                *s
+                let s = unsafe { lib.get::<$ty>(concat!($name, "\0").as_bytes()) };
+                *s.map_err(|_| missing($name))?
             }};
         }
         let abi = sym!("kvpool_hixl_abi_version", unsafe extern "C" fn() -> u32);
@@ -225,6 +224,7 @@ pub struct Engine {
 // SAFETY: the handle is only used from the engine thread and from worker threads that bound
 // themselves to it first (see `bind_thread`); the transport enforces that discipline.
 unsafe impl Send for Engine {}
+// SAFETY: as for `Send`: shared use goes through that same discipline.
 unsafe impl Sync for Engine {}
 
 impl Engine {

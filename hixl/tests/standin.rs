@@ -52,9 +52,21 @@ impl Side {
         }
     }
 
+    /// The buffer's bytes, read once every transfer on it settled.
+    fn bytes(&self) -> &[u8] {
+        settled(&self.buf)
+    }
+
     fn connect_to(&self, other: &Side) -> PeerId {
         self.t.connect(&other.t.local_metadata().unwrap()).expect("connect")
     }
+}
+
+/// A host buffer's bytes; the tests read one only once every transfer on it settled.
+fn settled(buf: &kvpool_hixl::HixlBuffer) -> &[u8] {
+    // SAFETY: the callers read after `settle` returned for every post touching the buffer, and
+    // start no transfer while the slice lives.
+    unsafe { buf.host_bytes() }.unwrap()
 }
 
 fn pattern(seed: u8, i: usize) -> u8 {
@@ -97,8 +109,8 @@ fn two_engines_write_read_and_report_each_post_once() {
     assert_eq!(a.t.status(id), Err(TransportError::UnknownXfer(id)), "a settled post is reported once");
     for i in 0..32usize {
         // The 4 KiB at i*8192 of a landed at 4096 + i*8192 of b.
-        let src = unsafe { a.buf.host_bytes() }.unwrap()[i * 8192..i * 8192 + 4096].to_vec();
-        let dst = unsafe { b.buf.host_bytes() }.unwrap()[4096 + i * 8192..8192 + i * 8192].to_vec();
+        let src = a.bytes()[i * 8192..i * 8192 + 4096].to_vec();
+        let dst = b.bytes()[4096 + i * 8192..8192 + i * 8192].to_vec();
         assert_eq!(src, dst, "descriptor {i}");
     }
 
@@ -168,8 +180,8 @@ fn small_posts_to_one_peer_share_hixl_calls_up_to_batch_size() {
     assert_eq!(calls, 6, "40 small descriptors in lists of 8, and the large one alone: {after:?}");
     assert_eq!(after.max_descs_per_call, 8);
     for i in 0..40usize {
-        let s = unsafe { a.buf.host_bytes() }.unwrap()[i * 4096..i * 4096 + 1024].to_vec();
-        assert_eq!(s, unsafe { b.buf.host_bytes() }.unwrap()[i * 4096..i * 4096 + 1024].to_vec());
+        let s = a.bytes()[i * 4096..i * 4096 + 1024].to_vec();
+        assert_eq!(s, b.bytes()[i * 4096..i * 4096 + 1024].to_vec());
     }
 
     // Batching off: one HIXL call per post, descriptors as given.
@@ -199,7 +211,7 @@ fn small_posts_to_one_peer_share_hixl_calls_up_to_batch_size() {
     settle(&s.t, id).unwrap();
     let c = s.t.standin_counters().unwrap();
     assert_eq!((c.transfer_calls, c.descs), (2, 8), "{c:?}");
-    assert_eq!(&unsafe { s.buf.host_bytes() }.unwrap()[..1 << 20], &unsafe { b.buf.host_bytes() }.unwrap()[..1 << 20]);
+    assert_eq!(&s.bytes()[..1 << 20], &b.bytes()[..1 << 20]);
 }
 
 #[test]
@@ -233,10 +245,7 @@ fn num_workers_bounds_requests_in_flight_async_and_sync() {
         }
         // Sync workers bind the engine's context before calling (bind_thread).
         assert_eq!(k.wrong_thread, 0, "{k:?}");
-        assert_eq!(
-            &unsafe { a.buf.host_bytes() }.unwrap()[..1 << 20],
-            &unsafe { b.buf.host_bytes() }.unwrap()[..1 << 20]
-        );
+        assert_eq!(&a.bytes()[..1 << 20], &b.bytes()[..1 << 20]);
     }
 }
 
@@ -432,7 +441,7 @@ fn memory_registered_after_connect_is_reached_after_reconnecting() {
     assert_eq!(a.connect_to(&b), peer);
     a.fill(0, 4096, 21);
     settle(&a.t, a.t.post(peer, Op::Write, &one).unwrap()).unwrap();
-    assert_eq!(&unsafe { extra.host_bytes() }.unwrap()[..4096], &unsafe { a.buf.host_bytes() }.unwrap()[..4096]);
+    assert_eq!(&settled(&extra)[..4096], &a.bytes()[..4096]);
     let k = a.t.standin_counters().unwrap();
     assert_eq!((k.connects, k.disconnects), (2, 1), "{k:?}");
 }

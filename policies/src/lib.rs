@@ -4,6 +4,8 @@
 //! module faults); the same types are exported as Wasm components for hot swap
 //! (`policies/wasm/<name>`, built by `kvpool-policy-build`).
 
+#![forbid(unsafe_code)]
+
 pub mod admission;
 pub mod arc;
 pub mod experts;

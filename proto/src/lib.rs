@@ -1,11 +1,14 @@
 //! kvpool wire protocol, shared by the server and the clients. `docs/PROTOCOL.md` is the
 //! language-neutral description of the same thing; keep both in step.
 
+#![forbid(unsafe_code)]
+
 pub mod codec;
 mod facts;
 pub mod frame;
 mod messages;
 
+pub use facts::{RequestFacts, REQUESTS, REQUEST_NAMES, REQUEST_TAGS, V1_REQUEST_TAGS};
 pub use messages::*;
 
 /// Serde glue for a list of keys: each key as a byte string (one length, then the bytes, as any

@@ -99,12 +99,6 @@ pub enum Request {
     BulkAttach(BulkAttachRequest),
 }
 
-/// Number of request variants this version knows (tags `0..REQUEST_TAGS`).
-pub const REQUEST_TAGS: u32 = 32;
-
-/// Requests of version 1 (tags `0..V1_REQUEST_TAGS`); later tags need a version 2 hello.
-pub const V1_REQUEST_TAGS: u32 = 12;
-
 /// The first frame the server writes on a stream.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub enum Response {

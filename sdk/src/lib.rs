@@ -9,6 +9,11 @@
 //! then asks for decisions. A fresh instance rebuilt by replaying the current block set must
 //! reach an equivalent state; that is how a hot swap works.
 
+// The host build has no unsafe code; on wasm32 the bindings wit-bindgen generates in `__wasm`
+// need it (and only they may use it).
+#![cfg_attr(not(target_arch = "wasm32"), forbid(unsafe_code))]
+#![cfg_attr(target_arch = "wasm32", deny(unsafe_code))]
+
 // Lets the generated guest bindings name this crate by the same path inside and outside it.
 #[cfg(target_arch = "wasm32")]
 extern crate self as kvpool_policy_sdk;
@@ -128,6 +133,7 @@ pub fn now_us() -> u64 {
 
 #[cfg(target_arch = "wasm32")]
 #[doc(hidden)]
+#[allow(unsafe_code)]
 pub mod __wasm;
 
 /// Export an [`EvictionPolicy`] + [`FromParams`] type as the module's `eviction` world.

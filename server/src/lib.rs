@@ -229,7 +229,7 @@ fn check_transport(cfg: &Config) -> Result<Option<kvpool_hixl::HixlTransport>, S
 /// The copy engine with the DRAM segment registered, and the shm socket when `shm` is on.
 fn data_path(cfg: &Config, store: &Store, data_dir: &Path) -> Option<service::DataPath> {
     use kvpool_transport::Transport;
-    let transport = Arc::new(kvpool_transport::local::LocalTransport::new(cfg.transport.copy_threads as usize));
+    let transport = Arc::new(kvpool_transport::copy::CopyEngine::new(cfg.transport.copy_threads as usize));
     let (addr, len) = store.dram_segment();
     let region = kvpool_transport::Region { addr, len, kind: kvpool_transport::MemKind::Host };
     // SAFETY: the segment lives as long as the store, which outlives the server's requests.
@@ -481,7 +481,7 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
             let o = cluster::storage::Offloader::new(link.clone(), shared.auth.clone(), cfg.cluster.offload_max_fill);
             store.set_offload(Arc::new(o));
         }
-        let node = cluster::storage::Local {
+        let node = cluster::storage::ThisNode {
             store: store.clone(),
             auth: shared.auth.clone(),
             metrics: shared.metrics.clone(),

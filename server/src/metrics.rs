@@ -5,35 +5,8 @@ use prometheus::{
     Registry, TextEncoder,
 };
 
-pub const OPS: [&str; 27] = [
-    "hello",
-    "put",
-    "get",
-    "lookup",
-    "exists",
-    "remove",
-    "remove_all",
-    "stats",
-    "ping",
-    "policy_load",
-    "policy_list",
-    "policy_rollback",
-    "shm_attach",
-    "put_intent",
-    "put_done",
-    "get_locate",
-    "release",
-    "put_from",
-    "get_into",
-    "write",
-    "read",
-    "node_join",
-    "node_report",
-    "nodes",
-    "route",
-    "place",
-    "node_put",
-];
+/// Every request's name, from the request table: each gets its latency and error series.
+pub const OPS: [&str; kvpool_proto::REQUESTS.len()] = kvpool_proto::REQUEST_NAMES;
 
 pub struct Metrics {
     pub registry: Registry,
@@ -229,14 +202,14 @@ impl Metrics {
             local_refused: counter(
                 &reg,
                 "local_refused_total",
-                "Control socket connections refused (user, token, or socket limit)",
+                "Control socket connections refused (user, token, socket limit, or too many waiting for a token)",
             ),
             bulk_requests: counter(&reg, "bulk_requests_total", "Requests answered on TCP bulk connections"),
             bulk_bound: counter(&reg, "bulk_connections_total", "TCP bulk connections bound to a QUIC session"),
             bulk_refused: counter(
                 &reg,
                 "bulk_refused_total",
-                "TCP bulk connections refused (TLS handshake, token, address, plaintext, or connection limit)",
+                "TCP bulk connections refused (TLS handshake or ALPN, token, address, plaintext, or connection limits)",
             ),
             lookup_blocks: counter_vec(
                 &reg,

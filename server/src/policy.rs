@@ -121,6 +121,8 @@ pub struct PolicyManager {
     store_threshold: u64,
     /// Longest history kept per kind.
     history: usize,
+    /// The module of each kind whose series `/metrics` shows, since its last export.
+    exported: parking_lot::Mutex<[Option<String>; 3]>,
 }
 
 impl PolicyManager {
@@ -143,6 +145,7 @@ impl PolicyManager {
             last_swap_us: parking_lot::Mutex::new([0; 3]),
             store_threshold,
             history: 16,
+            exported: parking_lot::Mutex::new([None, None, None]),
         }))
     }
 
@@ -377,10 +380,23 @@ impl PolicyManager {
         out
     }
 
-    /// Fault counters for /metrics.
+    /// Fault counters and quarantine of each kind's active module, for /metrics. A module no
+    /// longer active (rolled back, or replaced) has its series set back to 0: they describe the
+    /// active module, and a rolled-back quarantined module is no longer quarantining anything.
     pub fn export_metrics(&self, m: &crate::metrics::Metrics) {
+        let mut exported = self.exported.lock();
         for kind in KINDS {
-            if let Some(info) = self.module_info(kind) {
+            let info = self.module_info(kind);
+            let now = info.as_ref().map(|i| i.name.clone());
+            let last = &mut exported[kind as usize];
+            if let Some(gone) = last.take().filter(|g| Some(g) != now.as_ref()) {
+                for fault in ["trap", "timeout", "invalid"] {
+                    m.policy_faults.with_label_values(&[kind.name(), &gone, fault]).set(0);
+                }
+                m.policy_quarantined.with_label_values(&[kind.name(), &gone]).set(0);
+            }
+            *last = now;
+            if let Some(info) = info {
                 for (fault, n) in
                     [("trap", info.faults.trap), ("timeout", info.faults.timeout), ("invalid", info.faults.invalid)]
                 {

@@ -129,8 +129,12 @@ async fn without_a_channel_the_bytes_go_over_quic() {
 // ---- the door, driven by hand --------------------------------------------------------------
 
 async fn session(srv: &TestServer) -> RawConnection {
-    let r = RawConnection::connect(&srv.client_config(ADMIN_KEY)).await.unwrap();
-    let h = Request::Hello(Hello { version: PROTOCOL_VERSION, api_key: ADMIN_KEY.into(), client_name: "t".into() });
+    session_of(srv, ADMIN_KEY).await
+}
+
+async fn session_of(srv: &TestServer, key: &str) -> RawConnection {
+    let r = RawConnection::connect(&srv.client_config(key)).await.unwrap();
+    let h = Request::Hello(Hello { version: PROTOCOL_VERSION, api_key: key.into(), client_name: "t".into() });
     assert!(matches!(r.request(&h).await.unwrap(), Response::Hello(_)));
     r
 }
@@ -147,20 +151,33 @@ impl<T: AsyncRead + AsyncWrite + Unpin + Send> Io for T {}
 
 /// A TCP connection to the offer's port, from `from` when given, with TLS when `tls`.
 async fn dial(srv: &TestServer, port: u16, from: Option<IpAddr>, tls: bool) -> Box<dyn Io> {
+    let tcp = tcp(srv, port, from).await;
+    if !tls {
+        return Box::new(tcp);
+    }
+    Box::new(handshake(srv, tcp, vec![kvpool_proto::BULK_ALPN.to_vec()]).await.unwrap())
+}
+
+async fn tcp(srv: &TestServer, port: u16, from: Option<IpAddr>) -> TcpStream {
     let ip: IpAddr = srv.addr().parse::<SocketAddr>().unwrap().ip();
     let sock = TcpSocket::new_v4().unwrap();
     if let Some(from) = from {
         sock.bind(SocketAddr::new(from, 0)).unwrap();
     }
-    let tcp: TcpStream = sock.connect(SocketAddr::new(ip, port)).await.unwrap();
-    if !tls {
-        return Box::new(tcp);
-    }
+    sock.connect(SocketAddr::new(ip, port)).await.unwrap()
+}
+
+/// A TLS handshake with the server's certificate, offering `alpn`.
+async fn handshake(
+    srv: &TestServer,
+    tcp: TcpStream,
+    alpn: Vec<Vec<u8>>,
+) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
     let cert = std::path::PathBuf::from(srv.endpoint["cert_path"].as_str().unwrap());
     let mut cfg = kvpool_client::tls::rustls_config(&Trust::CaFile(cert)).unwrap();
-    cfg.alpn_protocols = vec![kvpool_proto::BULK_ALPN.to_vec()];
+    cfg.alpn_protocols = alpn;
     let name = rustls::pki_types::ServerName::try_from("localhost").unwrap();
-    Box::new(tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg)).connect(name, tcp).await.unwrap())
+    tokio_rustls::TlsConnector::from(std::sync::Arc::new(cfg)).connect(name, tcp).await
 }
 
 /// Present `token`: `Ok` when bound, else the refusal's code (the server then closes).
@@ -287,13 +304,34 @@ async fn the_door_refuses_unknown_used_foreign_and_orphaned_tokens_and_leaks_not
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_door_bounds_what_a_greedy_session_and_peers_without_tokens_hold() {
+async fn a_tls_hello_without_the_channels_alpn_is_refused_in_the_handshake() {
+    let srv = TestServer::start(Opts::default());
+    let r = session(&srv).await;
+    let o = offer(&r, false).await;
+    // As QUIC refuses a handshake without its ALPN, so does the channel: no ALPN at all, or
+    // another protocol, is answered with the alert `no_application_protocol`.
+    for alpn in [vec![], vec![b"h2".to_vec()]] {
+        let shown = format!("{alpn:?}");
+        let refused = handshake(&srv, tcp(&srv, o.port, None).await, alpn).await;
+        let e = refused.err().unwrap_or_else(|| panic!("a handshake offering {shown} completed"));
+        assert!(e.to_string().contains("NoApplicationProtocol"), "{shown}: {e}");
+    }
+    assert!(metric(&srv.scrape(), "kvpool_bulk_refused_total") >= 2.0);
+    // The token was never shown: with the channel's ALPN it binds.
+    let mut io = dial(&srv, o.port, None, true).await;
+    present(&mut io, &o.token).await.unwrap();
+    let (answer, end) = envelope(&mut io, &get_frame("absent")).await;
+    assert_eq!(end, 0);
+    assert!(matches!(kvpool_client::parse_reply(&answer).unwrap().0, Response::Get(_)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_door_bounds_what_a_greedy_session_holds() {
     let srv = TestServer::start(Opts::default());
     // One session holds at most 64 unspent tokens; another session still gets its own.
     let greedy = session(&srv).await;
-    let mut port = 0;
     for _ in 0..64 {
-        port = offer(&greedy, false).await.port;
+        offer(&greedy, false).await;
     }
     let ask = Request::BulkAttach(BulkAttachRequest { plaintext: false });
     match greedy.request(&ask).await.unwrap() {
@@ -302,23 +340,99 @@ async fn the_door_bounds_what_a_greedy_session_and_peers_without_tokens_hold() {
     }
     let other = session(&srv).await;
     let o = offer(&other, false).await;
+    let mut io = dial(&srv, o.port, None, true).await;
+    present(&mut io, &o.token).await.unwrap();
+}
 
-    // Connections that never show a token: 256 are held (until their 5 s run out), the next
-    // is closed at once, unanswered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_tenant_cannot_take_every_waiting_token() {
+    let srv = TestServer::start(Opts::default());
+    // One tenant's 64 connections ask for 64 tokens each: 4,096, the size of the whole table.
+    let started = std::time::Instant::now();
+    let mut asks = tokio::task::JoinSet::new();
+    for _ in 0..64 {
+        let r = session(&srv).await;
+        asks.spawn(async move {
+            let ask = Request::BulkAttach(BulkAttachRequest { plaintext: false });
+            let mut granted = 0;
+            for _ in 0..64 {
+                match r.request(&ask).await.unwrap() {
+                    Response::BulkOffer(_) => granted += 1,
+                    Response::Error(e) => assert_eq!(e.code, ErrorCode::Rejected, "{}", e.message),
+                    other => panic!("{other:?}"),
+                }
+            }
+            (granted, r)
+        });
+    }
+    let mut granted = 0;
+    let mut held = Vec::new();
+    while let Some(r) = asks.join_next().await {
+        let (n, r) = r.unwrap();
+        granted += n;
+        held.push(r);
+    }
+    let took = started.elapsed();
+    // Another tenant is still answered with an offer, and binds.
+    let alice = session_of(&srv, ALICE_KEY).await;
+    let o = offer(&alice, false).await;
+    let mut io = dial(&srv, o.port, None, true).await;
+    present(&mut io, &o.token).await.unwrap();
+    // (Tokens are forgotten after 10 s: on a machine that slow, more would have been granted.)
+    if took < Duration::from_secs(9) {
+        assert_eq!(granted, 1024, "a tenant waits with a quarter of the table at most");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_address_without_tokens_cannot_close_the_door_to_others() {
+    let srv = TestServer::start(Opts::default());
+    let r = session(&srv).await;
+    let o = offer(&r, false).await;
+    // One address opens 256 connections and never shows a token: 64 are held (until their 5 s
+    // run out), the others closed at once, unanswered.
+    let hog: IpAddr = "127.0.0.2".parse().unwrap();
     let mut idle = Vec::new();
     for _ in 0..256 {
-        idle.push(dial(&srv, port, None, false).await);
+        idle.push(dial(&srv, o.port, Some(hog), false).await);
     }
-    let mut late = dial(&srv, port, None, false).await;
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut closed = 0;
+    for io in &mut idle {
+        let mut b = [0u8; 1];
+        if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_millis(5), io.read(&mut b)).await {
+            closed += 1;
+        }
+    }
+    assert_eq!(closed, 256 - 64, "an address's share of the connections waiting for a token");
+    // The channel is still open to everyone else: a token from this address binds and serves.
+    let mut io = dial(&srv, o.port, None, true).await;
+    present(&mut io, &o.token).await.unwrap();
+    let (answer, end) = envelope(&mut io, &get_frame("absent")).await;
+    assert_eq!(end, 0);
+    assert!(matches!(kvpool_client::parse_reply(&answer).unwrap().0, Response::Get(_)));
+    drop(idle);
+
+    // In all, 256 connections wait for their token: four addresses' 64 each fill the door, and
+    // the next connection is closed at once, unanswered, wherever it comes from.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let mut idle = Vec::new();
+    for a in 2..6 {
+        for _ in 0..64 {
+            idle.push(dial(&srv, o.port, Some(IpAddr::from([127, 0, 0, a])), false).await);
+        }
+    }
+    let mut late = dial(&srv, o.port, Some("127.0.0.6".parse().unwrap()), false).await;
     let t = std::time::Instant::now();
     let mut seen = Vec::new();
     let n = tokio::time::timeout(Duration::from_secs(4), late.read_to_end(&mut seen)).await;
     assert!(matches!(n, Ok(Ok(0))), "closed unanswered at once: {n:?} after {:?}", t.elapsed());
-    assert!(metric(&srv.scrape(), "kvpool_bulk_refused_total") >= 1.0);
+    assert!(metric(&srv.scrape(), "kvpool_bulk_refused_total") >= 193.0);
 
     // Once they go, a token binds again and the channel serves.
     drop(idle);
     tokio::time::sleep(Duration::from_millis(300)).await;
+    let o = offer(&r, false).await;
     let mut io = dial(&srv, o.port, None, true).await;
     present(&mut io, &o.token).await.unwrap();
     let (answer, end) = envelope(&mut io, &get_frame("absent")).await;

@@ -137,8 +137,17 @@ async fn the_control_socket_refuses_bad_input_with_typed_errors_and_keeps_servin
     let (_, _, body) = exchange(&mut s, &trailing).await.unwrap();
     assert_eq!(code_of(&codec::decode::<Response>(&body[4..]).unwrap()), ErrorCode::Malformed);
     assert!(matches!(request(&mut s, &Request::Ping(Ping { nonce: 9 })).await, Response::Pong(p) if p.nonce == 9));
-    // LocalAttach belongs on QUIC: here it is refused, and the socket lives on.
+    // What binds a channel to the QUIC connection, or answers with a stream, belongs on QUIC (the
+    // request table says so): here it is refused, and the socket lives on.
     assert_eq!(code_of(&request(&mut s, &Request::LocalAttach).await), ErrorCode::InvalidArgument);
+    let bulk = Request::BulkAttach(kvpool_proto::BulkAttachRequest { plaintext: false });
+    assert_eq!(code_of(&request(&mut s, &bulk).await), ErrorCode::InvalidArgument);
+    let sub = Request::Subscribe(kvpool_proto::SubscribeRequest {
+        from: None,
+        scope: kvpool_proto::EventScope::Tenant,
+        max_batch: 0,
+    });
+    assert_eq!(code_of(&request(&mut s, &sub).await), ErrorCode::InvalidArgument);
     assert!(matches!(request(&mut s, &Request::Ping(Ping { nonce: 10 })).await, Response::Pong(p) if p.nonce == 10));
 
     // An answer longer than the channel carries (a value just over its limit, fetched in band).
@@ -201,6 +210,30 @@ async fn control_sockets_close_with_their_connection() {
     tokio::time::sleep(Duration::from_millis(100)).await;
     let mut again = bind(&offer, &offer.token).await.unwrap();
     assert!(matches!(request(&mut again, &Request::Ping(Ping { nonce: 3 })).await, Response::Pong(_)));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_process_without_a_token_holds_64_sockets_and_others_still_bind() {
+    use std::io::BufRead;
+    let srv = TestServer::start(Opts::default());
+    let (_raw, offer) = attached(&srv, ADMIN_KEY).await;
+    // Another process opens 100 sockets and never presents a token: the server keeps 64 of them
+    // (until their 5 s run out) and closes the others at once.
+    let mut hog = std::process::Command::new(kvpool_tests::bin("kvpool-socket-hog"))
+        .args([offer.socket_path.as_str(), "100"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufReader::new(hog.stdout.take().unwrap()).read_line(&mut line).unwrap();
+    assert_eq!(line.trim(), "held 64", "a process's share of the sockets waiting for a token");
+    // Meanwhile this process binds a socket and is served.
+    let mut s = bind(&offer, &offer.token).await.unwrap();
+    assert!(matches!(request(&mut s, &Request::Ping(Ping { nonce: 4 })).await, Response::Pong(_)));
+    assert!(metric(&srv.scrape(), "kvpool_local_refused_total") >= 36.0);
+    drop(hog.stdin.take());
+    hog.wait().unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

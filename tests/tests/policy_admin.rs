@@ -169,3 +169,29 @@ async fn misbehaving_modules_fall_back_and_are_quarantined() {
     assert!(kvpool_tests::metric(&m, "kvpool_policy_quarantined") >= 1.0, "{m}");
     admin.ping().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rolling_back_a_quarantined_module_clears_its_quarantine_on_metrics() {
+    let comps = tokio::task::spawn_blocking(|| components(true)).await.unwrap();
+    let srv = TestServer::start(Opts { dram: "8MiB", ..Opts::default() });
+    let admin = srv.client(ADMIN_KEY).await;
+    let wasm = std::fs::read(&comps["panicky"]).unwrap();
+    admin.policy_load(PolicyKind::Eviction, "panicky", &[], &wasm).await.unwrap();
+    for i in 0..24 {
+        let k = format!("q-{i}");
+        admin.put(&k, &value_for(&k, 1 << 20)).await.unwrap();
+    }
+    let list = admin.policy_list().await.unwrap();
+    assert!(list.iter().any(|p| p.kind == PolicyKind::Eviction && p.active && p.quarantined), "{list:?}");
+    let series = "kvpool_policy_quarantined{kind=\"eviction\",module=\"panicky\"}";
+    assert_eq!(kvpool_tests::metric(&srv.scrape(), series), 1.0);
+
+    // Rolled back: the built-in is active, and no module of any kind is quarantined.
+    let now = admin.policy_rollback(PolicyKind::Eviction).await.unwrap();
+    assert!(now.builtin && !now.quarantined, "{now:?}");
+    let m = srv.scrape();
+    assert_eq!(kvpool_tests::metric(&m, "kvpool_policy_quarantined"), 0.0, "{m}");
+    assert_eq!(kvpool_tests::metric(&m, "kvpool_policy_faults"), 0.0, "{m}");
+    // The pool serves on with the built-in.
+    admin.put("after", &value_for("after", 1 << 20)).await.unwrap();
+}

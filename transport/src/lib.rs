@@ -12,11 +12,11 @@
 //! settled (completed, failed, or cancelled and reported as such): the transport never frees or
 //! reuses memory itself.
 //!
-//! Backends here: [`local::LocalTransport`], an engine of copy threads between host regions of
+//! Backends here: [`copy::CopyEngine`], an engine of copy threads between host regions of
 //! one process (the server side of the same-host transport, and a stand-in in tests), and
 //! [`shm`], which imports a client's memfd-backed buffers into it over a Unix socket.
 
-pub mod local;
+pub mod copy;
 pub mod memfd;
 pub mod shm;
 

@@ -20,6 +20,7 @@ struct Mapped {
 
 // SAFETY: plain shared memory; who may touch which bytes when is the transport's contract.
 unsafe impl Send for Mapped {}
+// SAFETY: as for `Send`: the mapping itself is never changed through a shared reference.
 unsafe impl Sync for Mapped {}
 
 impl Mapped {

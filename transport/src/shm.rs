@@ -2,13 +2,13 @@
 //! one-time token there, connects to the server's Unix socket, presents the token, and hands over
 //! its buffers as sealed memfds (SCM_RIGHTS). The server checks the peer's credentials, imports
 //! and maps the buffers, and from then on copies between its segment and them with a
-//! [`LocalTransport`]. The server never maps its own memory into a client.
+//! [`CopyEngine`]. The server never maps its own memory into a client.
 //!
 //! Socket protocol (strict request/reply, one message at a time): a u32 little-endian length,
 //! then a [`ShmMsg`] in kvpool's codec, with any file descriptors of an `Add` attached to the
 //! same `sendmsg`; the server answers each message with a [`ShmReply`] framed the same way.
 
-use crate::local::LocalTransport;
+use crate::copy::CopyEngine;
 use crate::memfd::{Mapping, SharedBuffer};
 use crate::{PeerId, RegionId};
 use kvpool_proto::codec;
@@ -127,7 +127,7 @@ fn reply(stream: &UnixStream, r: &ShmReply) -> io::Result<()> {
 }
 
 struct ServerInner {
-    transport: Arc<LocalTransport>,
+    transport: Arc<CopyEngine>,
     /// Tokens issued and not yet presented.
     tickets: Mutex<HashMap<[u8; 32], PeerId>>,
     allowed_uids: Vec<u32>,
@@ -157,7 +157,7 @@ impl Drop for Ticket {
 impl ShmServer {
     /// Listen on `path` (a stale socket there is replaced). Connections from users other than
     /// the server's own and `allowed_uids` are refused.
-    pub fn start(path: &Path, transport: Arc<LocalTransport>, allowed_uids: Vec<u32>) -> io::Result<ShmServer> {
+    pub fn start(path: &Path, transport: Arc<CopyEngine>, allowed_uids: Vec<u32>) -> io::Result<ShmServer> {
         let _ = std::fs::remove_file(path);
         let listener = UnixListener::bind(path)?;
         // The server's own user always, and the listed ones.
@@ -183,7 +183,7 @@ impl ShmServer {
         &self.path
     }
 
-    pub fn transport(&self) -> &Arc<LocalTransport> {
+    pub fn transport(&self) -> &Arc<CopyEngine> {
         &self.inner.transport
     }
 
@@ -269,7 +269,7 @@ fn serve(inner: &ServerInner, conn: &UnixStream) -> Result<(), ShmError> {
 }
 
 /// Import every buffer of an `Add`, or none of them.
-fn add(t: &LocalTransport, peer: PeerId, regions: &[(u64, u64)], fds: Vec<OwnedFd>) -> Result<(), String> {
+fn add(t: &CopyEngine, peer: PeerId, regions: &[(u64, u64)], fds: Vec<OwnedFd>) -> Result<(), String> {
     let mut maps = Vec::with_capacity(regions.len());
     for (&(id, len), fd) in regions.iter().zip(fds) {
         let m = Mapping::import(fd, len).map_err(|e| format!("region {id}: {e}"))?;
@@ -335,7 +335,7 @@ mod tests {
     #[tokio::test]
     async fn a_client_shares_buffers_and_the_server_copies_into_them() {
         let dir = tempfile::tempdir().unwrap();
-        let t = Arc::new(LocalTransport::new(2));
+        let t = Arc::new(CopyEngine::new(2));
         let server = ShmServer::start(&dir.path().join("shm.sock"), t.clone(), vec![]).unwrap();
         let mut seg = vec![0u8; 1 << 20];
         // SAFETY: `seg` outlives the transfers below.

@@ -140,14 +140,12 @@ fn main() -> Result<()> {
             };
             let (pending, batch) = index.plan_put(0, &[spec], false, u64::MAX);
             let plans = index.decide_put(0, &pending, &batch, &[], None);
-            let PutPlan::Store { id, .. } = plans[0] else { anyhow::bail!("put {c}/{p} refused") };
+            let PutPlan::Store(planned) = plans[0] else { anyhow::bail!("put {c}/{p} refused") };
             let copy = copies.next().expect("one per block");
             if index
                 .publish(Commit {
-                    tenant: 0,
-                    id,
+                    planned,
                     spec,
-                    upsert: false,
                     checksum: 0,
                     dram: Some(copy),
                     ssd: None,

@@ -11,16 +11,14 @@
 //! persisted records, [`view`] is what policies and routers are shown.
 
 mod chains;
-mod evict;
+// Their types are named by these paths (lib.rs re-exports them): the index's own file imports
+// nothing from the files that implement it, so the imports run one way.
+pub(crate) mod evict;
 mod leases;
-mod put;
+pub(crate) mod put;
 mod reads;
-mod recover;
+pub(crate) mod recover;
 mod view;
-
-pub use evict::{Demoted, Evicted};
-pub use put::{Commit, Pending, PinRequest, PutPlan, PutSpec, PutStatus};
-pub use recover::Recovered;
 
 use crate::blocks::{BlockRecord, Blocks, CopyHandle, Stamp};
 use crate::changes::{Change, ChangeKind};

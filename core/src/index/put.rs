@@ -35,16 +35,28 @@ pub struct PutSpec<'a> {
 /// How a put item will be handled, decided before its bytes are read.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PutPlan {
-    /// Store the bytes as a copy in this tier, under this pre-assigned id.
-    Store { id: u64, tier: Tier },
+    /// Store the bytes: the plan travels with them, as is, to [`Index::publish`].
+    Store(Planned),
     /// Do not store: discard the bytes and answer this.
-    Skip(PutStatus),
+    Skip(PutRefusal),
 }
 
-/// Outcome of one put item.
+/// A put item its plan admitted: carried unchanged from [`Index::decide_put`] (through the
+/// bytes' arrival) to [`Commit`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum PutStatus {
-    Ok,
+pub struct Planned {
+    pub tenant: u32,
+    /// The id the block will be published under.
+    pub id: u64,
+    /// The tier its bytes go to first.
+    pub tier: Tier,
+    /// Replace the key's block unless it is leased; without it a present key refuses.
+    pub upsert: bool,
+}
+
+/// Why a put item was not stored (there is no "ok" here: a stored item has no refusal).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PutRefusal {
     AlreadyExists,
     /// Upsert of a block that is leased to readers.
     Leased,
@@ -56,12 +68,9 @@ pub enum PutStatus {
 /// A block whose bytes are complete, as [`Index::publish`] takes it.
 #[derive(Debug)]
 pub struct Commit<'a, D> {
-    pub tenant: u32,
-    /// The id its plan assigned ([`PutPlan::Store`]).
-    pub id: u64,
+    /// What its plan decided ([`PutPlan::Store`]).
+    pub planned: Planned,
     pub spec: PutSpec<'a>,
-    /// Replace the key's block unless it is leased; without it a present key refuses.
-    pub upsert: bool,
     /// xxh3-64 of the bytes, verified on every read.
     pub checksum: u64,
     /// The copies: a DRAM handle, an SSD locator, or both.
@@ -78,11 +87,12 @@ pub struct Commit<'a, D> {
 /// A put item whose admission is still to be asked.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Pending {
-    Skip(PutStatus),
-    /// Row `row` of the admission batch, for block `id`.
+    Skip(PutRefusal),
+    /// Row `row` of the admission batch, for block `id` (an upsert or not).
     Ask {
         id: u64,
         row: usize,
+        upsert: bool,
     },
 }
 
@@ -104,7 +114,7 @@ impl<D: CopyHandle> Index<D> {
         let mut rows: Vec<(&[u8], u64, u32)> = Vec::new();
         for it in items {
             if !upsert && self.blocks.id_of(tenant, it.key).is_some() {
-                pending.push(Pending::Skip(PutStatus::AlreadyExists));
+                pending.push(Pending::Skip(PutRefusal::AlreadyExists));
                 continue;
             }
             // Keys beyond the arena's two-byte lengths are refused like values beyond the
@@ -113,7 +123,7 @@ impl<D: CopyHandle> Index<D> {
                 || it.size > u64::from(u32::MAX)
                 || it.key.len() > MAX_KEY_LEN
             {
-                pending.push(Pending::Skip(PutStatus::NoSpace));
+                pending.push(Pending::Skip(PutRefusal::NoSpace));
                 continue;
             }
             let id = self.next_id;
@@ -126,7 +136,7 @@ impl<D: CopyHandle> Index<D> {
                 (None, None) => (NO_PARENT, self.depth_under(NO_PARENT, it.parent)),
             };
             rows.push((it.key, id, depth));
-            pending.push(Pending::Ask { id, row: batch.len() });
+            pending.push(Pending::Ask { id, row: batch.len(), upsert });
             batch.push(AdmitRequest {
                 id,
                 key: key_hash(tenant, it.key),
@@ -164,17 +174,19 @@ impl<D: CopyHandle> Index<D> {
             .iter()
             .map(|p| match *p {
                 Pending::Skip(s) => PutPlan::Skip(s),
-                Pending::Ask { id, row } => match decisions.get(row).copied().unwrap_or(Admit::Into(Tier::Dram)) {
-                    Admit::Reject => {
-                        rejected += 1;
-                        PutPlan::Skip(PutStatus::Rejected)
+                Pending::Ask { id, row, upsert } => {
+                    match decisions.get(row).copied().unwrap_or(Admit::Into(Tier::Dram)) {
+                        Admit::Reject => {
+                            rejected += 1;
+                            PutPlan::Skip(PutRefusal::Rejected)
+                        }
+                        Admit::Into(t) => {
+                            let t = placed.and_then(|p| p.get(row).copied()).unwrap_or(t);
+                            let tier = if t == Tier::Ssd && has_ssd { Tier::Ssd } else { Tier::Dram };
+                            PutPlan::Store(Planned { tenant, id, tier, upsert })
+                        }
                     }
-                    Admit::Into(t) => {
-                        let t = placed.and_then(|p| p.get(row).copied()).unwrap_or(t);
-                        let tier = if t == Tier::Ssd && has_ssd { Tier::Ssd } else { Tier::Dram };
-                        PutPlan::Store { id, tier }
-                    }
-                },
+                }
             })
             .collect();
         if rejected > 0 {
@@ -185,20 +197,21 @@ impl<D: CopyHandle> Index<D> {
 
     /// Publish a block whose bytes are complete. `Err` when the key changed meanwhile (an insert
     /// found it present, an upsert found the old value leased): the caller frees the copy.
-    pub fn publish(&mut self, c: Commit<'_, D>) -> Result<(Option<Dropped<D>>, Vec<MetaOp>), PutStatus> {
-        let Commit { tenant, id, spec, upsert, checksum, dram, ssd, now, wall_ms, soft_pin_ttl_ms } = c;
+    pub fn publish(&mut self, c: Commit<'_, D>) -> Result<(Option<Dropped<D>>, Vec<MetaOp>), PutRefusal> {
+        let Commit { planned, spec, checksum, dram, ssd, now, wall_ms, soft_pin_ttl_ms } = c;
+        let Planned { tenant, id, upsert, .. } = planned;
         let spec = &spec;
         if spec.key.len() > MAX_KEY_LEN || spec.size > u64::from(u32::MAX) {
-            return Err(PutStatus::NoSpace);
+            return Err(PutRefusal::NoSpace);
         }
         let mut meta = Vec::with_capacity(2);
         let mut replaced = None;
         if let Some(old) = self.blocks.id_of(tenant, spec.key) {
             if !upsert {
-                return Err(PutStatus::AlreadyExists);
+                return Err(PutRefusal::AlreadyExists);
             }
             if self.is_leased(old, now) {
-                return Err(PutStatus::Leased);
+                return Err(PutRefusal::Leased);
             }
             let (d, m) = self.drop_block(old, ChangeKind::Removed).expect("indexed block exists");
             replaced = Some(d);

@@ -50,15 +50,22 @@ fn spec<'a>(key: &'a [u8], size: u64, parent: Option<&'a [u8]>) -> PutSpec<'a> {
 /// A block of `tenant` to publish with a DRAM copy: no checksum, insert mode, clocks at 0 (call
 /// sites name what differs).
 fn block<'a>(tenant: u32, id: u64, spec: PutSpec<'a>, now: Instant) -> Commit<'a, Copy> {
-    let (upsert, checksum, dram, ssd, wall_ms, soft_pin_ttl_ms) = (false, 0, Some(copy(id)), None, 0, 0);
-    Commit { tenant, id, spec, upsert, checksum, dram, ssd, now, wall_ms, soft_pin_ttl_ms }
+    let planned = Planned { tenant, id, tier: Tier::Dram, upsert: false };
+    let (checksum, dram, ssd, wall_ms, soft_pin_ttl_ms) = (0, Some(copy(id)), None, 0, 0);
+    Commit { planned, spec, checksum, dram, ssd, now, wall_ms, soft_pin_ttl_ms }
+}
+
+/// `c` as an upsert.
+fn upserting(mut c: Commit<'_, Copy>) -> Commit<'_, Copy> {
+    c.planned.upsert = true;
+    c
 }
 
 /// Plan and commit one block into DRAM; returns its id.
-fn put(p: &mut Pool<Copy>, tenant: u32, s: PutSpec<'_>, now: Instant) -> Result<u64, PutStatus> {
+fn put(p: &mut Pool<Copy>, tenant: u32, s: PutSpec<'_>, now: Instant) -> Result<u64, PutRefusal> {
     let plans = p.plan_put(tenant, &[s], false, 1 << 30, &NodeSet::default());
     let id = match plans[0] {
-        PutPlan::Store { id, .. } => id,
+        PutPlan::Store(planned) => planned.id,
         PutPlan::Skip(st) => return Err(st),
     };
     p.index
@@ -76,7 +83,7 @@ fn put_get_lookup_remove_and_tenants_are_apart() {
     let now = Instant::now();
     put(&mut p, T1, spec(b"a", 1000, None), now).unwrap();
     put(&mut p, T1, spec(b"b", 10, Some(b"a")), now).unwrap();
-    assert_eq!(put(&mut p, T1, spec(b"a", 5, None), now), Err(PutStatus::AlreadyExists));
+    assert_eq!(put(&mut p, T1, spec(b"a", 5, None), now), Err(PutRefusal::AlreadyExists));
     assert_eq!(p.index.lookup(T1, &keys(&["a", "b", "c"]), 0), 2);
     assert_eq!(p.index.lookup(T1, &keys(&["x", "a"]), 0), 0, "a gap ends the prefix");
     assert_eq!(p.index.lookup(T2, &keys(&["a"]), 0), 0, "another tenant's key space");
@@ -103,7 +110,7 @@ fn only_blocks_with_an_ssd_copy_are_persisted() {
     let now = Instant::now();
     let s = spec(b"on-ssd", 100, None);
     let plans = p.plan_put(T1, &[s], false, 1 << 30, &NodeSet::default());
-    let PutPlan::Store { id, .. } = plans[0] else { panic!() };
+    let PutPlan::Store(Planned { id, .. }) = plans[0] else { panic!() };
     let (_, meta) =
         p.index.publish(Commit { checksum: 5, dram: None, ssd: Some(8192), ..block(T1, id, s, now) }).unwrap();
     assert!(matches!(&meta[..], [MetaOp::Put { record, .. }] if record.ssd_file == Some(8192)));
@@ -123,12 +130,12 @@ fn upsert_replaces_unless_leased() {
     let id = put(&mut p, T1, spec(b"k", 100, None), now).unwrap();
     p.index.plan_get(T1, &keys(&["k"]), now + Duration::from_secs(1), 0);
     let s = spec(b"k", 200, None);
-    let r = p.index.publish(Commit { upsert: true, checksum: 9, dram: Some(copy(0)), ..block(T1, id + 100, s, now) });
-    assert_eq!(r.unwrap_err(), PutStatus::Leased);
+    let r = p.index.publish(upserting(Commit { checksum: 9, dram: Some(copy(0)), ..block(T1, id + 100, s, now) }));
+    assert_eq!(r.unwrap_err(), PutRefusal::Leased);
     let later = now + Duration::from_secs(2);
     let (replaced, meta) = p
         .index
-        .publish(Commit { upsert: true, checksum: 9, dram: Some(copy(0)), ..block(T1, id + 100, s, later) })
+        .publish(upserting(Commit { checksum: 9, dram: Some(copy(0)), ..block(T1, id + 100, s, later) }))
         .unwrap();
     assert!(replaced.unwrap().dram.is_some(), "the old copy comes back to be freed");
     assert!(meta.is_empty(), "DRAM-only blocks have no records");
@@ -252,7 +259,7 @@ fn failed_demotion_evicts_and_leased_ssd_blocks_stay() {
     assert!(b.is_ok());
     let mut q = pool(true, 1_000_000);
     let plans = q.plan_put(T1, &[spec(b"low", 10, None)], false, 1 << 30, &NodeSet::default());
-    assert_eq!(plans, vec![PutPlan::Skip(PutStatus::Rejected)]);
+    assert_eq!(plans, vec![PutPlan::Skip(PutRefusal::Rejected)]);
     assert_eq!(q.index.tenant_counters(T1).rejected, 1);
 }
 
@@ -262,11 +269,11 @@ fn soft_pins_expire_by_wall_clock_and_hard_pins_stay() {
     let now = Instant::now();
     let s = PutSpec { pin: PinRequest::Soft { ttl_ms: 500 }, ..spec(b"soft", 256, None) };
     let plans = p.plan_put(T1, &[s], false, 1 << 30, &NodeSet::default());
-    let PutPlan::Store { id, .. } = plans[0] else { panic!() };
+    let PutPlan::Store(Planned { id, .. }) = plans[0] else { panic!() };
     p.index.publish(Commit { checksum: 1, wall_ms: 1_000, soft_pin_ttl_ms: 60_000, ..block(T1, id, s, now) }).unwrap();
     let h = PutSpec { pin: PinRequest::Hard, ..spec(b"hard", 256, None) };
     let plans = p.plan_put(T1, &[h], false, 1 << 30, &NodeSet::default());
-    let PutPlan::Store { id: hid, .. } = plans[0] else { panic!() };
+    let PutPlan::Store(Planned { id: hid, .. }) = plans[0] else { panic!() };
     p.index.publish(Commit { checksum: 1, wall_ms: 1_000, soft_pin_ttl_ms: 60_000, ..block(T1, hid, h, now) }).unwrap();
     assert_eq!(IndexView::pin(&p.index, id), Pin::Soft);
     p.index.expire_soft_pins(1_499);
@@ -391,8 +398,8 @@ fn the_change_feed_reports_every_copy_that_comes_or_goes_and_why() {
     // An upsert replaces (the old copy is removed, the new stored); remove and remove-all.
     let s = spec(b"off", 20, None);
     let plans = p.plan_put(T1, &[s], true, 1 << 30, &NodeSet::default());
-    let PutPlan::Store { id, .. } = plans[0] else { panic!("{plans:?}") };
-    p.index.publish(Commit { upsert: true, ..block(T1, id, s, now) }).unwrap();
+    let PutPlan::Store(Planned { id, .. }) = plans[0] else { panic!("{plans:?}") };
+    p.index.publish(upserting(block(T1, id, s, now))).unwrap();
     put(&mut p, T1, spec(b"z", 1, None), now).unwrap();
     p.index.remove(T1, &keys(&["z"]), false, now);
     p.index.remove_all(T1, false, now, |_| true);
@@ -440,7 +447,7 @@ fn record_times_never_go_backwards() {
     for (key, wall_ms) in [(&b"a"[..], 5_000), (b"b", 2_000), (b"c", 9_000)] {
         let s = spec(key, 100, None);
         let plans = p.plan_put(T1, &[s], false, 1 << 30, &NodeSet::default());
-        let PutPlan::Store { id, .. } = plans[0] else { panic!("{plans:?}") };
+        let PutPlan::Store(Planned { id, .. }) = plans[0] else { panic!("{plans:?}") };
         let (_, meta) = p
             .index
             .publish(Commit {

@@ -155,8 +155,8 @@ fn admission_rejects_the_rest_of_a_chain_after_a_rejected_row() {
     );
     let items = [spec(b"a", 1, None), spec(b"b", 1, Some(b"a")), spec(b"c", 1, Some(b"b")), spec(b"d", 1, Some(b"c"))];
     let plans = p.plan_put(T1, &items, false, 1 << 30, &NodeSet::default());
-    assert!(matches!(plans[0], PutPlan::Store { .. }));
-    assert!(plans[1..].iter().all(|p| *p == PutPlan::Skip(PutStatus::Rejected)), "{plans:?}");
+    assert!(matches!(plans[0], PutPlan::Store(_)));
+    assert!(plans[1..].iter().all(|p| *p == PutPlan::Skip(PutRefusal::Rejected)), "{plans:?}");
     assert_eq!(p.index.tenant_counters(T1).rejected, 3);
 }
 
@@ -166,10 +166,10 @@ fn the_swap_snapshot_is_warm() {
     let now = Instant::now();
     assert_eq!(p.index.lookup(T1, &keys(&["a", "b"]), 100_000), 0);
     let a = p.plan_put(T1, &[spec(b"a", 256, None)], false, 1 << 30, &NodeSet::default());
-    let PutPlan::Store { id: a, .. } = a[0] else { panic!() };
+    let PutPlan::Store(Planned { id: a, .. }) = a[0] else { panic!() };
     p.index.publish(Commit { checksum: 1, wall_ms: 100, ..block(T1, a, spec(b"a", 256, None), now) }).unwrap();
     let b = p.plan_put(T1, &[spec(b"b", 256, Some(b"a"))], false, 1 << 30, &NodeSet::default());
-    let PutPlan::Store { id: b, .. } = b[0] else { panic!() };
+    let PutPlan::Store(Planned { id: b, .. }) = b[0] else { panic!() };
     p.index.publish(Commit { checksum: 1, wall_ms: 100, ..block(T1, b, spec(b"b", 256, Some(b"a")), now) }).unwrap();
     p.index.plan_get(T1, &keys(&["a"]), now, 300_000);
     p.index.plan_get(T1, &keys(&["a"]), now, 400_000);

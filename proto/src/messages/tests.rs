@@ -1,7 +1,7 @@
 //! The byte layout of messages, and the examples of docs/PROTOCOL.md checked against the code.
 
 use super::*;
-use crate::codec;
+use crate::{codec, REQUEST_TAGS};
 
 #[test]
 fn byte_layout_is_stable() {

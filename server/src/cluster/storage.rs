@@ -18,7 +18,7 @@ use tracing::{info, warn};
 
 /// What the link needs of the node it speaks for.
 #[derive(Clone)]
-pub struct Local {
+pub struct ThisNode {
     pub store: Arc<Store>,
     /// Tenant names by id (reports and node puts name tenants).
     pub auth: Arc<Auth>,
@@ -80,10 +80,10 @@ const REPORT_BLOCKS: usize = 4096;
 const REPORT_BYTES: usize = 512 << 10;
 
 /// Keep the node joined to the master for as long as the server runs.
-pub async fn run(local: Local, link: Link) {
+pub async fn run(this: ThisNode, link: Link) {
     let mut backoff = Duration::from_millis(200);
     loop {
-        match session(&local, &link).await {
+        match session(&this, &link).await {
             Ok(()) => backoff = Duration::from_millis(200),
             Err(e) => {
                 warn!(master = %link.master, error = %e, "link to the master lost; joining again");
@@ -94,11 +94,11 @@ pub async fn run(local: Local, link: Link) {
     }
 }
 
-fn tiers(local: &Local) -> Vec<TierUse> {
-    local.store.tier_usage().into_iter().map(|(t, capacity, used)| TierUse { tier: t as u8, capacity, used }).collect()
+fn tiers(this: &ThisNode) -> Vec<TierUse> {
+    this.store.tier_usage().into_iter().map(|(t, capacity, used)| TierUse { tier: t as u8, capacity, used }).collect()
 }
 
-fn block(local: &Local, c: Change) -> NodeBlock {
+fn block(this: &ThisNode, c: Change) -> NodeBlock {
     NodeBlock {
         kind: match c.kind {
             ChangeKind::Stored => KvEventKind::Stored,
@@ -106,7 +106,7 @@ fn block(local: &Local, c: Change) -> NodeBlock {
             ChangeKind::Evicted => KvEventKind::Evicted,
         },
         tier: c.tier as u8,
-        tenant: local.auth.tenant_name(c.tenant),
+        tenant: this.auth.tenant_name(c.tenant),
         key: c.key.to_vec(),
         parent: c.parent.map(|p| p.to_vec()),
         size: c.size,
@@ -116,7 +116,7 @@ fn block(local: &Local, c: Change) -> NodeBlock {
 /// Send `changes` in reports of bounded size; the first is a reset when `reset`.
 async fn send(
     master: &Client,
-    local: &Local,
+    this: &ThisNode,
     node: u32,
     incarnation: u64,
     mut reset: bool,
@@ -133,11 +133,11 @@ async fn send(
                     node,
                     incarnation,
                     reset,
-                    tiers: tiers(local),
+                    tiers: tiers(this),
                     blocks: std::mem::take(&mut blocks),
                 };
                 master.node_report(req).await?;
-                local.metrics.cluster_reports.inc();
+                this.metrics.cluster_reports.inc();
                 reset = false;
                 bytes = 0;
             }
@@ -147,7 +147,7 @@ async fn send(
         }
         let c = it.next().expect("peeked");
         bytes += c.key.len() + 64;
-        blocks.push(block(local, c));
+        blocks.push(block(this, c));
     }
 }
 
@@ -164,7 +164,7 @@ async fn connect_master(link: &Link) -> Result<Client, LinkError> {
     let mut cfg = ClientConfig::new(addr, link.api_key.clone(), trust);
     cfg.server_name = server_name;
     cfg.client_name = format!("kvpool-storage/{}", link.name);
-    // The master is reached for control only: no local memory with it.
+    // The master is reached for control only: no shared memory with it.
     cfg.transport = kvpool_client::TransportChoice::Quic;
     cfg.bulk = kvpool_client::BulkChoice::Quic;
     // A master that died must not hold the node for long: it rejoins whoever leads next. A
@@ -173,8 +173,8 @@ async fn connect_master(link: &Link) -> Result<Client, LinkError> {
     Ok(Client::connect_direct(cfg).await?)
 }
 
-async fn session(local: &Local, link: &Link) -> Result<(), LinkError> {
-    let log = local.events.clone().ok_or(LinkError::NoEvents)?;
+async fn session(this: &ThisNode, link: &Link) -> Result<(), LinkError> {
+    let log = this.events.clone().ok_or(LinkError::NoEvents)?;
     let master = connect_master(link).await?;
     let mut incarnation = [0u8; 8];
     getrandom::getrandom(&mut incarnation).map_err(|e| ClientError::Io(e.to_string()))?;
@@ -186,17 +186,17 @@ async fn session(local: &Local, link: &Link) -> Result<(), LinkError> {
             server_name: link.server_name.clone(),
             fingerprint: link.fingerprint.to_vec(),
             incarnation,
-            tiers: tiers(local),
+            tiers: tiers(this),
         })
         .await?;
     let node = joined.node;
     link.me.store(node, std::sync::atomic::Ordering::Release);
-    local.metrics.cluster_joins.inc();
+    this.metrics.cluster_joins.inc();
     let every = Duration::from_millis(u64::from(joined.report_ms.max(10)));
     let mut watch = log.watch();
-    let (mut cursor, inventory) = local.store.inventory();
+    let (mut cursor, inventory) = this.store.inventory();
     info!(node, copies = inventory.len(), master = %link.master, "joined the master; announcing the inventory");
-    send(&master, local, node, incarnation, true, inventory).await?;
+    send(&master, this, node, incarnation, true, inventory).await?;
     loop {
         // Seen: a publication after this line wakes the wait below.
         watch.borrow_and_update();
@@ -204,15 +204,15 @@ async fn session(local: &Local, link: &Link) -> Result<(), LinkError> {
         if batch.lagged > 0 {
             // Changes were lost to this reader: start the master's view of this node again.
             warn!(node, lagged = batch.lagged, "the event log outran the reports; announcing the inventory again");
-            let (c, inventory) = local.store.inventory();
+            let (c, inventory) = this.store.inventory();
             cursor = c;
-            send(&master, local, node, incarnation, true, inventory).await?;
+            send(&master, this, node, incarnation, true, inventory).await?;
             continue;
         }
         let more = batch.changes.len() == REPORT_BLOCKS;
         cursor = batch.next;
         let changes: Vec<Change> = batch.changes.into_iter().map(|(_, c)| c).collect();
-        match send(&master, local, node, incarnation, false, changes).await {
+        match send(&master, this, node, incarnation, false, changes).await {
             Ok(()) => {}
             Err(e) if matches!(e.code(), ErrorCode::Expired | ErrorCode::NotLeader) => {
                 info!(node, reason = %e, "the master no longer takes this node's reports: joining again");

@@ -22,8 +22,7 @@ pub(super) fn local_attach(session: &Arc<Session>, s: &Shared) -> Result<Respons
     let local = s.data_path.as_ref().and_then(|d| d.local.as_ref()).ok_or_else(|| {
         unsupported("this server offers no same-host control channel (transport.protocol is not \"shm\", or its socket could not be bound)")
     })?;
-    let (ticket, offer) = local.issue(session).map_err(|e| Fail::Reply(error(ErrorCode::Internal, e.to_string())))?;
-    session.set_local(ticket);
+    let offer = local.issue(session).map_err(|e| Fail::Reply(error(e.code(), e.to_string())))?;
     Ok(Response::LocalOffer(offer))
 }
 

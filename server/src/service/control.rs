@@ -1,56 +1,30 @@
-//! The state of the same-host control channel: its socket, who may connect, and the tokens
-//! that bind a socket connection to a QUIC connection's session. The front door that serves
-//! it is `local.rs`.
+//! The state of the same-host control channel: its socket, who may connect, and the standing
+//! tokens that bind socket connections to a QUIC connection's session. The front door that
+//! serves it is `local.rs`; what it shares with the bulk channel is in `doors`.
 
+use super::doors::{Caps, Gate, IssueError, Tokens};
 use super::session::Session;
 use kvpool_proto::LocalOffer;
 use parking_lot::Mutex;
-use std::collections::HashMap;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::AtomicUsize;
-use std::sync::{Arc, Weak};
-use std::time::Duration;
+use std::sync::Arc;
 
-/// Bytes of a token.
-pub const TOKEN_LEN: usize = 32;
-/// Time a new socket connection has to present its token.
-pub(super) const BIND_TIMEOUT: Duration = Duration::from_secs(5);
-/// Socket connections one QUIC connection may bind at once.
-pub const MAX_SOCKETS_PER_CONNECTION: usize = 64;
 /// Raw bytes a request or response envelope may carry beyond one frame: small values travel in
 /// band; bulk bytes go through shared buffers (`PutFrom` / `GetInto`) or over QUIC.
 const RAW_ALLOWANCE: u32 = 64 << 10;
 
-pub(super) type Tokens = Arc<Mutex<HashMap<[u8; TOKEN_LEN], Binding>>>;
+/// One standing token per QUIC connection (a later `LocalAttach` replaces it), so the table is
+/// bounded by the server's connection limit and no tenant can take another's place in it.
+const CAPS: Caps = Caps { total: usize::MAX, per_session: 1, per_tenant: usize::MAX };
 
-#[derive(Clone)]
-pub(super) struct Binding {
-    pub(super) session: Weak<Session>,
-    /// Closed (sender dropped) when the ticket is dropped.
-    pub(super) alive: tokio::sync::watch::Receiver<()>,
-    pub(super) sockets: Arc<AtomicUsize>,
-}
-
-/// A session's right to bind control sockets. Dropping it (the QUIC connection ended, or it
-/// attached again) forgets the token and closes the sockets bound with it.
-pub struct LocalTicket {
-    token: [u8; TOKEN_LEN],
-    tokens: Tokens,
-    _alive: tokio::sync::watch::Sender<()>,
-}
-
-impl Drop for LocalTicket {
-    fn drop(&mut self) {
-        self.tokens.lock().remove(&self.token);
-    }
-}
-
-/// The control socket of a server: its path, who may connect, and the live tokens.
+/// The control socket of a server: its path, who may connect, the live tokens and the places of
+/// sockets that have not shown one yet.
 pub struct LocalControl {
     pub(super) path: PathBuf,
     pub(super) allowed_uids: Vec<u32>,
-    pub(super) tokens: Tokens,
+    pub(super) tokens: Tokens<Session>,
+    pub(super) gate: Gate,
     pub(super) max_request: u32,
     pub(super) max_response: u32,
     pub(super) listener: Mutex<Option<std::os::unix::net::UnixListener>>,
@@ -74,7 +48,8 @@ impl LocalControl {
         Ok(LocalControl {
             path: path.to_owned(),
             allowed_uids,
-            tokens: Arc::default(),
+            tokens: Tokens::new(CAPS),
+            gate: Gate::default(),
             max_request,
             max_response,
             listener: Mutex::new(Some(listener)),
@@ -85,20 +60,19 @@ impl LocalControl {
         &self.path
     }
 
-    /// A token binding sockets to `session`, and the offer that carries it to the client.
-    pub fn issue(&self, session: &Arc<Session>) -> io::Result<(LocalTicket, LocalOffer)> {
-        let mut token = [0u8; TOKEN_LEN];
-        getrandom::getrandom(&mut token).map_err(|e| io::Error::other(e.to_string()))?;
-        let (tx, rx) = tokio::sync::watch::channel(());
-        let binding = Binding { session: Arc::downgrade(session), alive: rx, sockets: Arc::default() };
-        self.tokens.lock().insert(token, binding);
-        let offer = LocalOffer {
-            socket_path: self.path.display().to_string(),
-            token: token.to_vec(),
-            max_request: self.max_request,
-            max_response: self.max_response,
-        };
-        Ok((LocalTicket { token, tokens: self.tokens.clone(), _alive: tx }, offer))
+    /// A token binding sockets to `session` (its sockets bound with an earlier one close), and
+    /// the offer that carries it to the client.
+    pub(super) fn issue(&self, session: &Arc<Session>) -> Result<LocalOffer, IssueError> {
+        session.replace_control(|| {
+            let (token, ticket) = self.tokens.issue_standing(session)?;
+            let offer = LocalOffer {
+                socket_path: self.path.display().to_string(),
+                token: token.to_vec(),
+                max_request: self.max_request,
+                max_response: self.max_response,
+            };
+            Ok((offer, ticket))
+        })
     }
 }
 

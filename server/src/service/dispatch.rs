@@ -1,12 +1,14 @@
-//! One request stream, start to end: read the frame, check what every request must (a master
-//! holds no blocks; the request exists in the negotiated version), run its verb, answer, and
-//! count it. The table below is the one list of requests; their facts (name, oldest version,
-//! whether they hold blocks) are `kvpool_proto::Request`'s methods.
+//! One request stream, start to end: read the frame, check what the request table
+//! (`kvpool_proto::REQUESTS`) says of the request (a master holds no blocks; the request exists
+//! in the negotiated version; it came through a door that may carry it; it needs an admin key;
+//! nothing follows its frame), run its verb, answer, and count it. The match below is the one
+//! list of handlers: a new request is its row in the table and its arm here.
 
+use super::doors::Door;
 use super::session::Session;
 use super::shared::Shared;
 use super::stream::{
-    check_keys, error, expect_end, malformed, reply, unsupported, Fail, RequestRecv, RequestSend, Timeouts,
+    check_keys, error, expect_end, invalid, malformed, reply, unsupported, Fail, RequestRecv, RequestSend, Timeouts,
 };
 use super::{admin, attach, cluster, connector, get, put, subscribe};
 use kvpool_core::RemoveStatus;
@@ -91,14 +93,15 @@ pub async fn handle_stream<R: RequestRecv, W: RequestSend>(
     let p = &session.principal;
     let start = Instant::now();
     let deadline = Deadline::now() + s.timeouts.request;
-    let (op, result) = match read_request(recv, s.limits.max_frame, deadline).await {
+    let (facts, result) = match read_request(recv, s.limits.max_frame, deadline).await {
         Ok(None) => return,
         Err(f) => (None, Err(f)),
         Ok(Some(req)) => {
-            let op = req.name();
-            (Some(op), dispatch(req, recv, send, session, s, deadline).await)
+            let facts = req.facts();
+            (Some(facts), dispatch(req, recv, send, session, s, deadline).await)
         }
     };
+    let op = facts.map(|f| f.name);
     let failed = match result {
         Ok(()) => None,
         Err(Fail::Cancelled) => {
@@ -118,11 +121,12 @@ pub async fn handle_stream<R: RequestRecv, W: RequestSend>(
     if let Some(code) = failed {
         s.metrics.errors.with_label_values(&[code.name()]).inc();
     }
-    let Some(op) = op else { return };
-    if op == "subscribe" {
+    let Some(facts) = facts else { return };
+    if facts.streams {
         // A subscription lasts as long as its client wants: not a latency sample.
         return;
     }
+    let op = facts.name;
     let secs = start.elapsed().as_secs_f64();
     s.metrics.op_seconds.with_label_values(&[op]).observe(secs);
     s.metrics.tenant_op_seconds.with_label_values(&[&p.tenant, op]).observe(secs);
@@ -132,7 +136,41 @@ pub async fn handle_stream<R: RequestRecv, W: RequestSend>(
     }
 }
 
-/// The one request table: each request to its verb.
+/// What the request table says every request of a kind must satisfy, checked before its
+/// handler runs: nothing of a refused request takes effect.
+async fn admit<R: RequestRecv>(
+    req: &Request,
+    recv: &mut R,
+    session: &Session,
+    s: &Shared,
+    deadline: Deadline,
+) -> Result<(), Fail> {
+    let facts = req.facts();
+    if s.role.master().is_some() && facts.holds_blocks {
+        return Err(Fail::Reply(error(
+            ErrorCode::Unsupported,
+            "this server is a cluster master and holds no blocks: ask it where blocks are (Route, Place) \
+             and move them to and from the storage nodes (kvpool_client::ClusterClient does both)",
+        )));
+    }
+    if session.version < facts.min_version {
+        return Err(unsupported(format!("this request needs a version {} hello", facts.min_version)));
+    }
+    if facts.quic_only && recv.door() != Door::Quic {
+        // It binds a channel to the QUIC connection, or its answer is a stream that lasts.
+        return Err(invalid(format!("{} is asked on the QUIC connection, not on a channel bound to it", facts.name)));
+    }
+    if facts.admin && !session.principal.admin {
+        return Err(Fail::Reply(error(ErrorCode::Forbidden, format!("{} needs an admin api key", facts.name))));
+    }
+    if !facts.values_follow {
+        // Nothing follows the frame; nothing takes effect before the end of the stream is seen.
+        expect_end(recv, deadline).await?;
+    }
+    Ok(())
+}
+
+/// Each request to its verb, once [`admit`] let it through.
 async fn dispatch<R: RequestRecv, W: RequestSend>(
     req: Request,
     recv: &mut R,
@@ -141,132 +179,66 @@ async fn dispatch<R: RequestRecv, W: RequestSend>(
     s: &Shared,
     deadline: Deadline,
 ) -> Result<(), Fail> {
+    admit(&req, recv, session, s, deadline).await?;
     let p = &session.principal;
     let store = &s.store;
     let t = p.tenant_id;
-    if s.role.master().is_some() && req.holds_blocks() {
-        return Err(Fail::Reply(error(
-            ErrorCode::Unsupported,
-            "this server is a cluster master and holds no blocks: ask it where blocks are (Route, Place) \
-             and move them to and from the storage nodes (kvpool_client::ClusterClient does both)",
-        )));
-    }
-    if session.version < req.min_version() {
-        return Err(unsupported(format!("this request needs a version {} hello", req.min_version())));
-    }
-    // Requests without value bytes must end after their frame; nothing takes effect before the
-    // end of the stream is seen.
     let resp = match req {
         Request::Hello(_) => return Err(malformed("hello is only valid as the first request of a connection")),
         // ---- put: bytes in band, from shared buffers, or written one-sidedly
         Request::Put(put) => put::put(put.items, put.mode, recv, p, s).await?,
-        Request::NodePut(np) => put::node_put(np, recv, p, s).await?,
-        Request::PutFrom(r) => {
-            expect_end(recv, deadline).await?;
-            put::put_from(r, session, s).await?
-        }
-        Request::PutIntent(r) => {
-            expect_end(recv, deadline).await?;
-            put::put_intent(r, session, s).await?
-        }
+        Request::NodePut(np) => put::node_put(np, recv, s).await?,
+        Request::PutFrom(r) => put::put_from(r, session, s).await?,
+        Request::PutIntent(r) => put::put_intent(r, session, s).await?,
         Request::Write(w) => put::write(w, recv, session, s).await?,
-        Request::PutDone(d) => {
-            expect_end(recv, deadline).await?;
-            put::put_done(d, session, s).await?
-        }
+        Request::PutDone(d) => put::put_done(d, session, s).await?,
         // ---- get: bytes in band, into shared buffers, or read one-sidedly
         Request::Get(g) => {
             check_keys(&g.keys, g.keys.len(), &s.limits)?;
-            expect_end(recv, deadline).await?;
             // Answered with its frame and raw bytes already.
             return get::get(&g.keys, send, t, s).await;
         }
-        Request::GetInto(g) => {
-            expect_end(recv, deadline).await?;
-            get::get_into(g, session, s).await?
-        }
-        Request::GetLocate(g) => {
-            expect_end(recv, deadline).await?;
-            get::get_locate(&g.keys, session, s).await?
-        }
-        Request::Read(r) => {
-            expect_end(recv, deadline).await?;
-            return get::read(r, send, session, s).await;
-        }
-        Request::Release(r) => {
-            expect_end(recv, deadline).await?;
-            get::release(r, session)?
-        }
+        Request::GetInto(g) => get::get_into(g, session, s).await?,
+        Request::GetLocate(g) => get::get_locate(&g.keys, session, s).await?,
+        Request::Read(r) => return get::read(r, send, session, s).await,
+        Request::Release(r) => get::release(r, session)?,
         // ---- lookups and removal
         Request::Lookup(l) => {
             check_keys(&l.chain, l.chain.len(), &s.limits)?;
-            expect_end(recv, deadline).await?;
             Response::Lookup(LookupResponse { resident: store.lookup(t, &l.chain) })
         }
-        Request::LookupLease(l) => {
-            expect_end(recv, deadline).await?;
-            connector::lookup_lease(l, session, s)?
-        }
+        Request::LookupLease(l) => connector::lookup_lease(l, session, s)?,
         Request::Exists(e) => {
             check_keys(&e.keys, e.keys.len(), &s.limits)?;
-            expect_end(recv, deadline).await?;
             Response::Exists(ExistsResponse { present: store.exists(t, &e.keys) })
         }
         Request::Remove(r) => {
             check_keys(&r.keys, r.keys.len(), &s.limits)?;
-            expect_end(recv, deadline).await?;
             let results = store.remove(t, &r.keys, r.force).into_iter().map(remove_code).collect();
             Response::Remove(StatusList { results })
         }
         Request::RemoveAll(r) => {
-            expect_end(recv, deadline).await?;
             let (removed, skipped) = store.remove_all(t, r.force);
             Response::RemoveAll(RemoveAllResponse { removed, skipped })
         }
-        Request::RemoveMatching(r) => {
-            expect_end(recv, deadline).await?;
-            connector::remove_matching(r, session, s)?
-        }
-        // ---- same-host attachments and KV events
-        Request::ShmAttach => {
-            expect_end(recv, deadline).await?;
-            attach::shm_attach(session, s)?
-        }
-        Request::LocalAttach => {
-            expect_end(recv, deadline).await?;
-            attach::local_attach(session, s)?
-        }
-        Request::BulkAttach(r) => {
-            expect_end(recv, deadline).await?;
-            attach::bulk_attach(r, session, s)?
-        }
-        Request::Subscribe(sub) => return subscribe::subscribe(sub, recv, send, session, s, deadline).await,
+        Request::RemoveMatching(r) => connector::remove_matching(r, session, s)?,
+        // ---- same-host attachments, the bulk channel, and KV events
+        Request::ShmAttach => attach::shm_attach(session, s)?,
+        Request::LocalAttach => attach::local_attach(session, s)?,
+        Request::BulkAttach(r) => attach::bulk_attach(r, session, s)?,
+        Request::Subscribe(sub) => return subscribe::subscribe(sub, send, session, s).await,
         // ---- the server itself
-        Request::Stats => {
-            expect_end(recv, deadline).await?;
-            Response::Stats(admin::stats(s, p))
-        }
-        Request::Ping(ping) => {
-            expect_end(recv, deadline).await?;
-            admin::ping(ping)
-        }
-        Request::PolicyLoad(_) | Request::PolicyList | Request::PolicyRollback(_) if !p.admin => {
-            return Err(Fail::Reply(error(ErrorCode::Forbidden, "policy administration needs an admin api key")));
-        }
+        Request::Stats => Response::Stats(admin::stats(s, p)),
+        Request::Ping(ping) => admin::ping(ping),
         Request::PolicyLoad(l) => admin::policy_load(l, recv, s).await?,
-        Request::PolicyList => {
-            expect_end(recv, deadline).await?;
-            Response::PolicyList(PolicyListResponse { policies: s.policies.list() })
-        }
-        Request::PolicyRollback(r) => {
-            expect_end(recv, deadline).await?;
-            admin::policy_rollback(r, s).await?
-        }
+        Request::PolicyList => Response::PolicyList(PolicyListResponse { policies: s.policies.list() }),
+        Request::PolicyRollback(r) => admin::policy_rollback(r, s).await?,
         // ---- cluster
-        c
-        @ (Request::NodeJoin(_) | Request::NodeReport(_) | Request::Nodes | Request::Route(_) | Request::Place(_)) => {
-            cluster::dispatch(c, recv, session, s, deadline).await?
-        }
+        Request::NodeJoin(j) => cluster::node_join(j, s)?,
+        Request::NodeReport(r) => cluster::node_report(r, s)?,
+        Request::Nodes => cluster::nodes(s)?,
+        Request::Route(r) => cluster::route(r, session, s)?,
+        Request::Place(r) => cluster::place(r, session, s)?,
     };
     reply(send, &resp, Deadline::now() + s.timeouts.request).await
 }

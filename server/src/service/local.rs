@@ -10,16 +10,15 @@
 //! shared buffers), as on QUIC. Peer credentials are checked as on the shm socket. The sockets of
 //! a connection close when the QUIC connection ends or attaches again.
 
-use super::control::BIND_TIMEOUT;
-pub use super::control::{LocalControl, LocalTicket, MAX_SOCKETS_PER_CONNECTION, TOKEN_LEN};
+pub use super::control::LocalControl;
 use super::dispatch::handle_stream;
+use super::doors::{refuse, Door, Pass, Peer, BIND_TIMEOUT, MAX_BOUND_PER_SESSION, TOKEN_LEN};
 use super::memory::{MemRecv, MemSend};
 use super::shared::Shared;
 use super::stream::error;
 use kvpool_proto::frame::encode_frame;
 use kvpool_proto::{ErrorCode, Response};
 use std::io;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -46,50 +45,56 @@ pub async fn serve(shared: Arc<Shared>) {
                 continue;
             }
         };
+        // A process is counted by its pid (a socket without one counts as pid 0).
+        let pid = sock.peer_cred().ok().and_then(|c| c.pid()).unwrap_or(0);
+        let Some(pass) = local.gate.enter(Peer::Process(pid)) else {
+            // Full of sockets that have not shown a token: this one is closed unanswered.
+            shared.metrics.local_refused.inc();
+            debug!(pid, "control sockets wait for their token; closing a new one");
+            continue;
+        };
         let shared = shared.clone();
+        let deadline = tokio::time::Instant::now() + BIND_TIMEOUT;
         tokio::spawn(async move {
-            if let Err(e) = serve_socket(sock, &shared).await {
+            if let Err(e) = serve_socket(sock, &shared, pass, deadline).await {
                 debug!(error = %e, "control socket ended");
             }
         });
     }
 }
 
-/// A refusal: status 1, then an error frame; the server closes the socket after it.
-async fn refuse(sock: &mut UnixStream, shared: &Shared, code: ErrorCode, message: String) -> io::Result<()> {
-    shared.metrics.local_refused.inc();
-    debug!(%message, "control socket refused");
-    let mut out = vec![1u8];
-    out.extend(encode_frame(&Response::Error(error(code, message))).map_err(io::Error::other)?);
-    sock.write_all(&out).await
-}
-
-/// One control socket: credentials, token, then one envelope after another.
-async fn serve_socket(mut sock: UnixStream, shared: &Arc<Shared>) -> io::Result<()> {
+/// One control socket: credentials and token by `deadline` (holding a place at the gate until
+/// then), then one envelope after another.
+async fn serve_socket(
+    mut sock: UnixStream,
+    shared: &Arc<Shared>,
+    pass: Pass,
+    deadline: tokio::time::Instant,
+) -> io::Result<()> {
     let Some(local) = shared.data_path.as_ref().and_then(|d| d.local.as_ref()) else { return Ok(()) };
+    let refused = &shared.metrics.local_refused;
     let cred = sock.peer_cred()?;
     if !local.allowed_uids.contains(&cred.uid()) {
         let m = format!("user {} may not use the control socket of this server", cred.uid());
-        return refuse(&mut sock, shared, ErrorCode::Forbidden, m).await;
+        return refuse(&mut sock, refused, ErrorCode::Forbidden, m).await;
     }
     let mut token = [0u8; TOKEN_LEN];
-    match tokio::time::timeout(BIND_TIMEOUT, sock.read_exact(&mut token)).await {
+    match tokio::time::timeout_at(deadline, sock.read_exact(&mut token)).await {
         Ok(Ok(_)) => {}
         Ok(Err(e)) => return Err(e),
-        Err(_) => return refuse(&mut sock, shared, ErrorCode::Timeout, "no token in time".into()).await,
+        Err(_) => return refuse(&mut sock, refused, ErrorCode::Timeout, "no token in time".into()).await,
     }
-    let Some(binding) = local.tokens.lock().get(&token).cloned() else {
-        let m = "unknown token (the QUIC connection that got it has ended, or attached again)".to_string();
-        return refuse(&mut sock, shared, ErrorCode::Unauthorized, m).await;
+    let (session, life) = match local.tokens.redeem(&token, None, false) {
+        Ok(bound) => bound,
+        Err(e) => return refuse(&mut sock, refused, e.code(), e.to_string()).await,
     };
-    if binding.sockets.fetch_add(1, Ordering::AcqRel) >= MAX_SOCKETS_PER_CONNECTION {
-        binding.sockets.fetch_sub(1, Ordering::AcqRel);
-        let m = format!("at most {MAX_SOCKETS_PER_CONNECTION} control sockets per connection");
-        return refuse(&mut sock, shared, ErrorCode::Rejected, m).await;
-    }
-    let _count = SocketCount(binding.sockets.clone());
+    drop(pass);
+    let Some(_slot) = session.slot(Door::Control) else {
+        let m = format!("at most {MAX_BOUND_PER_SESSION} control sockets per connection");
+        return refuse(&mut sock, refused, ErrorCode::Rejected, m).await;
+    };
+    let session = Arc::downgrade(&session);
     sock.write_all(&[0]).await?;
-    let mut alive = binding.alive.clone();
     loop {
         let mut head = [0u8; 4];
         tokio::select! {
@@ -98,8 +103,8 @@ async fn serve_socket(mut sock: UnixStream, shared: &Arc<Shared>) -> io::Result<
                 Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Ok(()),
                 Err(e) => return Err(e),
             },
-            // The QUIC connection ended: its sockets go with it.
-            _ = alive.changed() => return Ok(()),
+            // The QUIC connection ended, or attached again: its sockets go with it.
+            _ = life.ended() => return Ok(()),
         }
         let len = u32::from_le_bytes(head);
         if len > local.max_request {
@@ -116,33 +121,25 @@ async fn serve_socket(mut sock: UnixStream, shared: &Arc<Shared>) -> io::Result<
             Ok(Err(e)) => return Err(e),
             Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "request envelope incomplete in time")),
         }
-        let Some(session) = binding.session.upgrade() else { return Ok(()) };
-        let tag = kvpool_proto::message_tag(body.get(4..).unwrap_or(&[]));
-        let (end, code, bytes) = if tag == Some(LOCAL_ATTACH_TAG) || tag == Some(SUBSCRIBE_TAG) {
-            // LocalAttach would close the socket that carries it, and a subscription is a stream
-            // of answers, which an envelope is not: both are asked on QUIC.
-            let m = "LocalAttach and Subscribe are asked on the QUIC connection, not on its control socket".to_string();
-            (0, 0, encode_frame(&Response::Error(error(ErrorCode::InvalidArgument, m))).map_err(io::Error::other)?)
+        let Some(session) = session.upgrade() else { return Ok(()) };
+        // What must be asked on QUIC is refused by the handler, from the request table.
+        let mut recv = MemRecv::new(body).through(Door::Control);
+        let mut send = MemSend::bounded(local.max_response as usize);
+        handle_stream(&mut recv, &mut send, &session, shared).await;
+        drop((recv, session));
+        let (end, code, bytes) = if send.overflowed {
+            let m = format!(
+                "the answer exceeds the control channel's {} bytes (the request may have taken effect); \
+                 move bulk bytes with GetInto or over QUIC",
+                local.max_response
+            );
+            (0, 0, encode_frame(&Response::Error(error(ErrorCode::ValueTooLarge, m))).map_err(io::Error::other)?)
         } else {
-            let mut recv = MemRecv::new(body);
-            let mut send = MemSend::bounded(local.max_response as usize);
-            handle_stream(&mut recv, &mut send, &session, shared).await;
-            drop(recv);
-            if send.overflowed {
-                let m = format!(
-                    "the answer exceeds the control channel's {} bytes (the request may have taken effect); \
-                     move bulk bytes with GetInto or over QUIC",
-                    local.max_response
-                );
-                (0, 0, encode_frame(&Response::Error(error(ErrorCode::ValueTooLarge, m))).map_err(io::Error::other)?)
-            } else {
-                match send.reset {
-                    Some(code) => (1, code, send.written),
-                    None => (0, 0, send.written),
-                }
+            match send.reset {
+                Some(code) => (1, code, send.written),
+                None => (0, 0, send.written),
             }
         };
-        drop(session);
         shared.metrics.local_requests.inc();
         // A client that does not read its answer loses the socket, as on QUIC it would lose the
         // stream; nor does the socket outlive its connection while it waits.
@@ -151,14 +148,10 @@ async fn serve_socket(mut sock: UnixStream, shared: &Arc<Shared>) -> io::Result<
                 Ok(r) => r?,
                 Err(_) => return Err(io::Error::new(io::ErrorKind::TimedOut, "answer not read in time")),
             },
-            _ = alive.changed() => return Ok(()),
+            _ = life.ended() => return Ok(()),
         }
     }
 }
-
-/// Tag of `Request::LocalAttach` (section 11.2 of PROTOCOL.md).
-const LOCAL_ATTACH_TAG: u32 = 21;
-const SUBSCRIBE_TAG: u32 = 22;
 
 /// One response envelope: end (0 finished, 1 reset), reset code, length, bytes.
 async fn answer(sock: &mut UnixStream, end: u8, code: u32, bytes: &[u8]) -> io::Result<()> {
@@ -175,29 +168,5 @@ async fn answer(sock: &mut UnixStream, end: u8, code: u32, bytes: &[u8]) -> io::
     } else {
         sock.write_all(&head).await?;
         sock.write_all(bytes).await
-    }
-}
-
-struct SocketCount(Arc<AtomicUsize>);
-
-impl Drop for SocketCount {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    #[test]
-    fn the_local_attach_tag_is_the_encoded_one() {
-        let body = kvpool_proto::codec::encode(&kvpool_proto::Request::LocalAttach).unwrap();
-        assert_eq!(kvpool_proto::message_tag(&body), Some(super::LOCAL_ATTACH_TAG));
-        let sub = kvpool_proto::Request::Subscribe(kvpool_proto::SubscribeRequest {
-            from: None,
-            scope: kvpool_proto::EventScope::Tenant,
-            max_batch: 0,
-        });
-        let body = kvpool_proto::codec::encode(&sub).unwrap();
-        assert_eq!(kvpool_proto::message_tag(&body), Some(super::SUBSCRIBE_TAG));
     }
 }

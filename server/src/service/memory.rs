@@ -1,6 +1,8 @@
-//! In-memory stream halves for running the request handler without QUIC: the fuzz driver and
-//! unit tests feed a request as bytes and read back what the server wrote.
+//! In-memory stream halves for running the request handler without QUIC: the Unix control
+//! socket hands each envelope's bytes to the handler this way, and the fuzz driver and unit
+//! tests feed a request as bytes and read back what the server wrote.
 
+use super::doors::Door;
 use super::stream::{BoxFuture, RequestRecv, RequestSend};
 use bytes::Bytes;
 use std::io;
@@ -19,6 +21,8 @@ pub struct MemRecv {
     stall_at_end: bool,
     /// STOP_SENDING code the handler sent, if any.
     pub stopped: Option<u32>,
+    /// The door the bytes stand for: QUIC (the fuzz driver and the tests) unless told.
+    door: Option<Door>,
 }
 
 impl MemRecv {
@@ -34,6 +38,12 @@ impl MemRecv {
     /// The client sends these bytes, then nothing, and never finishes.
     pub fn stall_after(data: impl Into<Bytes>) -> MemRecv {
         MemRecv { data: data.into(), stall_at_end: true, ..MemRecv::default() }
+    }
+
+    /// The bytes came through `door` (the Unix control socket's envelopes).
+    pub fn through(mut self, door: Door) -> MemRecv {
+        self.door = Some(door);
+        self
     }
 
     /// Bytes the handler did not consume.
@@ -68,6 +78,9 @@ impl RequestRecv for MemRecv {
     /// In-memory streams carry the same-host control socket's requests.
     fn transport(&self) -> &'static str {
         "local"
+    }
+    fn door(&self) -> Door {
+        self.door.unwrap_or(Door::Quic)
     }
 }
 

@@ -7,19 +7,21 @@
 //! stream or loses its connection cancels the request quietly.
 //!
 //! By file: `stream` (stream traits, deadlines, `Fail`), `quic` (the QUIC front door),
-//! [`local`] (the Unix-socket front door), [`bulk`] (the TCP bulk channel's front door, with its
-//! envelopes in `bulk_stream`), `dispatch` (the one request table), then one file per
-//! verb: `put` (with the value sources in `source`), `get`, `attach`, `admin`, `cluster`,
-//! `connector`, `subscribe`. `docs/SERVER-MAP.md` walks the routes.
+//! [`local`] (the Unix-socket front door, its state in `control`), [`bulk`] (the TCP bulk
+//! channel's front door: its offer, its accept and its envelopes), `doors` (what the two extra
+//! doors share: tokens, caps, the end of a session, the refusal), `dispatch` (the checks the
+//! request table asks for, and one arm per request), then one file per verb: `put` (with the
+//! value sources in `source`), `get`, `attach`, `admin`, `cluster`, `connector`, `subscribe`.
+//! `docs/SERVER-MAP.md` walks the routes.
 
 mod admin;
 mod attach;
 pub mod bulk;
-mod bulk_stream;
 mod cluster;
 mod connector;
 mod control;
 mod dispatch;
+pub mod doors;
 mod get;
 pub mod local;
 pub mod memory;

@@ -2,26 +2,31 @@
 //!
 //! 1. plan: the store decides every item before any byte moves ([`Store::plan_put`]: existing
 //!    keys, admission, placement);
-//! 2. place: each stored item gets its room, a reserved DRAM range (or a buffer bound for SSD);
-//! 3. fill: a [`ValueSource`] moves the bytes into that room and hashes them as they land;
+//! 2. place: each stored item gets where its bytes land, a reserved DRAM range (or a buffer
+//!    bound for SSD) ([`Store::reserve_for`]);
+//! 3. fill: a [`ValueSource`] moves the bytes there and hashes them as they land;
 //! 4. commit: the store publishes each filled block under its checksum.
 //!
-//! The sources are in [`super::source`]: the request's own stream (`Put`, `NodePut`, over QUIC
-//! or the Unix socket), the copy engine (`PutFrom`, shared memory), and one-sided writes
+//! The sources are in [`super::source`]: the request's own stream (`Put`, `NodePut`, over QUIC,
+//! the Unix socket or the TCP bulk channel), the copy engine (`PutFrom`, shared memory), and one-sided writes
 //! (`PutIntent`, then `Write` or a transport such as HIXL, then `PutDone`). A one-sided put
 //! spans requests: its [`Staged`] items wait in the [`Session`] between them.
 //!
+//! The core's plan of an item travels unchanged, inside its [`Placed`](crate::store::put::Placed),
+//! from the plan to the commit.
+//!
 //! [`Store::plan_put`]: crate::store::Store::plan_put
+//! [`Store::reserve_for`]: crate::store::Store::reserve_for
 
 use super::session::{expired, Session};
 use super::shared::Shared;
 use super::shm::shm_peer;
 use super::source::{Granted, ShmSource, StreamSource, ValueSource};
-use super::staged::{Room, Staged};
+use super::staged::Staged;
 use super::stream::{check_keys, error, expect_end, invalid, read_exact_by, Fail, RequestRecv};
 use crate::auth::Principal;
-use crate::store::put::{PutError, PutPlan};
-use kvpool_core::{PinRequest, PutSpec, PutStatus};
+use crate::store::put::{Landing, PutError};
+use kvpool_core::{PinRequest, PutPlan, PutRefusal, PutSpec};
 use kvpool_proto::{
     ErrorCode, Grant, Limits, Location, NodePutRequest, PinSpec, PutDoneRequest, PutFromRequest, PutIntentRequest,
     PutItem, PutMode, Response, StatusList, WriteRequest,
@@ -48,15 +53,18 @@ fn spec(item: &PutItem) -> PutSpec<'_> {
 /// The wire answer for a put item the store did not take.
 fn put_code(e: &PutError) -> ErrorCode {
     match e {
-        PutError::Refused(s) => match s {
-            PutStatus::Ok => ErrorCode::Ok,
-            PutStatus::AlreadyExists => ErrorCode::AlreadyExists,
-            PutStatus::Leased => ErrorCode::Leased,
-            PutStatus::Rejected => ErrorCode::Rejected,
-            PutStatus::NoSpace => ErrorCode::NoSpace,
-        },
+        PutError::Refused(r) => refusal_code(*r),
         // The client sees `internal`, as before; the log keeps the cause.
         PutError::SsdWrite(_) | PutError::SsdTask(_) | PutError::Length { .. } => ErrorCode::Internal,
+    }
+}
+
+fn refusal_code(r: PutRefusal) -> ErrorCode {
+    match r {
+        PutRefusal::AlreadyExists => ErrorCode::AlreadyExists,
+        PutRefusal::Leased => ErrorCode::Leased,
+        PutRefusal::Rejected => ErrorCode::Rejected,
+        PutRefusal::NoSpace => ErrorCode::NoSpace,
     }
 }
 
@@ -101,17 +109,16 @@ async fn stage<S: ValueSource>(
         s.store.plan_put(tenant, &specs, upsert)
     };
     let space_by = src.begin(space_by);
+    let into_dram = src.lands_in_dram();
     let mut staged = Vec::with_capacity(items.len());
     for (item, plan) in items.into_iter().zip(plans) {
-        let room = match plan {
-            PutPlan::Skip(status) => Room::Skip(put_code(&PutError::Refused(status))),
-            PutPlan::Ssd(id) if !src.lands_in_dram() => Room::Ssd(id, vec![0u8; item.size as usize]),
-            PutPlan::Dram(id) | PutPlan::Ssd(id) => match s.store.reserve(tenant, item.size, space_by).await {
-                Ok(blk) => Room::Dram(id, blk),
-                Err(e) => Room::Skip(put_code(&e)),
-            },
+        let placed = match plan {
+            PutPlan::Skip(refusal) => Err(refusal_code(refusal)),
+            PutPlan::Store(planned) => {
+                s.store.reserve_for(planned, item.size, into_dram, space_by).await.map_err(|e| put_code(&e))
+            }
         };
-        let mut st = Staged { item, upsert, room, sum: None };
+        let mut st = Staged { item, placed };
         src.arrive(&mut st).await?;
         staged.push(st);
     }
@@ -119,24 +126,22 @@ async fn stage<S: ValueSource>(
 }
 
 /// Publish one filled item; its answer.
-async fn commit_one(tenant: u32, st: Staged, s: &Shared) -> ErrorCode {
-    let spec = spec(&st.item);
-    let r = match st.room {
-        Room::Skip(code) => return code,
-        Room::Dram(id, blk) => s.store.commit(tenant, id, &spec, st.upsert, blk, st.sum),
-        Room::Ssd(id, data) => s.store.commit_ssd(tenant, id, &spec, st.upsert, data, st.sum).await,
+async fn commit_one(st: Staged, s: &Shared) -> ErrorCode {
+    let placed = match st.placed {
+        Ok(p) => p,
+        Err(code) => return code,
     };
-    match r {
+    match s.store.commit(&spec(&st.item), placed).await {
         Ok(()) => ErrorCode::Ok,
         Err(e) => put_code(&e),
     }
 }
 
 /// Publish every filled item, in order; their answers.
-async fn commit(tenant: u32, staged: Vec<Staged>, s: &Shared) -> Vec<ErrorCode> {
+async fn commit(staged: Vec<Staged>, s: &Shared) -> Vec<ErrorCode> {
     let mut results = Vec::with_capacity(staged.len());
     for st in staged {
-        results.push(commit_one(tenant, st, s).await);
+        results.push(commit_one(st, s).await);
     }
     results
 }
@@ -152,20 +157,13 @@ pub(super) async fn put<R: RequestRecv>(
     let total = check_put(&items, &s.limits)?;
     let mut src = StreamSource::new(recv, total, s);
     let staged = stage(items, mode, p.tenant_id, &mut src, s).await?;
-    Ok(Response::Put(StatusList { results: commit(p.tenant_id, staged, s).await }))
+    Ok(Response::Put(StatusList { results: commit(staged, s).await }))
 }
 
 /// `NodePut`: another storage node hands over blocks it evicts (into this node's free DRAM): a
-/// put on behalf of their tenant, allowed to the cluster's admin keys only.
-pub(super) async fn node_put<R: RequestRecv>(
-    np: NodePutRequest,
-    recv: &mut R,
-    p: &Principal,
-    s: &Shared,
-) -> Result<Response, Fail> {
-    if !p.admin {
-        return Err(Fail::Reply(error(ErrorCode::Forbidden, "node puts need an admin api key")));
-    }
+/// put on behalf of their tenant, allowed to the cluster's admin keys only (the request table
+/// says so).
+pub(super) async fn node_put<R: RequestRecv>(np: NodePutRequest, recv: &mut R, s: &Shared) -> Result<Response, Fail> {
     // Only a tenant this node has a key for: the cluster's nodes share their keys, and
     // a node put must not conjure up a tenant nobody can read.
     let Some(tenant_id) = s.auth.tenant_id_of(&np.tenant) else {
@@ -193,10 +191,10 @@ pub(super) async fn put_from(p: PutFromRequest, session: &Arc<Session>, s: &Shar
     let tenant = session.principal.tenant_id;
     let mut src = ShmSource::new(dp, peer, p.sources, s.timeouts.transfer(total), &s.metrics);
     let staged = stage(p.items, p.mode, tenant, &mut src, s).await?;
-    Ok(Response::Put(StatusList { results: commit(tenant, staged, s).await }))
+    Ok(Response::Put(StatusList { results: commit(staged, s).await }))
 }
 
-/// `PutIntent`: room for values the client will write one-sidedly; each granted item waits in
+/// `PutIntent`: places for values the client will write one-sidedly; each granted item waits in
 /// the session (for its time) until `PutDone` commits it.
 pub(super) async fn put_intent(p: PutIntentRequest, session: &Arc<Session>, s: &Shared) -> Result<Response, Fail> {
     check_put(&p.items, &s.limits)?;
@@ -209,14 +207,18 @@ pub(super) async fn put_intent(p: PutIntentRequest, session: &Arc<Session>, s: &
     };
     let mut grants = Vec::with_capacity(staged.len());
     for st in staged {
-        let offset = match &st.room {
-            Room::Skip(code) => {
+        let offset = match &st.placed {
+            Err(code) => {
                 grants.push(Grant { status: *code, ..none });
                 continue;
             }
-            Room::Dram(_, blk) => blk.offset(),
-            // `Granted` lands every stored item in DRAM.
-            Room::Ssd(..) => return Err(Fail::Reply(error(ErrorCode::Internal, "a one-sided put staged for SSD"))),
+            Ok(placed) => match &placed.landing {
+                Landing::Dram(blk) => blk.offset(),
+                // `Granted` lands every stored item in DRAM.
+                Landing::Ssd(_) => {
+                    return Err(Fail::Reply(error(ErrorCode::Internal, "a one-sided put staged for SSD")))
+                }
+            },
         };
         let ttl = s.hold_for(st.item.size);
         let reservation = session.grant(st, ttl);
@@ -240,16 +242,19 @@ pub(super) async fn write<R: RequestRecv>(
     let r = session.reservation(w.reservation).ok_or_else(|| expired("reservation", w.reservation))?;
     let by = Deadline::now() + s.timeouts.transfer(w.size);
     let mut guard = r.lock().await;
-    let room =
-        guard.as_mut().and_then(|st| st.room.bytes_mut()).ok_or_else(|| expired("reservation", w.reservation))?;
-    let len = room.len() as u64;
+    let block = guard
+        .as_mut()
+        .and_then(|st| st.placed.as_mut().ok())
+        .map(|p| p.bytes_mut())
+        .ok_or_else(|| expired("reservation", w.reservation))?;
+    let len = block.len() as u64;
     let end = w
         .offset
         .checked_add(w.size)
         .filter(|&e| e <= len)
         .ok_or_else(|| invalid(format!("write of {} bytes at {} into a block of {}", w.size, w.offset, len)))?;
     let started = std::time::Instant::now();
-    read_exact_by(recv, &mut room[w.offset as usize..end as usize], by, "the declared bytes").await?;
+    read_exact_by(recv, &mut block[w.offset as usize..end as usize], by, "the declared bytes").await?;
     expect_end(recv, by).await?;
     s.metrics.transferred(recv.transport(), "in", w.size, started.elapsed());
     Ok(Response::Done)
@@ -260,7 +265,6 @@ pub(super) async fn put_done(d: PutDoneRequest, session: &Arc<Session>, s: &Shar
     if d.reservations.len() > s.limits.max_batch as usize {
         return Err(Fail::Reply(error(ErrorCode::BatchTooLarge, "too many reservations")));
     }
-    let tenant = session.principal.tenant_id;
     let mut results = Vec::with_capacity(d.reservations.len());
     for id in d.reservations {
         let Some(r) = session.take_reservation(id) else {
@@ -269,7 +273,7 @@ pub(super) async fn put_done(d: PutDoneRequest, session: &Arc<Session>, s: &Shar
         };
         let staged = r.lock().await.take();
         results.push(match staged {
-            Some(st) => commit_one(tenant, st, s).await,
+            Some(st) => commit_one(st, s).await,
             None => ErrorCode::Expired,
         });
     }

@@ -2,6 +2,7 @@
 //! first stream, then hand every further stream to `handle_stream` (in `dispatch`).
 
 use super::dispatch::{conclude, handle_stream, read_request};
+use super::doors::Door;
 use super::session::Session;
 use super::shared::Shared;
 use super::stream::{error, expect_end, reply, BoxFuture, Fail, RequestRecv, RequestSend};
@@ -18,6 +19,9 @@ impl RequestRecv for quinn::RecvStream {
     }
     fn transport(&self) -> &'static str {
         "quic"
+    }
+    fn door(&self) -> Door {
+        Door::Quic
     }
 }
 

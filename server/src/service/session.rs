@@ -1,16 +1,18 @@
 //! What one authenticated connection holds between its requests: its principal and protocol
-//! version, and for version 2 its shared-memory peer, the reservations granted to it, and the
-//! leases of blocks it located. Everything is released when the connection ends, and
+//! version, and for version 2 its shared-memory peer, its control channel's token, the room for
+//! the connections each extra door binds to it, the reservations granted to it, and the leases
+//! of blocks it located. Everything is released when the connection ends, and
 //! reservations and leases also when their time is up (a client cannot pin memory by going
 //! quiet on a live connection).
 
+use super::doors::{self, Door, Life, Slots, Ticket};
 use super::staged::Staged;
 use super::stream::{error, Fail};
 use crate::auth::Principal;
 use crate::store::read::Served;
 use crate::store::Store;
 use kvpool_proto::ErrorCode;
-use kvpool_transport::shm::Ticket;
+use kvpool_transport::shm;
 use kvpool_transport::PeerId;
 use parking_lot::Mutex;
 use std::collections::HashMap;
@@ -50,16 +52,18 @@ pub struct Session {
     /// The client's address, where the front door has one (a master places an engine's blocks
     /// on the storage node that shares it).
     pub peer: Option<std::net::IpAddr>,
-    shm: Mutex<Option<Ticket>>,
-    /// Binding of same-host control sockets to this connection; dropping it closes them.
-    local: Mutex<Option<Box<dyn Send>>>,
+    shm: Mutex<Option<shm::Ticket>>,
+    /// The control channel's standing token; dropping it (replaced, or the connection ended)
+    /// closes the sockets bound with it.
+    control: Mutex<Option<Ticket>>,
     grants: Mutex<HashMap<u64, Arc<Reserved>>>,
     leases: Mutex<HashMap<u64, Arc<LeaseHold>>>,
     next: AtomicU64,
-    /// Room for the TCP bulk connections bound to this connection.
-    bulk: Arc<tokio::sync::Semaphore>,
-    /// Set when the connection ends.
-    ended: tokio::sync::watch::Sender<bool>,
+    /// Room for the connections bound to this connection through each extra door.
+    control_sockets: Slots,
+    bulk_connections: Slots,
+    /// Ends when the connection ends.
+    life: Life,
 }
 
 impl Session {
@@ -69,12 +73,13 @@ impl Session {
             version,
             peer,
             shm: Mutex::new(None),
-            local: Mutex::new(None),
+            control: Mutex::new(None),
             grants: Mutex::new(HashMap::new()),
             leases: Mutex::new(HashMap::new()),
             next: AtomicU64::new(1),
-            bulk: Arc::new(tokio::sync::Semaphore::new(super::bulk::MAX_CONNECTIONS_PER_SESSION)),
-            ended: tokio::sync::watch::Sender::new(false),
+            control_sockets: Slots::default(),
+            bulk_connections: Slots::default(),
+            life: Life::default(),
         })
     }
 
@@ -88,37 +93,46 @@ impl Session {
     }
 
     /// A new shm ticket for this connection (an earlier one, and its buffers, are dropped).
-    pub fn set_shm(&self, ticket: Ticket) {
+    pub fn set_shm(&self, ticket: shm::Ticket) {
         *self.shm.lock() = Some(ticket);
     }
 
-    /// The connection ended: its control sockets close and its shared buffers are let go now,
-    /// even while a request in flight still holds the session.
+    /// The connection ended: its control sockets and bulk connections close and its shared
+    /// buffers are let go now, even while a request in flight still holds the session.
     pub fn end(&self) {
-        self.local.lock().take();
+        self.control.lock().take();
         self.shm.lock().take();
-        self.ended.send_replace(true);
+        self.life.end();
     }
 
     /// Whether the connection has ended.
     pub fn has_ended(&self) -> bool {
-        *self.ended.borrow()
+        self.life.has_ended()
     }
 
     /// Resolves once the connection has ended (at once if it has).
     pub async fn ended(&self) {
-        let mut rx = self.ended.subscribe();
-        let _ = rx.wait_for(|e| *e).await;
+        self.life.ended().await
     }
 
-    /// A new control-channel ticket for this connection (sockets bound by an earlier one close).
-    pub fn set_local(&self, ticket: impl Send + 'static) {
-        *self.local.lock() = Some(Box::new(ticket));
+    /// Replace the control channel's token with the one `issue` makes: the sockets bound with
+    /// the old one close first, so that a connection never holds two.
+    pub(super) fn replace_control<T, E>(&self, issue: impl FnOnce() -> Result<(T, Ticket), E>) -> Result<T, E> {
+        let mut control = self.control.lock();
+        control.take();
+        let (offer, ticket) = issue()?;
+        *control = Some(ticket);
+        Ok(offer)
     }
 
-    /// Room for one more TCP bulk connection, held until the permit drops; `None` when full.
-    pub(super) fn bulk_slot(&self) -> Option<tokio::sync::OwnedSemaphorePermit> {
-        self.bulk.clone().try_acquire_owned().ok()
+    /// Room for one more connection through `door`, held until the permit drops; `None` when
+    /// full (or for QUIC, which the server's connection limit bounds instead).
+    pub(super) fn slot(&self, door: Door) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        match door {
+            Door::Quic => None,
+            Door::Control => self.control_sockets.take(),
+            Door::Bulk => self.bulk_connections.take(),
+        }
     }
 
     /// Keep a granted put item for `ttl`; returns its reservation's name.
@@ -164,6 +178,15 @@ impl Session {
 
     pub fn release(&self, id: u64) -> bool {
         self.leases.lock().remove(&id).is_some()
+    }
+}
+
+impl doors::Owner for Session {
+    fn tenant(&self) -> u32 {
+        self.principal.tenant_id
+    }
+    fn life(&self) -> &Life {
+        &self.life
     }
 }
 

@@ -50,7 +50,7 @@ pub struct Shared {
     pub node: String,
     pub role: Role,
     /// The TCP bulk channel, once the server listens (`bulk.tcp`).
-    pub bulk: std::sync::OnceLock<super::bulk::BulkDoor>,
+    pub bulk: std::sync::OnceLock<super::bulk::door::BulkDoor>,
 }
 
 impl Shared {

@@ -1,18 +1,18 @@
-//! The copy engine for same-host clients: the DRAM segment is its local region, the client's
+//! The copy engine for same-host clients: the DRAM segment is its own region, the client's
 //! attached shared buffers its peer's. Puts (`PutFrom`) and gets (`GetInto`) post one batch of
 //! copies each through [`copy`].
 
 use super::session::Session;
 use super::stream::{error, invalid, unsupported, Fail};
 use kvpool_proto::{BufSlice, ErrorCode};
-use kvpool_transport::local::Digests;
+use kvpool_transport::copy::Digests;
 use kvpool_transport::{MemKind, Op, Region, RegionId, Transport, Xfer};
 use std::sync::Arc;
 use std::time::Duration;
 
-/// The copy engine for same-host clients: the DRAM segment is its local region.
+/// The copy engine for same-host clients: the DRAM segment is its own region.
 pub struct DataPath {
-    pub transport: Arc<kvpool_transport::local::LocalTransport>,
+    pub transport: Arc<kvpool_transport::copy::CopyEngine>,
     pub segment: RegionId,
     /// The Unix socket same-host clients attach their buffers through; `None` when disabled.
     pub shm: Option<kvpool_transport::shm::ShmServer>,
@@ -43,8 +43,9 @@ pub(super) unsafe fn register(t: &dyn Transport, v: &[u8]) -> Result<RegionId, F
         .map_err(|e| Fail::Reply(error(ErrorCode::Internal, e.to_string())))
 }
 
-pub(super) fn xfer(local: RegionId, local_offset: u64, remote: &BufSlice, len: u64) -> Xfer {
-    Xfer { local, local_offset, remote: RegionId(remote.region), remote_offset: remote.offset, len }
+/// A copy between `ours` (at `offset`) and a client's buffer slice `theirs`.
+pub(super) fn xfer(ours: RegionId, offset: u64, theirs: &BufSlice, len: u64) -> Xfer {
+    Xfer { local: ours, local_offset: offset, remote: RegionId(theirs.region), remote_offset: theirs.offset, len }
 }
 
 /// Post one batch and wait for it in a task that owns `held` (the memory the batch touches), so
@@ -66,7 +67,7 @@ pub(super) async fn copy<H: Send + 'static>(
     let started = std::time::Instant::now();
     let bytes: u64 = xfers.iter().map(|x| x.len).sum();
     let direction = if op == Op::Read { "in" } else { "out" };
-    let unregister = |t: &kvpool_transport::local::LocalTransport, temps: &[RegionId]| {
+    let unregister = |t: &kvpool_transport::copy::CopyEngine, temps: &[RegionId]| {
         for &r in temps {
             let _ = t.deregister(r);
         }

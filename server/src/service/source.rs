@@ -1,12 +1,17 @@
-//! The value-source seam: how a put's value bytes arrive into the room [`stage`] gave them, and
-//! come out hashed. One implementation per way bytes travel; a new transport (TCP bulk, HIXL)
-//! is one more here, and the put path itself does not change.
+//! The value-source seam: how a put's value bytes arrive where [`stage`] placed them, and come
+//! out hashed. One implementation per way bytes travel: the request's stream (QUIC, the Unix
+//! control socket, the TCP bulk channel: all one [`RequestRecv`]), the copy engine (shared
+//! memory), one-sided writes. A transport that moves bytes some other way (HIXL) is one more
+//! here, and the put path itself does not change.
 //!
+//!
+//! [`stage`]: super::put
 
 use super::shared::Shared;
 use super::shm::{copy, register, xfer, DataPath};
-use super::staged::{Room, Staged};
+use super::staged::Staged;
 use super::stream::{discard, expect_end, read_hashed_by, Fail, RequestRecv};
+use crate::store::put::Landing;
 use kvpool_proto::BufSlice;
 use kvpool_transport::{Op, PeerId, RegionId, Transport, Xfer};
 use std::future::Future;
@@ -16,7 +21,7 @@ use tokio::time::Instant as Deadline;
 /// Where a put's value bytes come from.
 ///
 /// The put path calls [`begin`](ValueSource::begin) once the items are planned,
-/// [`arrive`](ValueSource::arrive) for each item in order once it has its room (or is skipped),
+/// [`arrive`](ValueSource::arrive) for each item in order once it is placed (or skipped),
 /// and [`settle`](ValueSource::settle) once every item has one. A stream moves each value as
 /// it arrives; a batch source (a copy engine) notes where each goes and moves them all in
 /// `settle`. Either way, an item's `sum` is the hash of its bytes as they landed, when the
@@ -34,16 +39,16 @@ pub(super) trait ValueSource: Send {
         false
     }
 
-    /// The next item has its room (or is skipped).
+    /// The next item is placed (or skipped).
     fn arrive(&mut self, staged: &mut Staged) -> impl Future<Output = Result<(), Fail>> + Send;
 
-    /// Every item has its room: the bytes are all in when this returns.
+    /// Every item is placed: the bytes are all in when this returns.
     fn settle(&mut self, staged: Vec<Staged>) -> impl Future<Output = Result<Vec<Staged>, Fail>> + Send;
 }
 
-/// The values follow the request frame on its stream (QUIC, or the Unix-socket control
-/// channel), item by item: each goes straight from the stream into its room, hashed piece by
-/// piece as it lands. Bytes of a skipped item are read and dropped.
+/// The values follow the request frame on its stream (QUIC, the Unix control socket, or the TCP
+/// bulk channel), item by item: each goes straight from the stream where it was placed, hashed
+/// piece by piece as it lands. Bytes of a skipped item are read and dropped.
 pub(super) struct StreamSource<'a, R> {
     recv: &'a mut R,
     total: u64,
@@ -67,11 +72,12 @@ impl<R: RequestRecv> ValueSource for StreamSource<'_, R> {
     }
 
     async fn arrive(&mut self, st: &mut Staged) -> Result<(), Fail> {
-        match st.room.bytes_mut() {
-            None => discard(self.recv, st.item.size, self.bytes_by).await,
-            Some(buf) => {
+        match &mut st.placed {
+            Err(_) => discard(self.recv, st.item.size, self.bytes_by).await,
+            Ok(placed) => {
                 // Straight from the stream into the segment (or the SSD buffer): no staging copy.
-                st.sum = Some(read_hashed_by(self.recv, buf, self.bytes_by, "the declared value bytes").await?);
+                let buf = placed.bytes_mut();
+                placed.sum = Some(read_hashed_by(self.recv, buf, self.bytes_by, "the declared value bytes").await?);
                 Ok(())
             }
         }
@@ -124,10 +130,10 @@ impl ValueSource for ShmSource<'_> {
         // The put checked there is one source per item.
         let Some(src) = self.sources.next() else { return Ok(()) };
         let size = st.item.size;
-        match &mut st.room {
-            Room::Skip(_) => {}
-            Room::Dram(_, blk) => self.xfers.push(xfer(self.dp.segment, blk.offset(), &src, size)),
-            Room::Ssd(_, v) => {
+        let Ok(placed) = &mut st.placed else { return Ok(()) };
+        match &mut placed.landing {
+            Landing::Dram(blk) => self.xfers.push(xfer(self.dp.segment, blk.offset(), &src, size)),
+            Landing::Ssd(v) => {
                 let t: &dyn Transport = &*self.dp.transport;
                 // SAFETY: the buffer is owned by the staged item, which `copy` holds until the
                 // batch settled (and the registration is dropped then, or on our drop).
@@ -145,8 +151,8 @@ impl ValueSource for ShmSource<'_> {
             copy(self.dp, self.peer, Op::Read, &self.xfers, staged, temps, self.timeout, self.metrics).await?;
         // The copy threads hashed each block as it landed in server memory: that is its checksum.
         let mut sums = (0..sums.len()).map(|i| sums.get(i));
-        for st in staged.iter_mut().filter(|st| !matches!(st.room, Room::Skip(_))) {
-            st.sum = sums.next();
+        for placed in staged.iter_mut().filter_map(|st| st.placed.as_mut().ok()) {
+            placed.sum = sums.next();
         }
         Ok(staged)
     }

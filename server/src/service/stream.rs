@@ -2,8 +2,10 @@
 //! a request, why a request failed ([`Fail`]), and reading and writing under a deadline.
 //!
 //! The handlers are generic over the two halves ([`RequestRecv`], [`RequestSend`]), so the
-//! QUIC front door, the Unix-socket front door and in-memory tests all run the same code.
+//! three front doors (QUIC, the Unix control socket, the TCP bulk channel), the fuzz driver and
+//! the unit tests all run the same code.
 
+use super::doors::Door;
 pub use crate::store::BoxFuture;
 use kvpool_proto::frame::encode_frame;
 use kvpool_proto::{ErrorBody, ErrorCode, Limits, ProtoError, Response};
@@ -17,6 +19,8 @@ pub trait RequestRecv: AsyncRead + Unpin + Send {
     fn stop(&mut self, code: u32);
     /// What carries the stream, for the transfer metrics.
     fn transport(&self) -> &'static str;
+    /// The front door the request came through (the request table says what each carries).
+    fn door(&self) -> Door;
 }
 
 /// The sending half of a request stream.

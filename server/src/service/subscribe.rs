@@ -4,7 +4,7 @@
 
 use super::session::Session;
 use super::shared::Shared;
-use super::stream::{error, expect_end, write_by, Fail, RequestRecv, RequestSend};
+use super::stream::{error, write_by, Fail, RequestSend};
 use kvpool_core::{Change, ChangeKind};
 use kvpool_proto::{frame, ErrorCode, EventBatch, EventScope, KvEvent, KvEventKind, Response, SubscribeRequest};
 use std::sync::Arc;
@@ -39,15 +39,12 @@ fn event(seq: u64, c: Change, node: &str, s: &Shared) -> KvEvent {
     }
 }
 
-pub(super) async fn subscribe<R: RequestRecv, W: RequestSend>(
+pub(super) async fn subscribe<W: RequestSend>(
     req: SubscribeRequest,
-    recv: &mut R,
     send: &mut W,
     session: &Arc<Session>,
     s: &Shared,
-    deadline: Deadline,
 ) -> Result<(), Fail> {
-    expect_end(recv, deadline).await?;
     let p = &session.principal;
     let Some(log) = s.events.as_ref().filter(|l| l.capacity() > 0) else {
         return Err(Fail::Reply(error(ErrorCode::Unsupported, "KV events are off on this server (events.buffer = 0)")));

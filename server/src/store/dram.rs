@@ -39,6 +39,7 @@ struct Segment {
 // SAFETY: the segment is plain memory; disjoint ranges are handed to one writer each by the
 // allocator, and readers only see ranges of committed (immutable) blocks.
 unsafe impl Send for Segment {}
+// SAFETY: as for `Send`: shared access goes through that same discipline.
 unsafe impl Sync for Segment {}
 
 impl Drop for Segment {

@@ -1,10 +1,10 @@
 //! The store with its real tiers and sled, in a temporary directory.
 
-use super::put::{PutError, PutPlan};
+use super::put::PutError;
 use super::read::{GetPlan, ReadError};
 use super::*;
 use crate::metrics::Metrics;
-use kvpool_core::{BlockRecord, PinRequest, PutSpec, PutStatus};
+use kvpool_core::{BlockRecord, PinRequest, PutPlan, PutRefusal, PutSpec};
 use kvpool_proto::ErrorCode;
 use std::time::Duration;
 
@@ -12,7 +12,7 @@ use std::time::Duration;
 fn code(r: Result<(), PutError>) -> ErrorCode {
     match r {
         Ok(()) => ErrorCode::Ok,
-        Err(PutError::Refused(PutStatus::AlreadyExists)) => ErrorCode::AlreadyExists,
+        Err(PutError::Refused(PutRefusal::AlreadyExists)) => ErrorCode::AlreadyExists,
         Err(_) => ErrorCode::Internal,
     }
 }
@@ -122,12 +122,14 @@ async fn a_block_found_corrupt_on_the_way_out_is_counted_and_removed() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(cfg(dir.path()), Arc::new(Metrics::new()), crate::policy::builtin_policies(0)).unwrap();
     let item = PutSpec { key: b"k", size: 4096, parent: None, tokens: 0, seq_tokens: 0, pin: PinRequest::None };
-    let PutPlan::Dram(id) = store.plan_put(1, std::slice::from_ref(&item), false).remove(0) else {
-        panic!("expected a DRAM plan");
+    let PutPlan::Store(planned) = store.plan_put(1, std::slice::from_ref(&item), false).remove(0) else {
+        panic!("expected a plan to store");
     };
-    let mut blk = store.reserve(1, 4096, tokio::time::Instant::now() + Duration::from_secs(1)).await.unwrap();
-    blk.bytes_mut().fill(7);
-    assert_eq!(code(store.commit(1, id, &item, false, blk, None)), ErrorCode::Ok);
+    let by = tokio::time::Instant::now() + Duration::from_secs(1);
+    let mut placed = store.reserve_for(planned, 4096, false, by).await.unwrap();
+    assert!(matches!(placed.landing, super::put::Landing::Dram(_)));
+    placed.bytes_mut().fill(7);
+    assert_eq!(code(store.commit(&item, placed).await), ErrorCode::Ok);
     // Leased by a reader, as a get's block is while it is copied out.
     let plan = store.plan_get(1, &[b"k".to_vec()]);
     assert!(matches!(plan[0], GetPlan::Dram { .. }));

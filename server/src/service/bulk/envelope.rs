@@ -8,13 +8,14 @@
 //! from the socket straight into their DRAM range, and from DRAM to the socket, in one chunk
 //! each: no copy beyond TLS's own.
 
-use super::dispatch::handle_stream;
-use super::session::Session;
-use super::shared::Shared;
-use super::stream::{error, BoxFuture, RequestRecv, RequestSend};
+use crate::service::dispatch::handle_stream;
+use crate::service::doors::Door;
+use crate::service::session::Session;
+use crate::service::shared::Shared;
+use crate::service::stream::{error, BoxFuture, RequestRecv, RequestSend};
 use bytes::Bytes;
-use kvpool_proto::frame::{encode_frame, read_frame};
-use kvpool_proto::{ErrorCode, ProtoError, Response};
+use kvpool_proto::frame::encode_frame;
+use kvpool_proto::{ErrorCode, Response};
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
@@ -28,25 +29,6 @@ pub const END: u32 = u32::MAX;
 const DRAIN_LIMIT: u64 = 64 << 20;
 /// Answer bytes gathered before they go out as one chunk (frames; values go on their own).
 const GATHER: usize = 64 << 10;
-
-/// A refusal before any request: status 1, then an error frame; the server closes after it.
-pub(super) async fn refuse<S: AsyncWrite + Unpin>(
-    s: &mut S,
-    shared: &Shared,
-    code: ErrorCode,
-    message: String,
-) -> io::Result<()> {
-    shared.metrics.bulk_refused.inc();
-    tracing::debug!(%message, "bulk connection refused");
-    let mut out = vec![1u8];
-    out.extend(encode_frame(&Response::Error(error(code, message))).map_err(io::Error::other)?);
-    s.write_all(&out).await?;
-    s.shutdown().await
-}
-
-/// Tags of the requests that need a QUIC connection: `LocalAttach` and `BulkAttach` bind
-/// channels to it, and a subscription is a stream of answers that ends when the client says.
-const QUIC_ONLY: [u32; 3] = [21, 22, 31];
 
 /// Serve envelopes until the client closes, the session is gone, or the framing breaks.
 pub(super) async fn run<S>(
@@ -76,30 +58,9 @@ where
             return send.fail(ErrorCode::FrameTooLarge, m).await;
         }
         let Some(session) = session.upgrade() else { return Ok(()) };
-        let mut recv = BulkRecv { inner: &mut rd, left: len, prefix: Bytes::new(), transport };
-        // The frame is read here to refuse what must be asked on QUIC; the handler reads it again.
-        let deadline = tokio::time::Instant::now() + shared.timeouts.request;
-        let frame = match tokio::time::timeout_at(deadline, read_frame(&mut recv, shared.limits.max_frame)).await {
-            Ok(Ok(frame)) => frame,
-            Ok(Err(ProtoError::Cancelled(_))) => return Ok(()),
-            Ok(Err(e)) => return send.fail(e.code(), e.to_string()).await,
-            Err(_) => return send.fail(ErrorCode::Timeout, "no complete request frame in time".into()).await,
-        };
-        if frame.as_deref().and_then(kvpool_proto::message_tag).is_some_and(|t| QUIC_ONLY.contains(&t)) {
-            let m = "LocalAttach, Subscribe and BulkAttach are asked on the QUIC connection, not on its bulk channel";
-            send.fail(ErrorCode::InvalidArgument, m.into()).await?;
-            if !drain(&mut recv, shared).await {
-                return Ok(());
-            }
-            continue;
-        }
-        // Put back as read, an empty frame too: the handler answers it as QUIC's would.
-        if let Some(body) = frame {
-            let mut prefix = Vec::with_capacity(4 + body.len());
-            prefix.extend_from_slice(&(body.len() as u32).to_le_bytes());
-            prefix.extend_from_slice(&body);
-            recv.prefix = prefix.into();
-        }
+        // The handler reads the frame as on QUIC, and refuses (from the request table) what
+        // must be asked on the QUIC connection.
+        let mut recv = BulkRecv { inner: &mut rd, left: len, transport };
         handle_stream(&mut recv, &mut send, &session, shared).await;
         drop(session);
         shared.metrics.bulk_requests.inc();
@@ -138,19 +99,12 @@ async fn drain<R: AsyncRead + Unpin>(recv: &mut BulkRecv<'_, R>, shared: &Shared
 pub(super) struct BulkRecv<'a, R> {
     inner: &'a mut ReadHalf<R>,
     left: u64,
-    /// Bytes read ahead (the frame) and handed out first.
-    prefix: Bytes,
     transport: &'static str,
 }
 
 impl<R: AsyncRead> AsyncRead for BulkRecv<'_, R> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let me = &mut *self;
-        if !me.prefix.is_empty() {
-            let n = buf.remaining().min(me.prefix.len());
-            buf.put_slice(&me.prefix.split_to(n));
-            return Poll::Ready(Ok(()));
-        }
         if me.left == 0 || buf.remaining() == 0 {
             return Poll::Ready(Ok(()));
         }
@@ -175,6 +129,9 @@ impl<R: AsyncRead + Send> RequestRecv for BulkRecv<'_, R> {
     fn stop(&mut self, _code: u32) {}
     fn transport(&self) -> &'static str {
         self.transport
+    }
+    fn door(&self) -> Door {
+        Door::Bulk
     }
 }
 
@@ -320,18 +277,6 @@ impl<W: AsyncWrite + Send> RequestSend for BulkSend<'_, W> {
 mod tests {
     use super::*;
 
-    #[test]
-    fn the_quic_only_tags_are_the_encoded_ones() {
-        use kvpool_proto::{codec, message_tag, BulkAttachRequest, EventScope, Request, SubscribeRequest};
-        let sub = Request::Subscribe(SubscribeRequest { from: None, scope: EventScope::Tenant, max_batch: 0 });
-        let bulk = Request::BulkAttach(BulkAttachRequest { plaintext: false });
-        let tags: Vec<u32> = [Request::LocalAttach, sub, bulk]
-            .iter()
-            .map(|r| message_tag(&codec::encode(r).unwrap()).unwrap())
-            .collect();
-        assert_eq!(tags, QUIC_ONLY);
-    }
-
     /// Join an answer's chunks; the end byte and code.
     fn unchunk(mut b: &[u8]) -> (Vec<u8>, u8, u32) {
         let mut out = Vec::new();
@@ -411,7 +356,7 @@ mod tests {
         assert_eq!(unchunk(&wire), (b"partial".to_vec(), 1, 7));
 
         b.write_all(b"abcdefNEXT").await.unwrap();
-        let mut recv = BulkRecv { inner: &mut rd, left: 6, prefix: Bytes::new(), transport: "tcp" };
+        let mut recv = BulkRecv { inner: &mut rd, left: 6, transport: "tcp" };
         let mut got = Vec::new();
         recv.read_to_end(&mut got).await.unwrap();
         assert_eq!(got, b"abcdef", "the next envelope's bytes are not this request's");

@@ -1,8 +1,9 @@
 //! Transfers between host memory regions of one process, done by a small pool of copy threads.
 //!
-//! This is the server side of the same-host transport: its local region is the DRAM segment,
-//! and a peer's regions are the client buffers imported by [`crate::shm`]. It is also the
-//! reference implementation of [`Transport`] that the trait's contract is tested against.
+//! This is the server side of the same-host transport: its own ("local", in the transport's
+//! terms) region is the DRAM segment, and a peer's regions are the client buffers imported by
+//! [`crate::shm`]. It is also the reference implementation of [`Transport`] that the trait's
+//! contract is tested against.
 
 use crate::{
     check_bounds, Caps, MemKind, Op, PeerId, Region, RegionId, Transport, TransportError, Xfer, XferId, XferStatus,
@@ -51,7 +52,7 @@ const INLINE: u64 = 256 << 10;
 /// written are still in L1 when they are read back for the hash.
 const HASH_CHUNK: usize = 32 << 10;
 
-/// Per-descriptor xxh3-64 of the bytes a [`LocalTransport::post_hashed`] batch wrote, read
+/// Per-descriptor xxh3-64 of the bytes a [`CopyEngine::post_hashed`] batch wrote, read
 /// back from the destination right after each chunk was copied (so hashing costs no second
 /// trip to memory). Valid once the batch has settled `Done`.
 #[derive(Clone, Default)]
@@ -132,15 +133,15 @@ struct Inner {
 }
 
 /// An in-process copy engine implementing [`Transport`].
-pub struct LocalTransport {
+pub struct CopyEngine {
     inner: Arc<Inner>,
     jobs: Mutex<Option<mpsc::Sender<Job>>>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
 
-impl LocalTransport {
+impl CopyEngine {
     /// An engine with `threads` copy threads (at least one).
-    pub fn new(threads: usize) -> LocalTransport {
+    pub fn new(threads: usize) -> CopyEngine {
         let (tx, rx) = mpsc::channel::<Job>();
         let rx = Arc::new(std::sync::Mutex::new(rx));
         let threads = (0..threads.max(1))
@@ -161,7 +162,7 @@ impl LocalTransport {
                     .expect("spawn copy thread")
             })
             .collect();
-        LocalTransport { inner: Arc::new(Inner::default()), jobs: Mutex::new(Some(tx)), threads }
+        CopyEngine { inner: Arc::new(Inner::default()), jobs: Mutex::new(Some(tx)), threads }
     }
 
     /// As [`Transport::post`], and also hash what is written: once the batch is `Done`,
@@ -285,7 +286,7 @@ impl LocalTransport {
     }
 }
 
-impl Drop for LocalTransport {
+impl Drop for CopyEngine {
     fn drop(&mut self) {
         self.jobs.lock().take();
         for t in self.threads.drain(..) {
@@ -294,9 +295,9 @@ impl Drop for LocalTransport {
     }
 }
 
-impl Transport for LocalTransport {
+impl Transport for CopyEngine {
     fn name(&self) -> &'static str {
-        "local"
+        "copy"
     }
 
     fn caps(&self) -> Caps {
@@ -320,7 +321,7 @@ impl Transport for LocalTransport {
         Err(TransportError::Unsupported("remote peers of an in-process"))
     }
 
-    /// `metadata` is the 8-byte little-endian id of a peer made with [`LocalTransport::new_peer`].
+    /// `metadata` is the 8-byte little-endian id of a peer made with [`CopyEngine::new_peer`].
     fn connect(&self, metadata: &[u8]) -> Result<PeerId, TransportError> {
         let id = <[u8; 8]>::try_from(metadata)
             .map(u64::from_le_bytes)
@@ -379,7 +380,7 @@ mod tests {
 
     #[tokio::test]
     async fn batches_move_bytes_both_ways_and_bounds_are_checked() {
-        let t = LocalTransport::new(2);
+        let t = CopyEngine::new(2);
         let mut seg = vec![0u8; 8 << 20];
         let mut client: Vec<u8> = (0..(3 << 20)).map(|i| (i % 251) as u8).collect();
         // SAFETY: both vectors outlive every transfer below (each is awaited).
@@ -417,7 +418,7 @@ mod tests {
 
     #[tokio::test]
     async fn hashed_batches_report_the_digest_of_each_descriptor() {
-        let t = LocalTransport::new(2);
+        let t = CopyEngine::new(2);
         let mut seg = vec![0u8; 16 << 20];
         let mut client: Vec<u8> = (0..(6 << 20)).map(|i| (i * 7 % 253) as u8).collect();
         // SAFETY: both vectors outlive every transfer below (each is awaited).
@@ -453,7 +454,7 @@ mod tests {
 
     #[test]
     fn device_memory_is_refused() {
-        let t = LocalTransport::new(1);
+        let t = CopyEngine::new(1);
         let r = Region { addr: 0x1000, len: 10, kind: MemKind::Device { device: 0 } };
         // SAFETY: refused before the memory could be used.
         assert_eq!(unsafe { t.register(r) }, Err(TransportError::Unsupported("device")));
