@@ -287,16 +287,19 @@ impl<M: StageMem> Staging<M> {
         let mut slots = self.take(chunks.len(), need(&chunks), alloc)?;
         let mut out: Vec<Option<Staged<S>>> = items.iter().map(|_| None).collect();
         let mut chunks = chunks.into_iter();
-        // SAFETY (each `queue`): the caller's contract; every chunk fits a slot (`need`).
-        let mut cur = chunks.next().map(|c| unsafe { queue(&mut slots[0], rts, items, c, Direction::DeviceToHost) });
+        let mut cur = chunks.next().map(|c| {
+            // SAFETY: the caller's contract on the pieces; every chunk fits a slot (`need`).
+            unsafe { queue(&mut slots[0], rts, items, c, Direction::DeviceToHost) }
+        });
         let mut k = 0;
         let result = loop {
             let Some(batch) = cur.take() else { break Ok(()) };
             // The next chunk's copies run while this one is waited for and sent.
-            // SAFETY: as above; the other slot's last chunk was sent already (sends are
-            // synchronous), so nothing reads it.
-            let next =
-                chunks.next().map(|c| unsafe { queue(&mut slots[1 - k], rts, items, c, Direction::DeviceToHost) });
+            let next = chunks.next().map(|c| {
+                // SAFETY: as above; the other slot's last chunk was sent already (sends are
+                // synchronous), so nothing reads it.
+                unsafe { queue(&mut slots[1 - k], rts, items, c, Direction::DeviceToHost) }
+            });
             let ready = batch.settle(&mut out);
             if !ready.is_empty() {
                 match send(&slots[k].mem, &ready) {
