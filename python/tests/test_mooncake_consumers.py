@@ -184,3 +184,58 @@ def test_lmcaches_mooncakestore_connector_round_trips_a_chunk(alias: None, pool:
     finally:
         run(conn.close()) if asyncio.iscoroutinefunction(conn.close) else conn.close()
         loop.call_soon_threadsafe(loop.stop)
+
+
+def test_kvpools_native_hicache_backend_through_sglangs_dynamic_loader(pool: Server) -> None:
+    """``kvpool.sglang.KVPoolHiCacheStorage`` loaded by SGLang's own backend factory (``dynamic``),
+    over a real SGLang host pool: pages stored with their prefix links, found with one lookup,
+    read back into other pages byte for byte."""
+    import ctypes
+
+    from sglang.srt.mem_cache.hicache_storage import HiCacheStorageConfig
+    from sglang.srt.mem_cache.storage.backend_factory import StorageBackendFactory
+
+    def backend(host: Any) -> Any:
+        cfg = HiCacheStorageConfig(tp_rank=0, tp_size=1, pp_rank=0, pp_size=1, attn_cp_rank=0, attn_cp_size=1,
+                                   is_mla_model=False, enable_storage_metrics=False, is_page_first_layout=True,
+                                   model_name="tiny/model",
+                                   extra_config={"backend_name": "kvpool", "module_path": "kvpool.sglang",
+                                                 "class_name": "KVPoolHiCacheStorage",
+                                                 "kvpool_data_dir": str(pool.dir)})
+        b = StorageBackendFactory.create_backend("dynamic", cfg, host)
+        b.register_mem_pool_host(host)
+        return b
+
+    src, dst = _host_pool(5), _host_pool(6)
+    a, b = backend(src), backend(dst)
+    assert type(a).__name__ == "KVPoolHiCacheStorage"
+    keys = [f"native-{i}" for i in range(5)]
+    assert a.batch_set_v1(keys, torch.arange(PAGE, PAGE * 6)) == [True] * 5
+    lookups = []
+    inner = b.client
+
+    class Counting:
+        def __getattr__(self, name: str) -> Any:
+            return getattr(inner, name)
+
+        def lookup(self, chain: list[str]) -> int:
+            lookups.append(len(chain))
+            return inner.lookup(chain)
+
+    b.client = Counting()
+    assert b.batch_exists(keys) == 5 and b.batch_exists(keys[:2] + ["gone"] + keys[2:]) == 2
+    assert lookups == [5, 6], "one lookup request per batch_exists"
+    assert b.batch_get_v1(keys, torch.arange(PAGE * 8, PAGE * 13)) == [True] * 5
+    sp, _ = src.get_page_buffer_meta(torch.arange(PAGE, PAGE * 6))
+    dp, _ = dst.get_page_buffer_meta(torch.arange(PAGE * 8, PAGE * 13))
+    n = src.get_ksize_per_token() * PAGE
+    assert all(ctypes.string_at(p, n) == ctypes.string_at(q, n) for p, q in zip(sp, dp))
+    # Another client finds the whole chain in one lookup.
+    from kvpool import Client
+
+    c = Client(data_dir=str(pool.dir))
+    assert c.lookup([a._key(k) for k in keys]) == 5
+    a.clear()
+    assert b.batch_exists(keys) == 0
+    a.close()
+    b.close()
