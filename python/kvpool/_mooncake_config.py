@@ -243,3 +243,24 @@ class ClientSettings:
         if self.etcd:
             return f"the leader published in etcd {self.etcd} (from {self.origin.get('etcd')})"
         return f"the server of the data directory {self.data_dir} (from {self.origin.get('data_dir')})"
+
+
+def client_from_settings(extra: dict[str, Any], client_name: str) -> Any:
+    """A kvpool client for an integration configured by ``kvpool_*`` keys (``extra``), else the
+    ``KVPOOL_*`` environment, else the ``kvpool_*`` fields of Mooncake's config file; raises
+    ``ValueError`` naming what is missing."""
+    from kvpool._native import Client
+
+    explicit = {k.removeprefix("kvpool_"): v for k, v in extra.items() if k.startswith("kvpool_")}
+    s = ClientSettings(
+        {"data_dir": explicit.get("data_dir"), "api_key": explicit.get("api_key"),
+         "api_key_file": explicit.get("api_key_file"), "fingerprint": explicit.get("fingerprint"),
+         "ca_file": explicit.get("ca"), "server": explicit.get("server"), "etcd": explicit.get("etcd")},
+        {}, load_file(),
+    )
+    missing = s.missing()
+    if missing:
+        raise ValueError(f"{client_name} cannot reach the pool; missing: " + "; ".join(missing))
+    return Client(s.server, s.api_key, fingerprint=s.fingerprint, ca_file=s.ca_file, data_dir=s.data_dir,
+                  transport=str(extra.get("kvpool_transport") or os.environ.get("KVPOOL_TRANSPORT") or "auto"),
+                  client_name=client_name, etcd=s.etcd)

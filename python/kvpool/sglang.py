@@ -36,7 +36,6 @@ as for any backend without them).
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any, Optional
 
 import torch
@@ -68,7 +67,7 @@ class KVPoolHiCacheStorage(HiCacheStorage):
         self.suffix = suffix + (f"@pp{self.pp_rank}" if self.pp_size > 1 else "")
         # MLA: the latent cache is the same on every rank; one writer.
         self.writer = not self.is_mla or self.tp_rank == 0
-        self.client = client if client is not None else _connect(extra)
+        self.client = client if client is not None else mooncake_config.client_from_settings(extra, "kvpool-sglang")
         self.mem_pool_host: Any = None
         self._registered: Optional[int] = None
 
@@ -205,20 +204,3 @@ class KVPoolHiCacheStorage(HiCacheStorage):
             except KvpoolError:
                 pass
         self.client.close()
-
-
-def _connect(extra: dict[str, Any]) -> Client:
-    """A client from SGLang's extra config, the environment, or Mooncake's config file."""
-    explicit = {k.removeprefix("kvpool_"): v for k, v in extra.items() if k.startswith("kvpool_")}
-    s = mooncake_config.ClientSettings(
-        {"data_dir": explicit.get("data_dir"), "api_key": explicit.get("api_key"),
-         "api_key_file": explicit.get("api_key_file"), "fingerprint": explicit.get("fingerprint"),
-         "ca_file": explicit.get("ca"), "server": explicit.get("server"), "etcd": explicit.get("etcd")},
-        {}, mooncake_config.load_file(),
-    )
-    missing = s.missing()
-    if missing:
-        raise ValueError("KVPoolHiCacheStorage cannot reach the pool; missing: " + "; ".join(missing))
-    return Client(s.server, s.api_key, fingerprint=s.fingerprint, ca_file=s.ca_file, data_dir=s.data_dir,
-                  transport=str(extra.get("kvpool_transport") or os.environ.get("KVPOOL_TRANSPORT") or "auto"),
-                  client_name="kvpool-sglang", etcd=s.etcd)

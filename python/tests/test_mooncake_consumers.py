@@ -239,3 +239,75 @@ def test_kvpools_native_hicache_backend_through_sglangs_dynamic_loader(pool: Ser
     assert b.batch_exists(keys) == 0
     a.close()
     b.close()
+
+
+@pytest.mark.parametrize("l1", [True, False], ids=["l1-registered", "copied"])
+def test_kvpools_lmcache_l2_adapter_through_lmcaches_plugin_factory(pool: Server, l1: bool) -> None:
+    """``kvpool.lmcache.KVPoolL2Adapter`` built by LMCache's own plugin factory, driven as its L2
+    controllers drive an adapter (submit, wait on the event fd, collect): chunks stored, the
+    leading ones found and held by one lookup (the pool refuses to remove them while held),
+    unlocked, loaded into other buffers byte for byte."""
+    import select
+
+    from lmcache.v1.distributed.api import ObjectKey
+    from lmcache.v1.distributed.internal_api import L1MemoryDesc
+    from lmcache.v1.distributed.l2_adapters.config import get_l2_adapter_config_class
+    from lmcache.v1.distributed.l2_adapters.factory import create_l2_adapter_from_registry
+
+    from kvpool import Client
+
+    arena = torch.zeros(8 * 4096, dtype=torch.uint8)
+
+    class Obj:
+        """The parts of LMCache's MemoryObj an L2 adapter uses, over one arena (LMCache's L1)."""
+
+        def __init__(self, i: int) -> None:
+            self.t = arena[i * 4096 : (i + 1) * 4096]
+            self.data_ptr = self.t.data_ptr()
+            self.byte_array = memoryview(self.t.numpy())
+
+        def get_size(self) -> int:
+            return 4096
+
+    cfg = get_l2_adapter_config_class("plugin").from_dict(
+        {"type": "plugin", "module_path": "kvpool.lmcache", "class_name": "KVPoolL2Adapter",
+         "adapter_params": {"kvpool_data_dir": str(pool.dir), "kvpool_lock_s": 30}})
+    desc = L1MemoryDesc(ptr=arena.data_ptr(), size=arena.numel(), align_bytes=4096) if l1 else None
+    a = create_l2_adapter_from_registry(cfg, desc)
+    assert type(a).__name__ == "KVPoolL2Adapter" and (a._l1 is not None) == l1
+
+    def wait(fd: int) -> None:
+        assert select.select([fd], [], [], 10)[0], "no completion signalled"
+        import os
+
+        os.read(fd, 8)
+
+    keys = [ObjectKey(bytes([i]) * 8, "m", 0) for i in range(4)]
+    src = [Obj(i) for i in range(4)]
+    for i, o in enumerate(src):
+        o.t.copy_(torch.randint(0, 256, (4096,), generator=torch.Generator().manual_seed(i), dtype=torch.uint8))
+    task = a.submit_store_task(keys, src)
+    wait(a.get_store_event_fd())
+    res = a.pop_completed_store_tasks()
+    assert res[task].is_successful() and res[task].bytes_transferred() == 4 * 4096
+    probe = keys[:2] + [ObjectKey(b"\xff" * 8, "m", 0)] + keys[2:]
+    task = a.submit_lookup_and_lock_task(probe, {})
+    wait(a.get_lookup_and_lock_event_fd())
+    bm = a.query_lookup_and_lock_result(task)
+    assert bm.count_leading_ones() == 2 and a.query_lookup_and_lock_result(task) is None
+    c = Client(data_dir=str(pool.dir))
+    assert c.remove([a._key(keys[0])]) == ["leased"], "a locked chunk was not held"
+    a.submit_unlock(keys[:2])
+    import time
+
+    deadline = time.monotonic() + 5
+    while c.remove([a._key(keys[1])], force=False) == ["leased"]:
+        assert time.monotonic() < deadline, "unlock did not end the hold"
+        time.sleep(0.05)
+    dst = [Obj(4 + i) for i in range(4)]
+    task = a.submit_load_task([keys[0], keys[2], keys[3], keys[1]], dst)
+    wait(a.get_load_event_fd())
+    bm = a.query_load_result(task)
+    assert [bm.test(i) for i in range(4)] == [True, True, True, False], "the removed chunk loads nothing"
+    assert torch.equal(dst[0].t, src[0].t) and torch.equal(dst[1].t, src[2].t) and torch.equal(dst[2].t, src[3].t)
+    a.close()
