@@ -31,27 +31,15 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from run import Engine, Pool, server_binary  # noqa: E402
+from run import Checks, Engine, Pool, server_binary  # noqa: E402
 from tiny_llama import build  # noqa: E402
 
 BLOCK = 128  # vLLM's CPU block size
 MAX_TOKENS = 8
-
-
-class Checks:
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-        self.facts: dict[str, Any] = {}
-
-    def expect(self, ok: bool, what: str) -> None:
-        print(("ok      " if ok else "FAILED  ") + what, flush=True)
-        if not ok:
-            self.failures.append(what)
 
 
 def prompts(seed: int, n: int = 4) -> list[list[int]]:

@@ -61,6 +61,19 @@ def server_binary(explicit: Optional[str]) -> Path:
     return target / "release" / "kvpool-server"
 
 
+class Checks:
+    """Named checks of an example run: printed as they go, failures kept for ``--check``."""
+
+    def __init__(self) -> None:
+        self.failures: list[str] = []
+        self.facts: dict[str, Any] = {}
+
+    def expect(self, ok: bool, what: str) -> None:
+        print(("ok      " if ok else "FAILED  ") + what, flush=True)
+        if not ok:
+            self.failures.append(what)
+
+
 class Pool:
     """A kvpool server process: on loopback, or at ``listen`` on the host the argv prefix
     ``host`` runs commands on (a network namespace, ``python/tests/netns.py``)."""

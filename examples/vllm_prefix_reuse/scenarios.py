@@ -39,6 +39,7 @@ from typing import Any, Callable
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from run import Checks as _Checks  # noqa: E402
 from run import Engine, Pool, server_binary  # noqa: E402
 from tiny_llama import build, build_sliding  # noqa: E402
 
@@ -76,16 +77,7 @@ def fill(pool: Pool) -> int:
     return n
 
 
-class Checks:
-    def __init__(self) -> None:
-        self.failures: list[str] = []
-        self.facts: dict[str, Any] = {}
-
-    def expect(self, ok: bool, what: str) -> None:
-        print(("ok      " if ok else "FAILED  ") + what, flush=True)
-        if not ok:
-            self.failures.append(what)
-
+class Checks(_Checks):
     def same(self, name: str, got: dict[str, Any], want: list[list[int]]) -> None:
         outs = got["outputs"]
         n = sum(len(o) for o in outs)

@@ -212,3 +212,19 @@ def etcd() -> Iterator[Etcd]:
     e = Etcd()
     yield e
     e.stop()
+
+
+@pytest.fixture(params=["tcp", "quic"])
+def store(request: pytest.FixtureRequest, server: Server):  # type: ignore[no-untyped-def]
+    """A ``kvpool.mooncake`` store set up on same-host shared memory (``tcp``) and on QUIC."""
+    from kvpool.mooncake import MooncakeDistributedStore
+
+    st = MooncakeDistributedStore()
+    rc = st.setup("localhost", "P2PHANDSHAKE", 512 << 20, 128 << 20, request.param, "", server.addr,
+                  api_key=server.api_key, fingerprint=server.fingerprint)
+    assert rc == 0
+    assert st.client.transport == ("shm" if request.param == "tcp" else "quic")
+    assert st.client.control == ("local" if request.param == "tcp" else "quic")
+    yield st
+    st.remove_all(True)
+    st.close()

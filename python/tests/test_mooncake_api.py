@@ -42,18 +42,6 @@ from kvpool.mooncake import (
 from conftest import Server
 
 
-@pytest.fixture(params=["tcp", "quic"])
-def store(request: pytest.FixtureRequest, server: Server):  # type: ignore[no-untyped-def]
-    st = MooncakeDistributedStore()
-    rc = st.setup("localhost", "P2PHANDSHAKE", 512 << 20, 128 << 20, request.param, "", server.addr,
-                  api_key=server.api_key, fingerprint=server.fingerprint)
-    assert rc == 0
-    assert st.client.transport == ("shm" if request.param == "tcp" else "quic")
-    assert st.client.control == ("local" if request.param == "tcp" else "quic")
-    yield st
-    st.remove_all(True)
-    st.close()
-
 
 def test_put_get_upsert_and_batches(store: MooncakeDistributedStore) -> None:
     assert store.put("a", b"alpha") == 0

@@ -21,18 +21,7 @@ from kvpool.mooncake import (
     MooncakeDistributedStore,
 )
 
-from conftest import Server
 
-
-@pytest.fixture(params=["tcp", "quic"])
-def store(request: pytest.FixtureRequest, server: Server):  # type: ignore[no-untyped-def]
-    """As test_mooncake_api.py's: set up on same-host shared memory (tcp) and on QUIC."""
-    st = MooncakeDistributedStore()
-    assert st.setup("localhost", "P2PHANDSHAKE", 0, 0, request.param, "", server.addr, api_key=server.api_key,
-                    fingerprint=server.fingerprint) == 0
-    yield st
-    st.remove_all(True)
-    st.close()
 
 
 class _Recorder:

@@ -24,18 +24,7 @@ from kvpool.mooncake import (  # noqa: E402
     _tensor_metadata_size,
 )
 
-from conftest import Server  # noqa: E402
 
-
-@pytest.fixture(params=["tcp", "quic"])
-def store(request: pytest.FixtureRequest, server: Server):  # type: ignore[no-untyped-def]
-    """As test_mooncake_api.py's: set up on same-host shared memory (tcp) and on QUIC."""
-    st = MooncakeDistributedStore()
-    assert st.setup("localhost", "P2PHANDSHAKE", 0, 0, request.param, "", server.addr, api_key=server.api_key,
-                    fingerprint=server.fingerprint) == 0
-    yield st
-    st.remove_all(True)
-    st.close()
 
 
 def _axis(kind: str, rank: int, size: int, split_dim: Any = None, expert_id: Any = None, stage_id: Any = None) -> Any:
