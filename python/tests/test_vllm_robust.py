@@ -369,3 +369,20 @@ def test_a_removal_on_any_shard_removes_the_block(pool: Server) -> None:
             time.sleep(0.05)
     finally:
         ev.close()
+
+
+def test_a_fail_policy_on_vllm_serves_command_line_is_kept(model: str, pool: Server,
+                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """vLLM's default is "fail" and vLLM keeps no record of a user's choice: the connector turns
+    it into "recompute" unless the user said "fail" where it can be seen, here vllm serve's
+    command line (which vLLM's engine processes inherit)."""
+    import sys
+
+    e = SimEngine(model, extra_for(pool), num_blocks=64, load_failure_policy="fail")
+    assert e.config.kv_transfer_config.kv_load_failure_policy == "recompute"
+    e.close()
+    monkeypatch.setattr(sys, "argv", ["vllm", "serve", model, "--kv-transfer-config",
+                                      '{"kv_connector": "KVPoolConnector", "kv_load_failure_policy": "fail"}'])
+    e = SimEngine(model, extra_for(pool), num_blocks=64, load_failure_policy="fail")
+    assert e.config.kv_transfer_config.kv_load_failure_policy == "fail"
+    e.close()

@@ -402,3 +402,14 @@ def test_kvpools_fields_in_mooncakes_config_file_reach_the_connector(monkeypatch
     assert (c.server, c.api_key, c.fingerprint, c.data_dir) == ("pool.example:7100", "k1", "ab" * 32, "/var/lib/kvpool")
     # kvpool's own settings still win.
     assert ConnectorConfig.from_extra({"kvpool_api_key": "k2"}).api_key == "k2"
+
+
+def test_an_explicit_failure_policy_is_read_from_vllm_serves_command_line() -> None:
+    from kvpool.vllm.config import command_line_failure_policy as policy
+
+    cfg = '{"kv_connector": "KVPoolConnector", "kv_load_failure_policy": "fail"}'
+    assert policy(["vllm", "serve", "m", "--kv-transfer-config", cfg]) == "fail"
+    assert policy(["vllm", "serve", "m", f"--kv-transfer-config={cfg}"]) == "fail"
+    assert policy(["vllm", "serve", "--kv-transfer-config.kv_load_failure_policy", "fail"]) == "fail"
+    assert policy(["vllm", "serve", "--kv-transfer-config", '{"kv_connector": "X"}']) is None
+    assert policy(["python", "script.py"]) is None

@@ -86,10 +86,12 @@ What the connector does, and what it refuses:
   worker, saves nothing; its requests' blocks are saved once vLLM has computed them again.
 - Every load and save ends in a report, whatever exception it meets: vLLM computes what did not
   arrive, and the blocks a save referenced are freed.
-- vLLM 0.32 cannot tell an explicit ``kv_load_failure_policy="fail"`` from its default (which is
-  ``fail``): the connector turns ``fail`` into ``recompute`` (logged) unless
-  ``kv_connector_extra_config`` says ``kvpool_load_failure_policy`` (or ``kv_load_failure_policy``)
-  ``fail``; ``recompute`` set by the user is kept as it is.
+- ``kv_load_failure_policy``: vLLM's default is ``fail``, and vLLM 0.32 keeps no record of whether
+  a user chose it. A ``fail`` given on ``vllm serve``'s command line (``--kv-transfer-config``'s
+  JSON, or ``--kv-transfer-config.kv_load_failure_policy``) is kept; otherwise the connector turns
+  ``fail`` into ``recompute`` (logged) unless ``kv_connector_extra_config`` says
+  ``kvpool_load_failure_policy`` (or ``kv_load_failure_policy``) ``fail``. A ``fail`` set through
+  the Python API (``LLM(kv_transfer_config=...)``) cannot be told from the default.
 - ``kv_role``: a ``kv_consumer`` never saves, a ``kv_producer`` never loads.
 - One KV cache group of attention layers (full attention; sliding-window layers when vLLM's
   hybrid KV cache manager is off, which it is for connectors without ``SupportsHMA``, as this
@@ -116,7 +118,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvpool.vllm.config import ConnectorConfig
+from kvpool.vllm.config import ConnectorConfig, command_line_failure_policy
 from kvpool.vllm.keys import KeyLayout, model_name, replication_factor
 from kvpool.vllm.layout import kv_format
 from kvpool.vllm.metadata import KVPoolConnectorMetadata, KVPoolWorkerMetadata
@@ -212,9 +214,13 @@ class KVPoolConnector(KVConnectorBase_V1):
         self._scheduler: Optional[Scheduler] = None
         self._worker: Optional[Worker] = None
         if role == KVConnectorRole.SCHEDULER:
-            if cfg.load_failure_policy == "recompute" and kvt.kv_load_failure_policy != "recompute":
+            explicit = command_line_failure_policy()
+            if explicit == "fail" and not cfg.policy_given:
+                log.info("kvpool: kv_load_failure_policy 'fail' from the command line is kept: a block the pool "
+                         "loses between lookup and load fails its request")
+            elif cfg.load_failure_policy == "recompute" and kvt.kv_load_failure_policy != "recompute":
                 # The scheduler reads this right after building its connector. vLLM's default is
-                # "fail", and nothing tells an explicit "fail" from it.
+                # "fail", and nothing but the command line tells an explicit "fail" from it.
                 log.warning("kvpool: kv_load_failure_policy %r -> 'recompute': a block the pool lost is computed "
                             "instead of failing its request (to keep 'fail', set kvpool_load_failure_policy='fail' "
                             "in kv_connector_extra_config)", kvt.kv_load_failure_policy)

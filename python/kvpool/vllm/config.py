@@ -6,8 +6,10 @@ message where it cannot.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
+import sys
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -70,6 +72,7 @@ class ConnectorConfig:
     staging_bytes: int = 256 << 20
     device_staging_bytes: int = 64 << 20
     load_failure_policy: str = "recompute"
+    policy_given: bool = False  # the policy was named in kv_connector_extra_config
     full_backoff_s: float = 1.0
     lookup_deadline_s: float = 0.05
     dead_after_s: float = 1.0
@@ -145,6 +148,7 @@ class ConnectorConfig:
         policies = {str(extra[k]) for k in ("kvpool_load_failure_policy", "kv_load_failure_policy") if k in extra}
         if len(policies) > 1:
             raise ValueError(f"kvpool_load_failure_policy and kv_load_failure_policy disagree: {sorted(policies)}")
+        c.policy_given = bool(policies)
         c.load_failure_policy = policies.pop() if policies else "recompute"
         if c.load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kvpool_load_failure_policy must be recompute or fail")
@@ -194,3 +198,29 @@ class ConnectorConfig:
             etcd=self.etcd,
             etcd_prefix=self.etcd_prefix,
         )
+
+
+def command_line_failure_policy(argv: Optional[list[str]] = None) -> Optional[str]:
+    """vLLM's ``kv_load_failure_policy`` as ``vllm serve``'s command line set it
+    (``--kv-transfer-config '{..."kv_load_failure_policy": "fail"...}'`` or
+    ``--kv-transfer-config.kv_load_failure_policy fail``), None when the command line does not
+    say. vLLM keeps no record of whether a config field was given, and its default is ``fail``:
+    the command line (which vLLM's engine processes inherit) is the one place a user's explicit
+    choice can be seen."""
+    args = list(sys.argv if argv is None else argv)
+    for i, a in enumerate(args):
+        name, eq, value = a.partition("=")
+        if name not in ("--kv-transfer-config", "--kv_transfer_config",
+                        "--kv-transfer-config.kv_load_failure_policy", "--kv_transfer_config.kv_load_failure_policy"):
+            continue
+        if not eq:
+            value = args[i + 1] if i + 1 < len(args) else ""
+        if name.endswith("kv_load_failure_policy"):
+            return value or None
+        try:
+            parsed = json.loads(value)
+        except ValueError:
+            continue
+        if isinstance(parsed, dict) and parsed.get("kv_load_failure_policy"):
+            return str(parsed["kv_load_failure_policy"])
+    return None
