@@ -92,8 +92,8 @@ pub struct ThroughputArgs {
     rate: Option<String>,
     /// With `--hosts`: the veths' offloads, each measured in turn at every MTU: `nic` (what a
     /// server NIC has on by default: GRO, GSO, TSO, UDP GSO, UDP GRO forwarding) or `bare` (the
-    /// veth as the kernel makes it)
-    #[arg(long, value_delimiter = ',', default_value = "nic")]
+    /// veth as the kernel makes it); default `nic`, or `bare` with `KVPOOL_NETNS_BARE=1`
+    #[arg(long, value_delimiter = ',')]
     offloads: Vec<Offloads>,
 }
 
@@ -147,6 +147,9 @@ pub async fn throughput(mut a: ThroughputArgs) -> Result<()> {
         .transpose()?;
     let mut hosts = kvpool_netns::Hosts::new(1, *a.mtus.first().context("--mtus is empty")?)?;
     let place = Place::host(&hosts, 1)?;
+    if a.offloads.is_empty() {
+        a.offloads = vec![if kvpool_netns::bare_from_env() { Offloads::Bare } else { Offloads::Nic }];
+    }
     let mut runs = Vec::new();
     for &mtu in &a.mtus.clone() {
         for &offloads in &a.offloads.clone() {
