@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Install the systems kvpool-bench compares against, on a fresh Debian machine (run as root).
 #
-#   bench/peers/setup.sh                 # everything: redis mooncake libcachesim etcd fonts
+#   bench/peers/setup.sh                 # everything: redis mooncake libcachesim etcd hosts fonts
 #   bench/peers/setup.sh redis           # only Redis (the CI smoke needs just this)
 #   PEERS="redis libcachesim" bench/peers/setup.sh
 #
@@ -13,7 +13,7 @@ MOONCAKE_VERSION="${MOONCAKE_VERSION:-0.3.13.post1}"
 PYTHON="${PYTHON:-python3}"
 peers=("$@")
 if [ ${#peers[@]} -eq 0 ]; then
-    read -r -a peers <<<"${PEERS:-redis mooncake libcachesim etcd fonts}"
+    read -r -a peers <<<"${PEERS:-redis mooncake libcachesim etcd hosts fonts}"
 fi
 
 die() { echo "setup.sh: $*" >&2; exit 1; }
@@ -68,12 +68,17 @@ for peer in "${peers[@]}"; do
     libcachesim)
         pip_install "import libcachesim" "libcachesim==0.3.5"
         ;;
+    hosts)
+        # Hosts as network namespaces: iproute2 makes them, ethtool gives their veths a NIC's
+        # offloads (kvpool-netns, python/tests/netns.py).
+        apt_install iproute2 ethtool
+        ;;
     fonts)
         # The PNG plots need one TrueType font (DejaVu Sans); most images have it already.
         apt_install fonts-dejavu-core
         ;;
     *)
-        die "unknown peer '$peer' (redis, mooncake, libcachesim, fonts)"
+        die "unknown peer '$peer' (redis, mooncake, libcachesim, etcd, hosts, fonts)"
         ;;
     esac
 done

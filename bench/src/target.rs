@@ -134,8 +134,10 @@ impl LocalServer {
     /// [`LocalServer::start`] at `place` (listening on its address).
     pub fn start_at(place: &crate::peers::Place, dram: &str, extra: &[String]) -> Result<Self> {
         let listen = format!("{}:0", place.ip);
+        // Metrics on a free port of the server's address: the bench reads its UDP counters.
+        let metrics = format!("{}:0", place.ip);
         let mut args: Vec<String> =
-            ["--listen", &listen, "--metrics-listen", "off", "--dram-size", dram].map(String::from).to_vec();
+            ["--listen", &listen, "--metrics-listen", &metrics, "--dram-size", dram].map(String::from).to_vec();
         // No SSD tier unless the caller asks for one.
         if !extra.iter().any(|a| a == "--ssd-capacity") {
             args.extend(["--ssd-capacity".to_string(), "0".to_string()]);
@@ -199,6 +201,24 @@ impl LocalServer {
         bail!("kvpool-server not ready after {limit:?}:\n{}", self.log_tail())
     }
 
+    /// The server's Prometheus text, from the `/metrics` address in its endpoint file.
+    pub fn metrics(&self) -> Result<String> {
+        use std::io::{Read, Write};
+        let ep: serde_json::Value = serde_json::from_slice(&std::fs::read(self.path().join("endpoint.json"))?)?;
+        let addr = ep["metrics_addr"].as_str().context("the server serves no /metrics")?;
+        let mut s = std::net::TcpStream::connect(addr).with_context(|| format!("/metrics at {addr}"))?;
+        s.set_read_timeout(Some(Duration::from_secs(5)))?;
+        s.write_all(b"GET /metrics HTTP/1.1\r\nHost: kvpool\r\nConnection: close\r\n\r\n")?;
+        let mut text = String::new();
+        s.read_to_string(&mut text)?;
+        Ok(text)
+    }
+
+    /// The server process's UDP counters (`kvpool_udp_*_total` of its `/metrics`).
+    pub fn udp_stats(&self) -> Result<kvpool_client::UdpStats> {
+        Ok(udp_from_metrics(&self.metrics()?))
+    }
+
     pub fn log_tail(&self) -> String {
         let text = std::fs::read_to_string(self.path().join("server.log")).unwrap_or_default();
         let lines: Vec<&str> = text.lines().collect();
@@ -210,6 +230,25 @@ impl Drop for LocalServer {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+    }
+}
+
+/// The `kvpool_udp_*_total` series of a Prometheus text; a series missing reads 0.
+pub fn udp_from_metrics(text: &str) -> kvpool_client::UdpStats {
+    let get = |name: &str| {
+        text.lines()
+            .filter_map(|l| l.strip_prefix(name)?.strip_prefix(' '))
+            .find_map(|v| v.trim().parse::<f64>().ok())
+            .unwrap_or(0.0) as u64
+    };
+    kvpool_client::UdpStats {
+        recv_calls: get("kvpool_udp_recv_calls_total"),
+        recv_messages: get("kvpool_udp_recv_messages_total"),
+        recv_datagrams: get("kvpool_udp_recv_datagrams_total"),
+        recv_bytes: get("kvpool_udp_recv_bytes_total"),
+        send_calls: get("kvpool_udp_send_calls_total"),
+        send_datagrams: get("kvpool_udp_send_datagrams_total"),
+        send_bytes: get("kvpool_udp_send_bytes_total"),
     }
 }
 
@@ -322,5 +361,20 @@ impl Target for KvpoolShmTarget {
             }
             Ok(())
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn udp_counters_are_read_from_the_servers_metrics_text() {
+        let text = "# HELP kvpool_udp_recv_calls_total x\n# TYPE kvpool_udp_recv_calls_total counter\n\
+                    kvpool_udp_recv_calls_total 3\nkvpool_udp_recv_messages_total 5\n\
+                    kvpool_udp_recv_datagrams_total 47\nkvpool_udp_recv_bytes_total 69000\n\
+                    kvpool_udp_send_calls_total 9\nkvpool_udp_send_datagrams_total 9\n";
+        let s = super::udp_from_metrics(text);
+        assert_eq!((s.recv_calls, s.recv_messages, s.recv_datagrams, s.recv_bytes), (3, 5, 47, 69_000));
+        assert_eq!((s.send_calls, s.send_datagrams, s.send_bytes), (9, 9, 0));
+        assert_eq!(super::udp_from_metrics("").recv_datagrams, 0);
     }
 }

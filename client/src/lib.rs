@@ -36,7 +36,7 @@ pub use config::{parse_fingerprint, read_key_file, BulkChoice, ClientConfig, End
 pub use connector::LookupLease;
 pub use error::{ClientError, Result};
 pub use events::{SubscribeOptions, Subscription};
-pub use kvpool_net::{PathReport, QuicTuning, Segmentation};
+pub use kvpool_net::{udp_stats, PathReport, QuicTuning, Segmentation, UdpStats};
 pub use kvpool_proto as proto;
 pub use kvpool_proto::{
     ErrorCode, HelloOk, Limits, OpStats, PinSpec, PutMode, RemoveAllResponse, StatsReport, TierStats,

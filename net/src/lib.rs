@@ -23,8 +23,10 @@
 //!   past `net.core.rmem_max` are asked for with `SO_RCVBUFFORCE` when the process may.
 //! - TLS: AES-128-GCM offered first (a few percent cheaper than AES-256-GCM, ring's first choice).
 
+mod counters;
 mod split;
 
+pub use counters::{udp_stats, UdpStats};
 pub use split::SplitSends;
 
 use serde::{Deserialize, Serialize};
@@ -474,12 +476,19 @@ mod loopback {
             .await
             .expect("handshake within 5 s")
             .unwrap();
+        let before = udp_stats();
         let (mut tx, mut rx) = conn.open_bi().await.unwrap();
         let data = vec![7u8; n];
         tx.write_all(&data).await.unwrap();
         tx.finish().unwrap();
         let back = tokio::time::timeout(Duration::from_secs(10), rx.read_to_end(usize::MAX)).await.unwrap().unwrap();
         assert_eq!(back.len(), n);
+        // Both ends are in this process: every byte went out and came in through the counted
+        // socket, twice (other tests in this process only add to the counters).
+        let udp = udp_stats().since(&before);
+        eprintln!("{udp}");
+        assert!(udp.recv_bytes >= 2 * n as u64 && udp.send_bytes >= 2 * n as u64, "{udp:?}");
+        assert!(udp.recv_datagrams >= udp.recv_messages && udp.recv_messages >= udp.recv_calls, "{udp:?}");
         let report = PathReport::of(&conn);
         conn.close(0u32.into(), b"done");
         srv.await.unwrap();

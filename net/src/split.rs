@@ -6,7 +6,11 @@
 //! 6,500 bytes, a third short of a 9,000-byte jumbo link. This wrapper cuts a send that is too
 //! large into sends of whole packets that fit, so MTU discovery can climb to the link's MTU with
 //! offload on. (quinn PR #2653 proposed the same inside quinn-udp; it was not merged.)
+//!
+//! Every call through it is counted ([`crate::udp_stats`]): datagrams per send and per
+//! received message show whether segmentation and receive offload carry the packets.
 
+use crate::counters::{UdpCounters, UDP};
 use quinn::udp::{RecvMeta, Transmit};
 use quinn::{AsyncUdpSocket, UdpPoller};
 use std::io::{self, IoSliceMut};
@@ -21,11 +25,20 @@ pub const MAX_SEND: usize = 65_507;
 #[derive(Debug)]
 pub struct SplitSends {
     inner: Arc<dyn AsyncUdpSocket>,
+    counters: &'static UdpCounters,
 }
 
 impl SplitSends {
+    /// `inner`, its calls counted in this process's [`crate::udp_stats`].
     pub fn new(inner: Arc<dyn AsyncUdpSocket>) -> SplitSends {
-        SplitSends { inner }
+        SplitSends { inner, counters: &UDP }
+    }
+
+    /// The one send the kernel takes, counted when it took it.
+    fn send(&self, t: &Transmit) -> io::Result<()> {
+        self.inner.try_send(t)?;
+        self.counters.sent(t.contents.len(), t.segment_size);
+        Ok(())
     }
 }
 
@@ -53,10 +66,10 @@ impl AsyncUdpSocket for SplitSends {
 
     fn try_send(&self, t: &Transmit) -> io::Result<()> {
         if t.contents.len() <= MAX_SEND || t.segment_size.is_none() {
-            return self.inner.try_send(t);
+            return self.send(t);
         }
         for (i, part) in parts(t).enumerate() {
-            match self.inner.try_send(&part) {
+            match self.send(&part) {
                 Ok(()) => {}
                 // Nothing sent yet: quinn waits until the socket is writable and retries it all.
                 Err(e) if i == 0 => return Err(e),
@@ -77,7 +90,11 @@ impl AsyncUdpSocket for SplitSends {
         bufs: &mut [IoSliceMut<'_>],
         meta: &mut [RecvMeta],
     ) -> Poll<io::Result<usize>> {
-        self.inner.poll_recv(cx, bufs, meta)
+        let got = self.inner.poll_recv(cx, bufs, meta);
+        if let Poll::Ready(Ok(n)) = got {
+            self.counters.received(meta.iter().take(n).map(|m| (m.len, m.stride)));
+        }
+        got
     }
 
     fn local_addr(&self) -> io::Result<SocketAddr> {
@@ -100,6 +117,62 @@ impl AsyncUdpSocket for SplitSends {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A socket that takes every send and hands out one GRO message of 10 packets and one
+    /// lone packet per receive.
+    #[derive(Debug)]
+    struct Canned;
+
+    #[derive(Debug)]
+    struct Writable;
+
+    impl UdpPoller for Writable {
+        fn poll_writable(self: Pin<&mut Self>, _: &mut Context) -> Poll<io::Result<()>> {
+            Poll::Ready(Ok(()))
+        }
+    }
+
+    impl AsyncUdpSocket for Canned {
+        fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
+            Box::pin(Writable)
+        }
+        fn try_send(&self, _: &Transmit) -> io::Result<()> {
+            Ok(())
+        }
+        fn poll_recv(
+            &self,
+            _: &mut Context,
+            _: &mut [IoSliceMut<'_>],
+            meta: &mut [RecvMeta],
+        ) -> Poll<io::Result<usize>> {
+            meta[0] = RecvMeta { len: 10 * 1_472, stride: 1_472, ..RecvMeta::default() };
+            meta[1] = RecvMeta { len: 300, stride: 300, ..RecvMeta::default() };
+            // A stale slot past the count returned: never counted.
+            meta[2] = RecvMeta { len: 5_000, stride: 1_000, ..RecvMeta::default() };
+            Poll::Ready(Ok(2))
+        }
+        fn local_addr(&self) -> io::Result<SocketAddr> {
+            Ok("127.0.0.1:1".parse().unwrap())
+        }
+    }
+
+    #[test]
+    fn receives_and_sends_are_counted_by_datagram() {
+        let counters: &'static UdpCounters = Box::leak(Box::default());
+        let s = SplitSends { inner: Arc::new(Canned), counters };
+        let mut metas = [RecvMeta::default(); 3];
+        let mut buf = [0u8; 16];
+        let mut bufs = [IoSliceMut::new(&mut buf)];
+        let mut cx = Context::from_waker(std::task::Waker::noop());
+        assert!(matches!(s.poll_recv(&mut cx, &mut bufs, &mut metas), Poll::Ready(Ok(2))));
+        let data = vec![0u8; 8_972 * 10];
+        s.try_send(&transmit(&data, Some(8_972))).unwrap();
+        let st = counters.snapshot();
+        assert_eq!((st.recv_calls, st.recv_messages, st.recv_datagrams), (1, 2, 11));
+        assert_eq!(st.recv_bytes, 10 * 1_472 + 300);
+        // A jumbo send of 10 packets is cut in two calls, every datagram counted once.
+        assert_eq!((st.send_calls, st.send_datagrams, st.send_bytes), (2, 10, 89_720));
+    }
 
     fn transmit(contents: &[u8], seg: Option<usize>) -> Transmit<'_> {
         Transmit { destination: "10.0.0.1:1".parse().unwrap(), ecn: None, contents, segment_size: seg, src_ip: None }

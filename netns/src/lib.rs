@@ -6,7 +6,14 @@
 //! a `tbf` rate), as between machines: no 64 KB loopback datagrams, no loopback shortcuts. The
 //! filesystem is shared, so data directories work as on one host. Needs root and iproute2;
 //! everything made is deleted on drop. The same layout as `python/tests/netns.py`.
+//!
+//! Every veth gets the offloads a server NIC has on by default (GRO, GSO, TSO, UDP GSO, UDP
+//! GRO forwarding; set with `ethtool`, see [`offloads`]), unless bare veths are asked for
+//! ([`Hosts::bare_veths`], or `KVPOOL_NETNS_BARE=1`): the veth as the kernel makes it.
 
+pub mod offloads;
+
+pub use offloads::{Feature, Offloads};
 use std::process::Command;
 use std::sync::atomic::{AtomicU32, Ordering};
 
@@ -20,6 +27,16 @@ pub enum NetnsError {
     Spawn { program: String, source: std::io::Error },
     #[error("no host {0}")]
     NoHost(usize),
+    #[error(
+        "ethtool is not installed: the hosts' veths get a NIC's offloads with it (Debian/Ubuntu: \
+         `apt-get install ethtool`), or ask for bare veths (KVPOOL_NETNS_BARE=1)"
+    )]
+    NoEthtool,
+}
+
+/// Whether `KVPOOL_NETNS_BARE=1` asks for bare veths.
+pub fn bare_from_env() -> bool {
+    std::env::var("KVPOOL_NETNS_BARE").as_deref() == Ok("1")
 }
 
 /// `None` when namespaces can be made here, else why not.
@@ -29,7 +46,9 @@ pub fn unavailable() -> Option<String> {
         Ok(o) if !o.status.success() => Some(format!("`ip netns list`: {}", String::from_utf8_lossy(&o.stderr).trim())),
         // Making one is the only sure test of the privilege.
         Ok(_) => {
-            let probe = format!("kvpprobe{}", std::process::id());
+            // Unique per call: tests in one process probe at the same time.
+            static PROBES: AtomicU32 = AtomicU32::new(0);
+            let probe = format!("kvpprobe{}-{}", std::process::id(), PROBES.fetch_add(1, Ordering::Relaxed));
             match ip(&["netns", "add", &probe]) {
                 Ok(()) => {
                     let _ = ip(&["netns", "del", &probe]);
@@ -84,10 +103,13 @@ pub struct Hosts {
     names: Vec<String>,
     net: String,
     mtu: u32,
+    /// Whether the veths have a NIC's offloads (else they are bare).
+    nic: bool,
 }
 
 impl Hosts {
-    /// Build `n` hosts on a bridge at link MTU `mtu`.
+    /// Build `n` hosts on a bridge at link MTU `mtu`, their veths with a NIC's offloads (bare
+    /// with `KVPOOL_NETNS_BARE=1`).
     pub fn new(n: usize, mtu: u32) -> Result<Hosts, NetnsError> {
         static SEQ: AtomicU32 = AtomicU32::new(0);
         let seq = SEQ.fetch_add(1, Ordering::Relaxed);
@@ -95,7 +117,7 @@ impl Hosts {
         // Interface names are at most 15 bytes; the tag keeps concurrent processes apart.
         let tag = format!("{}{}", pid % 100_000, seq % 100);
         let net = format!("10.{}.{}", 200 + (pid % 50), (pid / 50 + seq) % 250 + 1);
-        let mut h = Hosts { bridge: format!("kvb{tag}"), veths: Vec::new(), names: Vec::new(), net, mtu };
+        let mut h = Hosts { bridge: format!("kvb{tag}"), veths: Vec::new(), names: Vec::new(), net, mtu, nic: false };
         // On error, drop deletes what was made so far.
         let m = mtu.to_string();
         ip(&["link", "add", &h.bridge, "type", "bridge"])?;
@@ -113,8 +135,42 @@ impl Hosts {
             ip(&["-n", &ns, "addr", "add", &format!("{}/24", h.ip(i)), "dev", "eth0"])?;
             ip(&["-n", &ns, "link", "set", "eth0", "mtu", &m, "up"])?;
         }
-        tracing::debug!(bridge = %h.bridge, hosts = n, mtu, "hosts up");
+        if !bare_from_env() {
+            h.set_offloads(true)?;
+        }
+        tracing::debug!(bridge = %h.bridge, hosts = n, mtu, nic = h.nic, "hosts up");
         Ok(h)
+    }
+
+    /// These hosts with bare veths (`true`: as the kernel makes them) or a NIC's offloads.
+    pub fn bare_veths(mut self, bare: bool) -> Result<Hosts, NetnsError> {
+        self.set_offloads(!bare)?;
+        Ok(self)
+    }
+
+    /// Give every veth end a NIC's offloads (`true`) or a bare veth's (`false`).
+    pub fn set_offloads(&mut self, nic: bool) -> Result<(), NetnsError> {
+        for (prefix, dev) in self.veth_ends() {
+            offloads::set(&prefix, &dev, nic)?;
+        }
+        self.nic = nic;
+        Ok(())
+    }
+
+    /// The offloads of the veths, as `ethtool -k` reads them back.
+    pub fn offloads(&self) -> Result<Offloads, NetnsError> {
+        let ends = self.veth_ends().iter().map(|(p, d)| offloads::read(p, d)).collect::<Result<Vec<_>, _>>()?;
+        Ok(Offloads::fold(self.nic, &ends))
+    }
+
+    /// Every veth end: (the argv prefix of its namespace, its name).
+    fn veth_ends(&self) -> Vec<(Vec<String>, String)> {
+        let mut ends = Vec::new();
+        for (i, veth) in self.veths.iter().enumerate() {
+            ends.push((Vec::new(), veth.clone()));
+            ends.push((vec!["ip".into(), "netns".into(), "exec".into(), self.names[i].clone()], "eth0".into()));
+        }
+        ends
     }
 
     /// Host `i`'s address.
@@ -222,16 +278,40 @@ mod tests {
         line.trim() == len.to_string()
     }
 
+    /// Why hosts cannot be made here (no namespaces, or no ethtool for the offloads), which
+    /// is an error where `KVPOOL_REQUIRE_PEERS=1`.
+    fn skip() -> Option<String> {
+        let why = unavailable().or_else(|| offloads::ethtool_missing().then(|| NetnsError::NoEthtool.to_string()))?;
+        assert!(
+            std::env::var("KVPOOL_REQUIRE_PEERS").as_deref() != Ok("1"),
+            "required (KVPOOL_REQUIRE_PEERS=1): {why}"
+        );
+        eprintln!("skipped: {why}");
+        Some(why)
+    }
+
+    /// Packets the receiving veth ends took through NAPI, where GRO runs (`ethtool -S`).
+    fn napi_packets(h: &Hosts) -> u64 {
+        h.veth_ends()
+            .iter()
+            .map(|(p, d)| offloads::ethtool(p, &["-S", d]).unwrap())
+            .flat_map(|text| {
+                text.lines()
+                    .filter_map(|l| {
+                        let (k, v) = l.trim().split_once(':')?;
+                        (k.starts_with("rx_queue_") && k.ends_with("_xdp_packets"))
+                            .then(|| v.trim().parse::<u64>().ok())?
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .sum()
+    }
+
     /// Two hosts reach each other at the link's MTU and no further; an unplugged cable cuts a
     /// host off; everything is gone after drop. Skipped where namespaces cannot be made.
     #[test]
     fn hosts_reach_each_other_at_the_mtu_and_a_pulled_cable_cuts_one_off() {
-        if let Some(why) = unavailable() {
-            assert!(
-                std::env::var("KVPOOL_REQUIRE_PEERS").as_deref() != Ok("1"),
-                "required (KVPOOL_REQUIRE_PEERS=1): {why}"
-            );
-            eprintln!("skipped: {why}");
+        if skip().is_some() {
             return;
         }
         let mut h = Hosts::new(2, 1500).unwrap();
@@ -248,5 +328,35 @@ mod tests {
         let list = Command::new("ip").args(["netns", "list"]).output().unwrap();
         let list = String::from_utf8_lossy(&list.stdout);
         assert!(names.iter().all(|n| !list.contains(n.as_str())), "torn down: {list}");
+    }
+
+    /// The veths get a NIC's offloads, read back as on, and the receiving ends then take UDP
+    /// through NAPI (where GRO runs); bare veths are the kernel's: GRO off, no NAPI.
+    #[test]
+    fn veths_get_a_nics_offloads_or_stay_bare_and_report_which() {
+        if skip().is_some() {
+            return;
+        }
+        let mut h = Hosts::new(2, 1500).unwrap().bare_veths(false).unwrap();
+        let o = h.offloads().unwrap();
+        assert!(o.nic, "{o}");
+        for name in offloads::REPORTED {
+            assert_eq!(o.get(name), Some(Feature::On), "{name}: {o}");
+        }
+        let before = napi_packets(&h);
+        assert!(datagram(&h, 2, 1, 1000), "hosts reach each other with offloads");
+        assert!(napi_packets(&h) > before, "with GRO and UDP GRO forwarding on, UDP goes through NAPI");
+
+        h.set_offloads(false).unwrap();
+        let o = h.offloads().unwrap();
+        assert!(!o.nic, "{o}");
+        assert_eq!(o.get("generic-receive-offload"), Some(Feature::Off), "{o}");
+        assert_eq!(o.get("rx-udp-gro-forwarding"), Some(Feature::Off), "{o}");
+        assert_eq!(o.get("tcp-segmentation-offload"), Some(Feature::On), "a veth's default: {o}");
+        assert_eq!(o.get("tx-udp-segmentation"), Some(Feature::On), "a veth's default: {o}");
+        assert!(o.to_string().starts_with("bare veths: gro off"), "{o}");
+        let before = napi_packets(&h);
+        assert!(datagram(&h, 2, 1, 1000), "hosts reach each other bare");
+        assert_eq!(napi_packets(&h), before, "bare veths take no packet through NAPI");
     }
 }

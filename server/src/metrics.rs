@@ -38,6 +38,9 @@ pub struct Metrics {
     pub quic_path: IntCounterVec,
     /// Current path MTU of live connections: `min` and `max`.
     pub quic_mtu: IntGaugeVec,
+    /// The UDP socket's calls and datagrams each way (`kvpool_udp_*_total`), in the order of
+    /// [`udp_series`].
+    pub udp: Vec<IntCounter>,
     pub connections: IntGauge,
     /// Requests answered on the same-host control socket, and control sockets refused.
     pub local_requests: IntCounter,
@@ -179,6 +182,10 @@ impl Metrics {
                 &["counter"],
             ),
             quic_mtu: gauge_vec(&reg, "quic_path_mtu_bytes", "Path MTU of live client connections", &["stat"]),
+            udp: udp_series(&kvpool_net::UdpStats::default())
+                .into_iter()
+                .map(|(name, help, _)| counter(&reg, name, help))
+                .collect(),
             auth_failures: counter(&reg, "auth_failures_total", "Hellos refused"),
             events: counter_vec(&reg, "events_total", "KV events logged for subscribers, by kind", &["kind"]),
             transfer_bytes: counter_vec(
@@ -300,10 +307,31 @@ impl Metrics {
         self.quic_mtu.with_label_values(&["max"]).set(hi.into());
     }
 
+    /// Bring the UDP series up to `s` (this process's counters only grow).
+    pub fn set_udp_stats(&self, s: &kvpool_net::UdpStats) {
+        for (c, (_, _, v)) in self.udp.iter().zip(udp_series(s)) {
+            c.inc_by(v.saturating_sub(c.get()));
+        }
+    }
+
     /// As [`Metrics::op_summary`], for one tenant's requests only.
     pub fn tenant_op_summary(&self, tenant: &str, op: &str) -> (u64, f64, f64, f64) {
         summary(&self.tenant_op_seconds.with_label_values(&[tenant, op]))
     }
+}
+
+/// Name, help and value of each UDP series. Datagrams per received message is GRO's batch:
+/// `udp_recv_datagrams_total / udp_recv_messages_total`.
+fn udp_series(s: &kvpool_net::UdpStats) -> [(&'static str, &'static str, u64); 7] {
+    [
+        ("udp_recv_calls_total", "UDP receive calls (recvmmsg) that returned data", s.recv_calls),
+        ("udp_recv_messages_total", "UDP messages received (one recvmsg each; a GRO batch)", s.recv_messages),
+        ("udp_recv_datagrams_total", "UDP datagrams (QUIC packets) in the messages received", s.recv_datagrams),
+        ("udp_recv_bytes_total", "UDP payload bytes received", s.recv_bytes),
+        ("udp_send_calls_total", "UDP send calls (sendmsg) the kernel took", s.send_calls),
+        ("udp_send_datagrams_total", "UDP datagrams in those sends (several per call with GSO)", s.send_datagrams),
+        ("udp_send_bytes_total", "UDP payload bytes sent", s.send_bytes),
+    ]
 }
 
 fn summary(h: &prometheus::Histogram) -> (u64, f64, f64, f64) {

@@ -90,6 +90,19 @@ pub struct ThroughputArgs {
     /// With `--hosts`: limit each direction of the link to this rate (bits per second, `tbf`)
     #[arg(long)]
     rate: Option<String>,
+    /// With `--hosts`: the veths' offloads, each measured in turn at every MTU: `nic` (what a
+    /// server NIC has on by default: GRO, GSO, TSO, UDP GSO, UDP GRO forwarding) or `bare` (the
+    /// veth as the kernel makes it); default `nic`, or `bare` with `KVPOOL_NETNS_BARE=1`
+    #[arg(long, value_delimiter = ',')]
+    offloads: Vec<Offloads>,
+}
+
+/// The veths' offloads of a `--hosts` run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Offloads {
+    Nic,
+    Bare,
 }
 
 /// Every system `throughput` knows how to drive: kvpool over QUIC, kvpool over same-host
@@ -134,19 +147,32 @@ pub async fn throughput(mut a: ThroughputArgs) -> Result<()> {
         .transpose()?;
     let mut hosts = kvpool_netns::Hosts::new(1, *a.mtus.first().context("--mtus is empty")?)?;
     let place = Place::host(&hosts, 1)?;
+    if a.offloads.is_empty() {
+        a.offloads = vec![if kvpool_netns::bare_from_env() { Offloads::Bare } else { Offloads::Nic }];
+    }
     let mut runs = Vec::new();
     for &mtu in &a.mtus.clone() {
-        hosts.set_mtu(mtu)?;
-        hosts.rate(1, rate)?;
-        let link = format!(
-            "across hosts, link MTU {mtu}{}: servers at {}, clients at {}",
-            rate.map(|r| format!(", {r} bit/s")).unwrap_or_default(),
-            place.ip,
-            place.client_ip
-        );
-        println!("\n== {link}");
-        let plot = a.plot.as_ref().map(|p| suffixed(p, &format!("mtu{mtu}")));
-        runs.push(HostsRun { mtu, report: run_link(&a, &place, &link, plot).await? });
+        for &offloads in &a.offloads.clone() {
+            hosts.set_mtu(mtu)?;
+            hosts.rate(1, rate)?;
+            hosts.set_offloads(offloads == Offloads::Nic)?;
+            // As read back from the veths, not as asked.
+            let read_back = hosts.offloads()?.to_string();
+            let link = format!(
+                "across hosts, link MTU {mtu}{}, {read_back}: servers at {}, clients at {}",
+                rate.map(|r| format!(", {r} bit/s")).unwrap_or_default(),
+                place.ip,
+                place.client_ip
+            );
+            println!("\n== {link}");
+            let tag = if a.offloads.len() > 1 {
+                format!("mtu{mtu}-{offloads:?}").to_lowercase()
+            } else {
+                format!("mtu{mtu}")
+            };
+            let plot = a.plot.as_ref().map(|p| suffixed(p, &tag));
+            runs.push(HostsRun { mtu, offloads, read_back, report: run_link(&a, &place, &link, plot).await? });
+        }
     }
     if let Some(path) = &a.json {
         std::fs::write(path, serde_json::to_string_pretty(&runs)?)
@@ -159,6 +185,9 @@ pub async fn throughput(mut a: ThroughputArgs) -> Result<()> {
 #[derive(Serialize)]
 struct HostsRun {
     mtu: u32,
+    offloads: Offloads,
+    /// The veths' offloads as `ethtool -k` read them back.
+    read_back: String,
     report: Report,
 }
 
@@ -230,7 +259,7 @@ async fn run_link(a: &ThroughputArgs, place: &Place, link: &str, plot_path: Opti
         match name.as_str() {
             "kvpool" | "kvpool-tls" | "kvpool-tcp" | "kvpool-shm" => {
                 // Start our own server unless pointed at one.
-                let (_server, mut cfg) = match (&a.server, &a.data_dir) {
+                let (server_proc, mut cfg) = match (&a.server, &a.data_dir) {
                     (_, Some(dir)) => {
                         let mut cfg = ClientConfig::from_data_dir(dir)?;
                         if let Some(s) = &a.server {
@@ -281,13 +310,21 @@ async fn run_link(a: &ThroughputArgs, place: &Place, link: &str, plot_path: Opti
                         limits.max_value_size
                     );
                 }
-                run_in_process(&target, &plan, &pool, &run, &pb, &mut rows).await?;
+                // The value bytes of `kvpool` (and its striped rows) go over QUIC: count them.
+                let udp = (name == "kvpool").then_some(server_proc.as_ref());
+                let udp_start = UdpSides::now(server_proc.as_ref());
+                run_in_process(&target, &plan, &pool, &run, &pb, &mut rows, udp).await?;
                 if name == "kvpool" {
                     for &n in a.connections.iter().filter(|&&n| n > 1) {
                         let striped: Arc<dyn Target> = Arc::new(KvpoolTarget::connect_striped(cfg.clone(), n).await?);
-                        run_in_process(&striped, &plan, &pool, &run, &pb, &mut rows).await?;
+                        run_in_process(&striped, &plan, &pool, &run, &pb, &mut rows, udp).await?;
                     }
                     notes.push(quic_summary(&client));
+                    let u = UdpSides::now(server_proc.as_ref()).since(&udp_start);
+                    notes.push(format!("udp (client side): {}", u.client));
+                    if server_proc.is_some() {
+                        notes.push(format!("udp (server side): {}", u.server));
+                    }
                     let l = lookup_latency(&client, &run, a.lookups).await?;
                     notes.push(format!(
                         "lookup of a {}-block chain ({} resident blocks, {} lookups, one request each): p50 {} us, p99 {} us",
@@ -300,7 +337,7 @@ async fn run_link(a: &ThroughputArgs, place: &Place, link: &str, plot_path: Opti
                 let srv = RedisServer::start(place).await?;
                 peers_seen.push(srv.version());
                 let target: Arc<dyn Target> = Arc::new(RedisTarget::connect(&srv.ip, srv.port).await?);
-                run_in_process(&target, &plan, &pool, &run, &pb, &mut rows).await?;
+                run_in_process(&target, &plan, &pool, &run, &pb, &mut rows, None).await?;
             }
             "mooncake" | "mooncake-shm" => {
                 let (install, path, how) = if name == "mooncake" {
@@ -469,12 +506,17 @@ fn make_row(
         result: r,
         memcpy: memcpy.clone(),
         ratio,
+        udp: None,
     }
 }
 
 /// Every configuration of the plan against a target driven from this process: memcpy of the
 /// same bytes first (so the ratio compares like with like, at that moment), then put, get,
 /// cleanup.
+///
+/// `udp`: where the value bytes go over QUIC, the UDP counters of both ends are read around
+/// each phase (`Some(server)`, the server the bench started, if any).
+#[allow(clippy::too_many_arguments)]
 async fn run_in_process(
     target: &Arc<dyn Target>,
     plan: &[(usize, usize, usize, usize)],
@@ -482,19 +524,27 @@ async fn run_in_process(
     run: &Arc<String>,
     pb: &ProgressBar,
     rows: &mut Vec<Row>,
+    udp: Option<Option<&LocalServer>>,
 ) -> Result<()> {
     let name = target.name();
+    let snap = || udp.map(UdpSides::now);
     for &(size, batch, conc, ops) in plan {
         let label = config_label(size, batch, conc);
         pb.set_message(format!("{name} {label}"));
         let mut bufs: Vec<WorkerBufs> = (0..conc).map(|_| (0..batch).map(|_| vec![1u8; size]).collect()).collect();
         let memcpy = run_memcpy(pool, size, batch, &mut bufs, ops);
         let phase = Phase { target, pool, run, size, batch, ops_per_worker: ops, progress: pb };
+        let u0 = snap();
         let put = phase.put(conc).await.with_context(|| format!("{name}: put phase of {label}"))?;
+        let u1 = snap();
         let (get, _bufs) = phase.get(bufs).await.with_context(|| format!("{name}: get phase of {label}"))?;
+        let u2 = snap();
         target.cleanup(&phase.all_keys(conc)).await.with_context(|| format!("{name}: cleanup of {label}"))?;
-        for (op, r) in [("put", put), ("get", get)] {
-            let row = make_row(&name, size, batch, conc, op, r, &memcpy);
+        let put_udp = u1.zip(u0).map(|(b, a)| b.since(&a));
+        let get_udp = u2.zip(u1).map(|(b, a)| b.since(&a));
+        for (op, r, udp) in [("put", put, put_udp), ("get", get, get_udp)] {
+            let mut row = make_row(&name, size, batch, conc, op, r, &memcpy);
+            row.udp = udp;
             pb.suspend(|| print_row(&row));
             rows.push(row);
         }

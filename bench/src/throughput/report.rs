@@ -23,6 +23,37 @@ pub(super) struct Row {
     pub(super) memcpy: OpResult,
     /// Target MB/s divided by memcpy MB/s of the same bytes.
     pub(super) ratio: f64,
+    /// What the UDP sockets of both ends did in this phase (kvpool over QUIC only).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub(super) udp: Option<UdpSides>,
+}
+
+/// UDP counters of one phase, on the client (this process) and on the server.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub(super) struct UdpSides {
+    pub(super) client: kvpool_client::UdpStats,
+    pub(super) server: kvpool_client::UdpStats,
+}
+
+impl UdpSides {
+    /// Now, from the client's counters and the server's `/metrics`.
+    pub(super) fn now(server: Option<&crate::target::LocalServer>) -> UdpSides {
+        let server = server.and_then(|s| s.udp_stats().map_err(|e| tracing::warn!("server UDP counters: {e:#}")).ok());
+        UdpSides { client: kvpool_client::udp_stats(), server: server.unwrap_or_default() }
+    }
+
+    pub(super) fn since(&self, earlier: &UdpSides) -> UdpSides {
+        UdpSides { client: self.client.since(&earlier.client), server: self.server.since(&earlier.server) }
+    }
+
+    /// (sender, receiver) of the value bytes of `op`: a put's go from client to server.
+    pub(super) fn data_path(&self, op: &str) -> (&kvpool_client::UdpStats, &kvpool_client::UdpStats) {
+        if op == "put" {
+            (&self.client, &self.server)
+        } else {
+            (&self.server, &self.client)
+        }
+    }
 }
 
 #[derive(Debug, Serialize)]
@@ -431,7 +462,7 @@ pub(super) fn fmt_us(us: u64) -> String {
 
 pub(super) fn print_header() {
     println!(
-        "{:<12} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10} {:>10} {:>10} {:>12} {:>10} {:>10} {:>7}",
+        "{:<12} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10} {:>10} {:>10} {:>12} {:>10} {:>10} {:>7} {:>7} {:>7}",
         "target",
         "block",
         "batch",
@@ -444,13 +475,24 @@ pub(super) fn print_header() {
         "memcpy MB/s",
         "memcpy p50",
         "memcpy p99",
-        "ratio"
+        "ratio",
+        "dg/send",
+        "dg/recv"
     );
 }
 
 pub(super) fn print_row(r: &Row) {
+    // Datagrams per sendmsg at the data's sender and per recvmsg at its receiver (GSO and GRO
+    // batches), for rows whose value bytes went over QUIC.
+    let (send, recv) = match &r.udp {
+        Some(u) => {
+            let (tx, rx) = u.data_path(r.op);
+            (format!("{:.1}", tx.datagrams_per_send()), format!("{:.1}", rx.datagrams_per_recv()))
+        }
+        None => ("-".into(), "-".into()),
+    };
     println!(
-        "{:<12} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10.0} {:>10} {:>10} {:>12.0} {:>10} {:>10} {:>6.1}%",
+        "{:<12} {:>7} {:>5} {:>4} {:<4} {:>6} {:>10.0} {:>10} {:>10} {:>12.0} {:>10} {:>10} {:>6.1}% {:>7} {:>7}",
         r.target,
         bytesize::ByteSize(r.block_size as u64).to_string_as(true).replace(' ', ""),
         r.batch,
@@ -463,6 +505,8 @@ pub(super) fn print_row(r: &Row) {
         r.memcpy.mb_per_s,
         fmt_us(r.memcpy.p50_us),
         fmt_us(r.memcpy.p99_us),
-        r.ratio * 100.0
+        r.ratio * 100.0,
+        send,
+        recv
     );
 }

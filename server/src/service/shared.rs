@@ -84,6 +84,7 @@ impl Shared {
         self.policies.export_metrics(&self.metrics);
         let (t, mtu) = self.paths.lock().totals();
         self.metrics.set_path_stats(&t, mtu);
+        self.metrics.set_udp_stats(&kvpool_net::udp_stats());
         self.metrics.render()
     }
 }
