@@ -20,7 +20,7 @@ SO="$OUT/copycount.so"
 
 # Measured bytes per run: native runs move 64 MiB, callgrind runs 16 MiB (4 requests at least).
 requests() { # size bytes-per-run
-    local b; b=$(numfmt --from=iec "${1%B}")
+    local b; b=$(numfmt --from=iec-i "${1%B}")
     echo $(( ($2 / (b * BATCH)) > 4 ? $2 / (b * BATCH) : 4 ))
 }
 
@@ -45,8 +45,6 @@ drive() { # op size requests [prefix-command...] -- extra bulk-cost args
         --size "$size" --batch "$BATCH" --requests "$n" "$@"
 }
 
-counters() { od -A n -t u8 -N 24 "$1" | tr -s ' \n' ' '; }
-
 for mode in $MODES; do for size in $SIZES; do for op in $OPS; do
     tag="$CHANNEL-$op-$size-x$BATCH"
     case $mode in
@@ -54,7 +52,7 @@ for mode in $MODES; do for size in $SIZES; do for op in $OPS; do
         n=$(requests "$size" $((64 << 20)))
         CC="$OUT/cc-$tag"; rm -rf "$CC"; mkdir -p "$CC"
         start_server env COPYCOUNT_DIR="$CC" LD_PRELOAD="$SO"
-        snap='for f in '"$CC"'/copycount.'"$SPID"' '"$CC"'/copycount.$KVPOOL_BENCH_PID; do od -A n -t u8 -N 24 $f; done'
+        snap='for f in '"$CC"'/copycount.'"$SPID"' '"$CC"'/copycount.$KVPOOL_BENCH_PID; do echo $(od -A n -t u8 -N 24 $f); done'
         line=$(drive "$op" "$size" "$n" env COPYCOUNT_DIR="$CC" LD_PRELOAD="$SO" -- \
             --before "$snap > $CC/before" --after "$snap > $CC/after" | grep '^bulk-cost')
         bytes=$(sed 's/.*bytes=\([0-9]*\).*/\1/' <<<"$line")
@@ -69,7 +67,7 @@ PY
         stop_server ;;
     syscalls)
         n=$(requests "$size" $((64 << 20)))
-        ev=raw_syscalls:sys_enter,syscalls:sys_enter_read,syscalls:sys_enter_readv,syscalls:sys_enter_recvfrom,syscalls:sys_enter_write,syscalls:sys_enter_writev,syscalls:sys_enter_sendto,syscalls:sys_enter_epoll_wait,syscalls:sys_enter_futex,context-switches
+        ev=raw_syscalls:sys_enter,syscalls:sys_enter_read,syscalls:sys_enter_readv,syscalls:sys_enter_recvfrom,syscalls:sys_enter_write,syscalls:sys_enter_writev,syscalls:sys_enter_sendto,syscalls:sys_enter_epoll_wait,syscalls:sys_enter_futex,syscalls:sys_enter_recvmsg,syscalls:sys_enter_sendmsg,syscalls:sys_enter_sched_yield,context-switches
         start_server
         P="$OUT/perf-$tag"
         before="perf stat -x, -o $P.server -e $ev -p $SPID & echo \$! > $P.pids; perf stat -x, -o $P.client -e $ev -p \$KVPOOL_BENCH_PID & echo \$! >> $P.pids; sleep 1"
@@ -88,7 +86,8 @@ def read(f):
 for side in ["server", "client"]:
     c = read(f"{p}.{side}")
     rd = sum(c.get(k, 0) for k in ["read", "readv", "recvfrom"]); wr = sum(c.get(k, 0) for k in ["write", "writev", "sendto"])
-    print(f"{tag} {side}: per request: syscalls {c.get('sys_enter', 0)/n:.1f} (reads {rd/n:.1f}, writes {wr/n:.1f}, epoll_wait {c.get('epoll_wait', 0)/n:.1f}, futex {c.get('futex', 0)/n:.1f}), context switches {c.get('context-switches', 0)/n:.1f}")
+    udp = c.get('recvmsg', 0) + c.get('sendmsg', 0)
+    print(f"{tag} {side}: per request: syscalls {c.get('sys_enter', 0)/n:.1f} (reads {rd/n:.1f}, writes {wr/n:.1f}, epoll_wait {c.get('epoll_wait', 0)/n:.1f}, futex {c.get('futex', 0)/n:.1f}, sched_yield {c.get('sched_yield', 0)/n:.1f}, QUIC sendmsg/recvmsg {udp/n:.1f}), context switches {c.get('context-switches', 0)/n:.1f}")
 PY
         stop_server ;;
     ir)
@@ -110,7 +109,7 @@ PY
             f=$(ls "$CG"/out.*.1 2>/dev/null | head -1)
             [ -n "$f" ] || { echo "$tag $side: no callgrind dump" >&2; continue; }
             ir=$(grep -m1 '^summary:\|^totals:' "$f" | awk '{print $2}')
-            b=$(numfmt --from=iec "${size%B}")
+            b=$(numfmt --from=iec-i "${size%B}")
             python3 -c "import sys; ir,n,b=int(sys.argv[1]),int(sys.argv[2]),int(sys.argv[3]); print(f'$tag $side: instructions {ir/(n*b):.2f} per byte, {ir/n:,.0f} per request ({n} requests)')" "$ir" "$n" "$((b * BATCH))" | tee -a "$OUT/ir.txt"
         done ;;
     esac
