@@ -175,7 +175,16 @@ impl BulkLink {
             bind(&mut s, &offer.token).await?;
             // The server sends nothing after the status byte until it has a request: rustls
             // holds nothing more, and the records from here on are ours.
-            let (tcp, conn) = s.into_inner();
+            let (tcp, mut conn) = s.into_inner();
+            // Whatever rustls still holds would be lost to our records: refuse rather than
+            // read a stream that starts mid-record.
+            let unread =
+                conn.process_new_packets().map_err(|e| ClientError::Tls(e.to_string()))?.plaintext_bytes_to_read();
+            if unread > 0 {
+                return Err(ClientError::Protocol(format!(
+                    "the bulk channel sent {unread} bytes after its status byte, before any request"
+                )));
+            }
             let secrets = conn.dangerous_extract_secrets().map_err(|e| ClientError::Tls(e.to_string()))?;
             let (r, w) = bulk::tls(tcp, secrets).map_err(|e| ClientError::Tls(e.to_string()))?;
             (Box::new(r), Box::new(w))

@@ -112,7 +112,12 @@ pub(crate) fn client_config(cert: &rustls::pki_types::CertificateDer<'static>) -
 }
 
 /// `n` connections; returns how many were made.
-pub(crate) async fn fuzz_bulk_tls(w: &Worker, rng: &mut StdRng, n: u64, cfg: &Arc<rustls::ClientConfig>) -> Result<u64> {
+pub(crate) async fn fuzz_bulk_tls(
+    w: &Worker,
+    rng: &mut StdRng,
+    n: u64,
+    cfg: &Arc<rustls::ClientConfig>,
+) -> Result<u64> {
     for _ in 0..n {
         let session = Session::new(w.principals[rng.gen_range(0..w.principals.len())].clone(), 2, Some(CLIENT));
         let offer = match ask(w, &session, &Request::BulkAttach(BulkAttachRequest { plaintext: false })).await? {

@@ -111,7 +111,9 @@ impl Direction {
     /// Encrypt `in_out` (content and inner type) in place; the tag to append.
     pub(super) fn seal(&mut self, header: &[u8], in_out: &mut [u8]) -> Result<Tag, RecordError> {
         let nonce = self.nonce()?;
-        self.key.seal_in_place_separate_tag(nonce, Aad::from(header), in_out).map_err(|_| RecordError::Malformed("seal"))
+        self.key
+            .seal_in_place_separate_tag(nonce, Aad::from(header), in_out)
+            .map_err(|_| RecordError::Malformed("seal"))
     }
 }
 

@@ -201,10 +201,7 @@ pub type TlsHalves<R, W> = (RecordReader<R>, RecordWriter<W>);
 
 /// Both halves of a TLS connection whose handshake is done, from the traffic keys rustls
 /// extracted (`dangerous_extract_secrets`, with nothing buffered in rustls either way).
-pub fn tls<S: Halves>(
-    stream: S,
-    secrets: rustls::ExtractedSecrets,
-) -> Result<TlsHalves<S::Rd, S::Wr>, RecordError> {
+pub fn tls<S: Halves>(stream: S, secrets: rustls::ExtractedSecrets) -> Result<TlsHalves<S::Rd, S::Wr>, RecordError> {
     let (r, w) = stream.halves();
     tls_halves(r, w, secrets)
 }

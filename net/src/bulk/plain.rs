@@ -51,7 +51,10 @@ impl<R: ReadV + 'static> BulkRead for PlainReader<R> {
                 // The buffer is empty: straight from the socket.
                 let n = self.inner.get_mut().read(&mut dst[filled..end]).await?;
                 if n == 0 {
-                    return Err(io::Error::new(io::ErrorKind::UnexpectedEof, "the bulk connection ended inside a value"));
+                    return Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the bulk connection ended inside a value",
+                    ));
                 }
                 landed(&dst[filled..filled + n]);
                 filled += n;

@@ -1,7 +1,9 @@
 //! The receiving half of a TLS bulk connection: small reads through a buffer of its own, values
 //! decrypted where they land ([`RecordReader::fill`]).
 
-use super::keys::{self, control, inner, parse_header, Direction, RecordError, APPLICATION_DATA, HEADER, MAX_CIPHERTEXT};
+use super::keys::{
+    self, control, inner, parse_header, Direction, RecordError, APPLICATION_DATA, HEADER, MAX_CIPHERTEXT,
+};
 use super::layout::{Plan, META, READ_AHEAD};
 use super::{BoxFuture, BulkRead, ReadV};
 use std::io;

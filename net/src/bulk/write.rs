@@ -26,7 +26,14 @@ pub struct RecordWriter<W> {
 
 impl<W: AsyncWrite + Unpin> RecordWriter<W> {
     pub(super) fn new(io: W, keys: Direction) -> Self {
-        RecordWriter { io, keys, out: Vec::with_capacity(BATCH + 2 * MAX_PLAINTEXT), sent: 0, open: None, closing: false }
+        RecordWriter {
+            io,
+            keys,
+            out: Vec::with_capacity(BATCH + 2 * MAX_PLAINTEXT),
+            sent: 0,
+            open: None,
+            closing: false,
+        }
     }
 
     /// Records sealed so far under this key.

@@ -108,7 +108,8 @@ fn record(keys: &mut Direction, content: &[u8], ty: u8, pad: usize) -> Vec<u8> {
     r
 }
 
-const SIZES: [usize; 13] = [1, 100, 1023, 1025, 4097, 16383, 16384, 16385, 65536, 65537, 300_000, 1 << 20, (4 << 20) + 3];
+const SIZES: [usize; 13] =
+    [1, 100, 1023, 1025, 4097, 16383, 16384, 16385, 65536, 65537, 300_000, 1 << 20, (4 << 20) + 3];
 
 #[test]
 fn the_writer_cuts_values_the_way_the_reader_plans() {
@@ -292,4 +293,25 @@ async fn a_fill_given_up_inside_a_batch_leaves_the_reader_unusable() {
     tokio::io::AsyncWriteExt::write_all(&mut a, &bytes[bytes.len() / 2..]).await.unwrap();
     let e = r.fill(&mut dst, &mut |_| {}).await.unwrap_err();
     assert!(matches!(e, RecordError::Io(ref i) if i.to_string().contains("abandoned")), "{e}");
+}
+
+/// A writer says it is worn once it has sent `RETIRE_AFTER` records (its connection carries no
+/// further request), and no key ever seals or opens a record past AES-GCM's limit: the nonce
+/// is never reused, the error is typed.
+#[tokio::test]
+async fn records_under_one_key_are_bounded() {
+    let mut k = keys();
+    k.seq = RETIRE_AFTER - 1;
+    let mut w = RecordWriter::new(Vec::new(), k);
+    assert!(!w.worn());
+    send_all(&mut w, &[Piece::Value(&[1u8; 100])]).await.unwrap();
+    assert!(w.worn(), "the record that reached the limit retires the connection");
+
+    let mut k = keys();
+    k.seq = (1 << 24) - 1;
+    let h = header(1 + TAG);
+    let mut last = [0u8; 1];
+    let tag = k.seal(&h, &mut last).expect("the last record under the key");
+    assert!(matches!(k.seal(&h, &mut [0u8; 1]), Err(RecordError::Worn(n)) if n == 1 << 24));
+    assert!(matches!(k.open(&h, tag.as_ref(), &mut last), Err(RecordError::Worn(_))), "nor opened");
 }

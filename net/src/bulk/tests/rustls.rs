@@ -84,7 +84,10 @@ async fn ours_as_client() -> (Ours, server::TlsStream<TcpStream>) {
 
 /// Values of every awkward size, written by rustls one `write_all` each (so its records follow
 /// the writes, not our cutting), read back by `fill` and small reads.
-async fn rustls_to_ours<S: AsyncWriteExt + Unpin + Send + 'static>(mut peer: S, mut rd: RecordReader<tokio::net::tcp::OwnedReadHalf>) {
+async fn rustls_to_ours<S: AsyncWriteExt + Unpin + Send + 'static>(
+    mut peer: S,
+    mut rd: RecordReader<tokio::net::tcp::OwnedReadHalf>,
+) {
     let sizes = [3usize, 16_384, 16_385, 65_536, 100_003, 1 << 20];
     let values: Vec<Vec<u8>> = sizes.iter().map(|&n| value(n, n as u64)).collect();
     let sent = values.clone();
@@ -121,7 +124,8 @@ async fn rustls_to_ours<S: AsyncWriteExt + Unpin + Send + 'static>(mut peer: S, 
 
 /// Pieces as the channel sends them, read back by rustls byte for byte, then a clean end.
 async fn ours_to_rustls<S: AsyncReadExt + Unpin>(mut wr: RecordWriter<tokio::net::tcp::OwnedWriteHalf>, mut peer: S) {
-    let vals: Vec<Vec<u8>> = [0usize, 1, 1025, 16_384, 16_385, 262_145, (1 << 20) + 7].iter().map(|&n| value(n, 9 + n as u64)).collect();
+    let vals: Vec<Vec<u8>> =
+        [0usize, 1, 1025, 16_384, 16_385, 262_145, (1 << 20) + 7].iter().map(|&n| value(n, 9 + n as u64)).collect();
     let mut want = b"frame".to_vec();
     for v in &vals {
         want.extend_from_slice(b"len!");

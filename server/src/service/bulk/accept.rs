@@ -207,7 +207,13 @@ async fn bind<S: AsyncRead + AsyncWrite + Unpin>(
 }
 
 impl Bound {
-    async fn run<R: BulkRead, W: BulkWrite>(self, rd: R, wr: W, transport: &'static str, shared: &Arc<Shared>) -> io::Result<()> {
+    async fn run<R: BulkRead, W: BulkWrite>(
+        self,
+        rd: R,
+        wr: W,
+        transport: &'static str,
+        shared: &Arc<Shared>,
+    ) -> io::Result<()> {
         tokio::select! {
             r = run(rd, wr, self.session.clone(), transport, shared) => r,
             // The QUIC connection ended: its bulk connections go with it.
