@@ -20,6 +20,7 @@ mod sim;
 mod trace;
 mod ttft;
 
+mod bulkcost;
 mod throughput;
 
 use anyhow::Result;
@@ -36,6 +37,9 @@ struct Cli {
 enum Cmd {
     /// Put then get blocks of several sizes, batch sizes and concurrencies
     Throughput(throughput::ThroughputArgs),
+    /// A fixed transfer over the TCP bulk channel to a running server, with hooks around the
+    /// measured requests (for instruction, system call and copy counters)
+    BulkCost(bulkcost::BulkCostArgs),
     /// Replay a Mooncake-format trace through every policy (native, Wasm, libCacheSim, Belady)
     Replay(replay::ReplayArgs),
     /// Hit rate of N node-local caches vs one pool of the same total size
@@ -78,6 +82,7 @@ fn main() -> Result<()> {
     let rt = rt.enable_all().build()?;
     match cli.cmd {
         Cmd::Throughput(a) => rt.block_on(throughput::throughput(a)),
+        Cmd::BulkCost(a) => rt.block_on(bulkcost::bulk_cost(a)),
         Cmd::Replay(a) => replay::replay(a),
         Cmd::Pooled(a) => pooled::pooled(a),
         Cmd::Ttft(a) => ttft::ttft(a),

@@ -3,10 +3,15 @@
 //! ride the kernel's TCP offloads. Each connection is bound to the session by a one-time token
 //! from `BulkAttach`; idle connections are kept for the next call. Everything else (hello,
 //! lookups, small puts) stays on QUIC.
+//!
+//! rustls does the handshake and carries the token and the status byte; after that the
+//! connection's TLS records are `kvpool_net::bulk`'s: a request's frame and values leave in a
+//! few large writes, and a get's values are decrypted where they land in the caller's buffer.
 
 use crate::config::BulkChoice;
 use crate::error::{ClientError, Result};
 use crate::{read_response, unexpected, ClientConfig};
+use kvpool_net::bulk::{self, BulkRead, BulkWrite, Piece};
 use kvpool_proto::frame::{encode_frame, read_message};
 use kvpool_proto::{BulkAttachRequest, ErrorCode, Request, Response, CLIENT_MAX_FRAME};
 use parking_lot::Mutex;
@@ -16,7 +21,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncBufRead, AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, BufReader, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
@@ -31,14 +36,12 @@ const BACK_OFF: Duration = Duration::from_secs(10);
 /// costs a call at most this before it goes over QUIC.
 const OPEN_BUDGET: Duration = Duration::from_millis(500);
 
-trait Duplex: AsyncRead + AsyncWrite + Unpin + Send {}
-impl<T: AsyncRead + AsyncWrite + Unpin + Send> Duplex for T {}
-
 /// One bound TCP connection; read, it yields the answer to the request last sent
 /// ([`BulkConn::send`]), de-chunked: its frame and value bytes, then the end of the stream (or
 /// a reset, read as an error).
 pub(crate) struct BulkConn {
-    io: BufReader<Box<dyn Duplex>>,
+    rd: Box<dyn BulkRead>,
+    wr: Box<dyn BulkWrite>,
     /// This connection's place among the session's [`MAX_OPEN`].
     _open: OwnedSemaphorePermit,
     state: State,
@@ -76,6 +79,8 @@ impl BulkLink {
         }
         let mut tls = crate::tls::rustls_config(&cfg.trust)?;
         tls.alpn_protocols = vec![kvpool_proto::BULK_ALPN.to_vec()];
+        // After the bind the records are ours (module docs): rustls hands over the keys.
+        tls.enable_secret_extraction = true;
         let server_name = rustls::pki_types::ServerName::try_from(cfg.server_name.clone())
             .map_err(|e| ClientError::Config(format!("server name {:?}: {e}", cfg.server_name)))?;
         let ip = addr.ip().to_canonical();
@@ -98,7 +103,7 @@ impl BulkLink {
         loop {
             let Some(mut c) = self.idle.lock().pop() else { break };
             // One the server closed while it sat idle (restart, the session ended) is dropped.
-            if c.alive() {
+            if c.rd.idle() {
                 return Some(c);
             }
         }
@@ -138,10 +143,11 @@ impl BulkLink {
     }
 
     /// Keep a connection for the next call when its last answer was read to its end (and,
-    /// for a put, its values all sent); drop it otherwise.
+    /// for a put, its values all sent), and it has not sent its share of records under one
+    /// key; drop it otherwise.
     pub(crate) fn keep(&self, c: BulkConn) {
         let mut idle = self.idle.lock();
-        if c.state == State::Done && idle.len() < MAX_OPEN {
+        if c.state == State::Done && !c.wr.worn() && idle.len() < MAX_OPEN {
             idle.push(c);
         }
     }
@@ -163,30 +169,49 @@ impl BulkLink {
             .await
             .map_err(|e| ClientError::Connect { addr: addr.to_string(), message: format!("bulk channel: {e}") })?;
         tcp.set_nodelay(true).map_err(io_err)?;
-        let mut io: Box<dyn Duplex> = if offer.tls {
-            // rustls reads the socket 4 KiB at a time: a buffer under it makes that one read
-            // per 256 KiB.
-            let tcp = BufReader::with_capacity(256 << 10, tcp);
-            let s =
+        let (rd, wr): (Box<dyn BulkRead>, Box<dyn BulkWrite>) = if offer.tls {
+            let mut s =
                 self.tls.connect(self.server_name.clone(), tcp).await.map_err(|e| ClientError::Tls(e.to_string()))?;
-            Box::new(s)
+            bind(&mut s, &offer.token).await?;
+            // The server sends nothing after the status byte until it has a request: rustls
+            // holds nothing more, and the records from here on are ours.
+            let (tcp, mut conn) = s.into_inner();
+            // Whatever rustls still holds would be lost to our records: refuse rather than
+            // read a stream that starts mid-record.
+            let unread =
+                conn.process_new_packets().map_err(|e| ClientError::Tls(e.to_string()))?.plaintext_bytes_to_read();
+            if unread > 0 {
+                return Err(ClientError::Protocol(format!(
+                    "the bulk channel sent {unread} bytes after its status byte, before any request"
+                )));
+            }
+            let secrets = conn.dangerous_extract_secrets().map_err(|e| ClientError::Tls(e.to_string()))?;
+            let (r, w) = bulk::tls(tcp, secrets).map_err(|e| ClientError::Tls(e.to_string()))?;
+            (Box::new(r), Box::new(w))
         } else {
-            Box::new(tcp)
+            let mut tcp = tcp;
+            bind(&mut tcp, &offer.token).await?;
+            let (r, w) = bulk::plain(tcp);
+            (Box::new(r), Box::new(w))
         };
-        io.write_all(&offer.token).await.map_err(io_err)?;
-        io.flush().await.map_err(io_err)?;
-        let mut io = BufReader::new(io);
-        let mut status = [0u8; 1];
-        io.read_exact(&mut status).await.map_err(io_err)?;
-        if status[0] != 0 {
-            return Err(match read_message::<_, Response>(&mut io, CLIENT_MAX_FRAME).await? {
-                Response::Error(b) => ClientError::Status { code: b.code, message: b.message },
-                other => unexpected("Error", &other),
-            });
-        }
         *self.opened.lock() = Some(offer.tls);
-        Ok(BulkConn { io, _open: permit, state: State::Done, left: 0, head: [0; 5], have: 0 })
+        Ok(BulkConn { rd, wr, _open: permit, state: State::Done, left: 0, head: [0; 5], have: 0 })
     }
+}
+
+/// Present the token and read the status byte (and a refusal's error frame).
+async fn bind<S: AsyncRead + AsyncWrite + Unpin>(io: &mut S, token: &[u8]) -> Result<()> {
+    io.write_all(token).await.map_err(io_err)?;
+    io.flush().await.map_err(io_err)?;
+    let mut status = [0u8; 1];
+    io.read_exact(&mut status).await.map_err(io_err)?;
+    if status[0] != 0 {
+        return Err(match read_message::<_, Response>(io, CLIENT_MAX_FRAME).await? {
+            Response::Error(b) => ClientError::Status { code: b.code, message: b.message },
+            other => unexpected("Error", &other),
+        });
+    }
+    Ok(())
 }
 
 fn io_err(e: io::Error) -> ClientError {
@@ -194,28 +219,37 @@ fn io_err(e: io::Error) -> ClientError {
 }
 
 impl BulkConn {
-    /// Send one request: its frame, then `values`. The server reads values as they come and
-    /// answers after the last (or early, with an error, reading the rest), so the answer is
-    /// read after this returns.
+    /// Send one request: its frame, then `values`, in as few writes as the connection takes.
+    /// The server reads values as they come and answers after the last (or early, with an
+    /// error, reading the rest), so the answer is read after this returns.
     pub(crate) async fn send(&mut self, frame: &[u8], values: &[&[u8]]) -> Result<()> {
         // Until the answer is read to its end, the connection is not kept.
         self.state = State::Head;
         let len = frame.len() as u64 + values.iter().map(|v| v.len() as u64).sum::<u64>();
-        let io = self.io.get_mut();
         let mut head = Vec::with_capacity(8 + frame.len());
         head.extend_from_slice(&len.to_le_bytes());
         head.extend_from_slice(frame);
-        io.write_all(&head).await.map_err(io_err)?;
-        for v in values {
-            io.write_all(v).await.map_err(io_err)?;
-        }
-        io.flush().await.map_err(io_err)
+        let pieces: Vec<Piece<'_>> =
+            std::iter::once(Piece::Small(&head[..])).chain(values.iter().map(|v| Piece::Value(v))).collect();
+        bulk::send_all(&mut *self.wr, &pieces).await.map_err(io_err)
     }
 
-    /// An idle connection the server has not closed (nothing to read, no end of stream).
-    fn alive(&mut self) -> bool {
-        let mut cx = Context::from_waker(std::task::Waker::noop());
-        matches!(Pin::new(&mut self.io).poll_fill_buf(&mut cx), Poll::Pending)
+    /// Fill `dst` with the next value bytes of the answer (under TLS decrypted where they
+    /// land), `landed` seeing each part as it is final.
+    pub(crate) async fn read_value(
+        &mut self,
+        dst: &mut [u8],
+        landed: &mut (dyn FnMut(&[u8]) + Send),
+    ) -> io::Result<()> {
+        let mut filled = 0;
+        while filled < dst.len() {
+            std::future::poll_fn(|cx| self.poll_body(cx)).await?;
+            let n = (self.left as usize).min(dst.len() - filled);
+            self.rd.fill(&mut dst[filled..filled + n], landed).await?;
+            self.left -= n as u32;
+            filled += n;
+        }
+        Ok(())
     }
 }
 
@@ -234,7 +268,7 @@ impl BulkConn {
         while self.have < n {
             let mut b = [0u8; 5];
             let mut rb = ReadBuf::new(&mut b[..n - self.have]);
-            ready!(Pin::new(&mut self.io).poll_read(cx, &mut rb))?;
+            ready!(Pin::new(&mut self.rd).poll_read(cx, &mut rb))?;
             let got = rb.filled().len();
             if got == 0 {
                 return Poll::Ready(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "bulk connection closed")));
@@ -245,14 +279,20 @@ impl BulkConn {
         self.have = 0;
         Poll::Ready(Ok(()))
     }
-}
 
-impl AsyncRead for BulkConn {
-    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
-        let me = &mut *self;
+    /// Through chunk headers to value bytes: `Ready(Ok)` inside a chunk with bytes left; an
+    /// answer that ends (or is reset) first is an error.
+    fn poll_body(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         loop {
-            match me.state {
-                State::Done => return Poll::Ready(Ok(())),
+            match self.state {
+                State::Body if self.left > 0 => return Poll::Ready(Ok(())),
+                State::Body => self.state = State::Head,
+                State::Done => {
+                    return Poll::Ready(Err(io::Error::new(
+                        io::ErrorKind::UnexpectedEof,
+                        "the answer ended before its declared value bytes",
+                    )))
+                }
                 State::Reset(code) => {
                     return Poll::Ready(Err(io::Error::new(
                         io::ErrorKind::ConnectionReset,
@@ -260,45 +300,51 @@ impl AsyncRead for BulkConn {
                     )))
                 }
                 State::Head => {
-                    ready!(me.poll_head(cx, 4))?;
-                    let n = u32::from_le_bytes(me.head[..4].try_into().expect("4 bytes"));
+                    ready!(self.poll_head(cx, 4))?;
+                    let n = u32::from_le_bytes(self.head[..4].try_into().expect("4 bytes"));
                     if n == END {
-                        me.state = State::Tail;
+                        self.state = State::Tail;
                     } else if n > END >> 1 {
                         return Poll::Ready(Err(io::Error::new(io::ErrorKind::InvalidData, "bad bulk chunk length")));
                     } else {
-                        me.left = n;
-                        me.state = State::Body;
+                        self.left = n;
+                        self.state = State::Body;
                     }
                 }
                 State::Tail => {
-                    ready!(me.poll_head(cx, 5))?;
-                    let code = u32::from_le_bytes(me.head[1..5].try_into().expect("4 bytes"));
-                    me.state = if me.head[0] == 0 { State::Done } else { State::Reset(code) };
-                }
-                State::Body if me.left == 0 => me.state = State::Head,
-                State::Body => {
-                    if buf.remaining() == 0 {
-                        return Poll::Ready(Ok(()));
-                    }
-                    let want = buf.remaining().min(me.left as usize);
-                    let mut part = buf.take(want);
-                    ready!(Pin::new(&mut me.io).poll_read(cx, &mut part))?;
-                    let n = part.filled().len();
-                    if n == 0 {
-                        return Poll::Ready(Err(io::Error::new(
-                            io::ErrorKind::UnexpectedEof,
-                            "bulk connection closed",
-                        )));
-                    }
-                    // SAFETY: `part` filled these bytes of `buf`'s unfilled part.
-                    unsafe { buf.assume_init(n) };
-                    buf.advance(n);
-                    me.left -= n as u32;
-                    return Poll::Ready(Ok(()));
+                    ready!(self.poll_head(cx, 5))?;
+                    let code = u32::from_le_bytes(self.head[1..5].try_into().expect("4 bytes"));
+                    self.state = if self.head[0] == 0 { State::Done } else { State::Reset(code) };
                 }
             }
         }
+    }
+}
+
+impl AsyncRead for BulkConn {
+    fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let me = &mut *self;
+        if buf.remaining() == 0 {
+            return Poll::Ready(Ok(()));
+        }
+        match ready!(me.poll_body(cx)) {
+            Ok(()) => {}
+            // The end of the answer is the end of the stream.
+            Err(_) if me.state == State::Done => return Poll::Ready(Ok(())),
+            Err(e) => return Poll::Ready(Err(e)),
+        }
+        let want = buf.remaining().min(me.left as usize);
+        let mut part = buf.take(want);
+        ready!(Pin::new(&mut me.rd).poll_read(cx, &mut part))?;
+        let n = part.filled().len();
+        if n == 0 {
+            return Poll::Ready(Err(io::Error::new(io::ErrorKind::UnexpectedEof, "bulk connection closed")));
+        }
+        // SAFETY: `part` filled these bytes of `buf`'s unfilled part.
+        unsafe { buf.assume_init(n) };
+        buf.advance(n);
+        me.left -= n as u32;
+        Poll::Ready(Ok(()))
     }
 }
 

@@ -9,6 +9,50 @@ use tokio::io::{AsyncRead, AsyncReadExt};
 /// A bulk connection with a get's item headers read: its link, the connection, the headers.
 type BulkOpened = (std::sync::Arc<crate::bulk::BulkLink>, crate::bulk::BulkConn, Vec<GetItem>);
 
+/// Where a get's values are read from: a QUIC stream, or a bulk connection, whose values land
+/// (under TLS decrypted) straight in the caller's buffer.
+pub(crate) trait ValueRead: AsyncRead + Unpin + Send {
+    /// Fill `dst`; the xxh3-64 of its bytes, hashed piece by piece as they land (while they
+    /// are in cache) rather than in a second pass.
+    fn read_hashed<'a>(&'a mut self, dst: &'a mut [u8]) -> kvpool_net::bulk::BoxFuture<'a, std::io::Result<u64>> {
+        Box::pin(async move {
+            let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+            let mut filled = 0;
+            while filled < dst.len() {
+                // Pieces small enough to be hashed from L2.
+                let end = dst.len().min(filled + (128 << 10));
+                match self.read(&mut dst[filled..end]).await? {
+                    0 => return Err(short(dst.len() - filled)),
+                    n => {
+                        h.update(&dst[filled..filled + n]);
+                        filled += n;
+                    }
+                }
+            }
+            Ok(h.digest())
+        })
+    }
+}
+
+fn short(missing: usize) -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::UnexpectedEof,
+        format!("stream ended early, {missing} bytes short of a declared value size"),
+    )
+}
+
+impl ValueRead for RecvStream {}
+
+impl ValueRead for crate::bulk::BulkConn {
+    fn read_hashed<'a>(&'a mut self, dst: &'a mut [u8]) -> kvpool_net::bulk::BoxFuture<'a, std::io::Result<u64>> {
+        Box::pin(async move {
+            let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+            self.read_value(dst, &mut |b| h.update(b)).await?;
+            Ok(h.digest())
+        })
+    }
+}
+
 impl Client {
     /// Read one block; `None` when it is not in the pool. A `Corrupt` answer is an error.
     pub async fn get(&self, key: impl AsRef<[u8]>) -> Result<Option<Vec<u8>>> {
@@ -171,7 +215,7 @@ fn get_items(resp: Response, n: usize) -> Result<Vec<GetItem>> {
 }
 
 /// The values a `Get` answer announced, each checked as it lands, then the end of the answer.
-async fn take_values<R: AsyncRead + Unpin, K: AsRef<[u8]>>(
+async fn take_values<R: ValueRead, K: AsRef<[u8]>>(
     rx: &mut R,
     items: Vec<GetItem>,
     keys: &[K],
@@ -198,7 +242,7 @@ async fn take_values<R: AsyncRead + Unpin, K: AsRef<[u8]>>(
 }
 
 /// As [`take_values`], into the caller's buffers (`bufs[i]` for `keys[i]`).
-async fn fill_values<R: AsyncRead + Unpin, K: AsRef<[u8]>>(
+async fn fill_values<R: ValueRead, K: AsRef<[u8]>>(
     rx: &mut R,
     items: Vec<GetItem>,
     keys: &[K],
@@ -238,31 +282,11 @@ fn io_err(e: std::io::Error) -> ClientError {
 
 /// Read exactly `dst.len()` value bytes and check them against `expected`, hashing each piece
 /// as it lands (while it is still in cache) rather than in a second pass over the value.
-pub(crate) async fn read_verified<R: AsyncRead + Unpin>(
-    rx: &mut R,
-    key: &[u8],
-    expected: u64,
-    dst: &mut [u8],
-) -> Result<()> {
-    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
-    let mut filled = 0;
-    while filled < dst.len() {
-        // Pieces small enough to be hashed from L2.
-        let end = dst.len().min(filled + (128 << 10));
-        match rx.read(&mut dst[filled..end]).await.map_err(io_err)? {
-            0 => {
-                return Err(ClientError::Protocol(format!(
-                    "stream ended early, {} bytes short of a declared value size",
-                    dst.len() - filled
-                )))
-            }
-            n => {
-                h.update(&dst[filled..filled + n]);
-                filled += n;
-            }
-        }
-    }
-    let actual = h.digest();
+pub(crate) async fn read_verified<R: ValueRead>(rx: &mut R, key: &[u8], expected: u64, dst: &mut [u8]) -> Result<()> {
+    let actual = rx.read_hashed(dst).await.map_err(|e| match e.kind() {
+        std::io::ErrorKind::UnexpectedEof => ClientError::Protocol(e.to_string()),
+        _ => io_err(e),
+    })?;
     if actual != expected {
         return Err(ClientError::Checksum { key: key_text(key), expected, actual });
     }

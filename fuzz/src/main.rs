@@ -7,6 +7,7 @@
 //! A panic stops the run, writes the input to `--crash-dir`, and exits with status 1.
 
 mod bulk;
+mod bulk_tls;
 mod gen;
 
 use anyhow::{bail, Context, Result};
@@ -88,6 +89,7 @@ struct Tally {
     shm_socket_inputs: u64,
     control_socket_inputs: u64,
     bulk_inputs: u64,
+    bulk_tls_inputs: u64,
     by_answer: BTreeMap<String, u64>,
 }
 
@@ -471,6 +473,7 @@ fn worker(args: &Args, index: u64, deadline: Instant) -> Result<Tally> {
             vec!["10.9.0.0/24".parse()?],
         )?;
         let _ = node.shared.bulk.set(door);
+        let bulk_client = bulk_tls::client_config(&tls.certs[0])?;
         let principal = |k: &str| node.shared.auth.check(k).context("fuzz key");
         let mut w = Worker {
             principals: KEYS.iter().map(|k| principal(k)).collect::<Result<_>>()?,
@@ -538,6 +541,7 @@ fn worker(args: &Args, index: u64, deadline: Instant) -> Result<Tally> {
         tally.shm_socket_inputs += fuzz_socket(&w, &mut rng, args.socket_inputs).await?;
         tally.control_socket_inputs += fuzz_control(&w, &mut rng, args.socket_inputs).await?;
         tally.bulk_inputs += bulk::fuzz_bulk(&w, &mut rng, args.socket_inputs).await?;
+        tally.bulk_tls_inputs += bulk_tls::fuzz_bulk_tls(&w, &mut rng, args.socket_inputs, &bulk_client).await?;
         // The socket fuzz left the server serving: a real attach still works, the canaries hold.
         w.reconnect().await?;
         check_canaries(&w).await?;
@@ -565,6 +569,7 @@ fn main() -> Result<()> {
         total.shm_socket_inputs += t.shm_socket_inputs;
         total.control_socket_inputs += t.control_socket_inputs;
         total.bulk_inputs += t.bulk_inputs;
+        total.bulk_tls_inputs += t.bulk_tls_inputs;
         for (k, v) in t.by_answer {
             *total.by_answer.entry(k).or_default() += v;
         }
@@ -572,13 +577,15 @@ fn main() -> Result<()> {
     let secs = started.elapsed().as_secs_f64();
     println!(
         "kvpool-fuzz: {} handler inputs (protocol versions 1 and 2), {} decoder inputs, {} shm socket \
-         connections, {} control socket connections and {} bulk channel connections in {secs:.1} s ({:.0} handler inputs/s), 0 panics, 0 protocol violations, canaries intact, \
+         connections, {} control socket connections, {} bulk channel connections and {} TLS bulk channel \
+         connections in {secs:.1} s ({:.0} handler inputs/s), 0 panics, 0 protocol violations, canaries intact, \
          no DRAM leaked",
         total.handler_inputs,
         total.decoder_inputs,
         total.shm_socket_inputs,
         total.control_socket_inputs,
         total.bulk_inputs,
+        total.bulk_tls_inputs,
         total.handler_inputs as f64 / secs
     );
     println!("answers: {:?}", total.by_answer);

@@ -23,6 +23,7 @@
 //!   past `net.core.rmem_max` are asked for with `SO_RCVBUFFORCE` when the process may.
 //! - TLS: AES-128-GCM offered first (a few percent cheaper than AES-256-GCM, ring's first choice).
 
+pub mod bulk;
 mod counters;
 mod split;
 

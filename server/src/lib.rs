@@ -127,9 +127,14 @@ fn server_tls(tls: &tls::TlsMaterial, alpn: &[u8]) -> Result<rustls::ServerConfi
     Ok(c)
 }
 
-/// The bulk channel's TLS: the QUIC certificate, its own ALPN.
+/// The bulk channel's TLS: the QUIC certificate, its own ALPN. After the bind the channel
+/// reads and writes the records itself with the keys rustls hands over (`kvpool_net::bulk`):
+/// no session tickets, which would be records it must not see.
 pub fn bulk_tls(tls: &tls::TlsMaterial) -> Result<Arc<rustls::ServerConfig>, ServerError> {
-    Ok(Arc::new(server_tls(tls, kvpool_proto::BULK_ALPN)?))
+    let mut c = server_tls(tls, kvpool_proto::BULK_ALPN)?;
+    c.enable_secret_extraction = true;
+    c.send_tls13_tickets = 0;
+    Ok(Arc::new(c))
 }
 
 fn quic_server_configs(

@@ -21,6 +21,26 @@ pub trait RequestRecv: AsyncRead + Unpin + Send {
     fn transport(&self) -> &'static str;
     /// The front door the request came through (the request table says what each carries).
     fn door(&self) -> Door;
+    /// Fill `buf` from the stream and return the xxh3-64 of its bytes, hashed piece by piece
+    /// as they land (while they are in cache) rather than in a second pass. The TCP bulk
+    /// channel lands values in place through its own (under TLS decrypting there).
+    fn read_hashed<'a>(&'a mut self, buf: &'a mut [u8]) -> BoxFuture<'a, std::io::Result<u64>> {
+        Box::pin(async move {
+            let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+            let mut filled = 0;
+            while filled < buf.len() {
+                let end = buf.len().min(filled + (128 << 10));
+                match self.read(&mut buf[filled..end]).await? {
+                    0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
+                    n => {
+                        h.update(&buf[filled..filled + n]);
+                        filled += n;
+                    }
+                }
+            }
+            Ok(h.digest())
+        })
+    }
 }
 
 /// The sending half of a request stream.
@@ -106,31 +126,18 @@ pub(super) async fn read_exact_by<R: RequestRecv>(
     }
 }
 
-/// As [`read_exact_by`], and return the xxh3-64 of the bytes, hashed piece by piece as they
-/// land (while they are in cache) rather than in a second pass over the value.
+/// As [`read_exact_by`], and return the xxh3-64 of the bytes ([`RequestRecv::read_hashed`]).
 pub(super) async fn read_hashed_by<R: RequestRecv>(
     r: &mut R,
     buf: &mut [u8],
     deadline: Deadline,
     what: &str,
 ) -> Result<u64, Fail> {
-    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
-    let mut filled = 0;
-    while filled < buf.len() {
-        let end = buf.len().min(filled + (128 << 10));
-        match tokio::time::timeout_at(deadline, r.read(&mut buf[filled..end])).await {
-            Err(_) => return Err(Fail::Timeout(format!("{what} did not arrive in time"))),
-            Ok(Err(e)) => return Err(read_fail(e, what)),
-            Ok(Ok(0)) => {
-                return Err(read_fail(std::io::Error::from(std::io::ErrorKind::UnexpectedEof), what));
-            }
-            Ok(Ok(n)) => {
-                h.update(&buf[filled..filled + n]);
-                filled += n;
-            }
-        }
+    match tokio::time::timeout_at(deadline, r.read_hashed(buf)).await {
+        Err(_) => Err(Fail::Timeout(format!("{what} did not arrive in time"))),
+        Ok(Err(e)) => Err(read_fail(e, what)),
+        Ok(Ok(sum)) => Ok(sum),
     }
-    Ok(h.digest())
 }
 
 /// Read and drop `n` bytes of a value that will not be stored.

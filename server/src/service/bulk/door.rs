@@ -15,8 +15,6 @@ use tracing::warn;
 
 /// A token not presented within this long is forgotten.
 pub const TOKEN_TTL: Duration = Duration::from_secs(10);
-/// Socket bytes read at once under TLS.
-pub const TLS_READ_BUFFER: usize = 256 << 10;
 /// Tokens waiting for their connection: 4,096 in all (a client asking without connecting cannot
 /// grow the table without bound), 64 of one QUIC connection, and a quarter of the table for one
 /// tenant (one tenant's many connections cannot take it from the others).

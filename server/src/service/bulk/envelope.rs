@@ -4,9 +4,9 @@
 //! A request envelope is its length (u64 LE) and that many bytes: the request frame and the
 //! value bytes it declares, exactly as on a QUIC stream; its end is the stream's FIN. The
 //! answer is streamed in chunks, each a u32 LE length under 2^31 and its bytes, ended by
-//! `0xFFFF_FFFF`, a byte (0 finished, 1 reset) and a u32 LE code (the reset's). Values go
-//! from the socket straight into their DRAM range, and from DRAM to the socket, in one chunk
-//! each: no copy beyond TLS's own.
+//! `0xFFFF_FFFF`, a byte (0 finished, 1 reset) and a u32 LE code (the reset's). Values go from
+//! the connection straight into their DRAM range (under TLS decrypted there), and out of DRAM
+//! in one chunk each, several values' chunks to one system call.
 
 use crate::service::dispatch::handle_stream;
 use crate::service::doors::Door;
@@ -14,35 +14,36 @@ use crate::service::session::Session;
 use crate::service::shared::Shared;
 use crate::service::stream::{error, BoxFuture, RequestRecv, RequestSend};
 use bytes::Bytes;
+use kvpool_net::bulk::{BulkRead, BulkWrite, Cursor, Piece};
 use kvpool_proto::frame::encode_frame;
 use kvpool_proto::{ErrorCode, Response};
 use std::io;
 use std::pin::Pin;
 use std::sync::{Arc, Weak};
 use std::task::{ready, Context, Poll};
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf, ReadHalf, WriteHalf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 /// Chunk length that ends an answer.
 pub const END: u32 = u32::MAX;
+/// Largest chunk.
+const MAX_CHUNK: usize = (END >> 1) as usize;
 /// Request bytes the server still reads (and drops) after answering early, to keep the
 /// connection; a client that would send more loses the connection instead.
 const DRAIN_LIMIT: u64 = 64 << 20;
 /// Answer bytes gathered before they go out as one chunk (frames; values go on their own).
 const GATHER: usize = 64 << 10;
+/// Value bytes queued before they are handed to the connection: the chunks of several small
+/// values leave in one system call.
+const COALESCE: usize = 256 << 10;
 
 /// Serve envelopes until the client closes, the session is gone, or the framing breaks.
-pub(super) async fn run<S>(
-    stream: S,
+pub(super) async fn run<R: BulkRead, W: BulkWrite>(
+    mut rd: R,
+    mut wr: W,
     session: Weak<Session>,
     transport: &'static str,
     shared: &Arc<Shared>,
-) -> io::Result<()>
-where
-    S: AsyncRead + AsyncWrite + Unpin + Send,
-{
-    let (mut rd, mut wr) = tokio::io::split(stream);
-    wr.write_all(&[0]).await?;
-    wr.flush().await?;
+) -> io::Result<()> {
     let max_request = max_envelope(shared);
     loop {
         let mut head = [0u8; 8];
@@ -69,8 +70,13 @@ where
             return Ok(());
         }
         let (end, code) = send.outcome();
-        send.end(end, code).await?;
-        if !drain(&mut recv, shared).await {
+        let by = shared.timeouts.transfer(send.queued as u64);
+        match tokio::time::timeout(by, send.end(end, code)).await {
+            Ok(r) => r?,
+            // The client does not read its answer.
+            Err(_) => return Ok(()),
+        }
+        if !drain(&mut recv, shared).await || wr.worn() {
             return Ok(());
         }
     }
@@ -83,7 +89,7 @@ fn max_envelope(s: &Shared) -> u64 {
 }
 
 /// Read what the handler left of the request (it answered early); `false`: close instead.
-async fn drain<R: AsyncRead + Unpin>(recv: &mut BulkRecv<'_, R>, shared: &Shared) -> bool {
+async fn drain<R: BulkRead>(recv: &mut BulkRecv<'_, R>, shared: &Shared) -> bool {
     if recv.left == 0 {
         return true;
     }
@@ -97,12 +103,17 @@ async fn drain<R: AsyncRead + Unpin>(recv: &mut BulkRecv<'_, R>, shared: &Shared
 
 /// The receiving half of one request: its envelope's bytes, then the end of the stream.
 pub(super) struct BulkRecv<'a, R> {
-    inner: &'a mut ReadHalf<R>,
+    inner: &'a mut R,
     left: u64,
     transport: &'static str,
 }
 
-impl<R: AsyncRead> AsyncRead for BulkRecv<'_, R> {
+/// The connection closed inside an envelope: the client is gone.
+fn gone() -> io::Error {
+    io::Error::new(io::ErrorKind::ConnectionReset, "bulk connection closed")
+}
+
+impl<R: BulkRead> AsyncRead for BulkRecv<'_, R> {
     fn poll_read(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
         let me = &mut *self;
         if me.left == 0 || buf.remaining() == 0 {
@@ -113,8 +124,7 @@ impl<R: AsyncRead> AsyncRead for BulkRecv<'_, R> {
         ready!(Pin::new(&mut *me.inner).poll_read(cx, &mut part))?;
         let n = part.filled().len();
         if n == 0 {
-            // The connection closed inside an envelope: the client is gone.
-            return Poll::Ready(Err(io::Error::new(io::ErrorKind::ConnectionReset, "bulk connection closed")));
+            return Poll::Ready(Err(gone()));
         }
         // SAFETY: `part` filled these bytes of `buf`'s unfilled part.
         unsafe { buf.assume_init(n) };
@@ -124,7 +134,7 @@ impl<R: AsyncRead> AsyncRead for BulkRecv<'_, R> {
     }
 }
 
-impl<R: AsyncRead + Send> RequestRecv for BulkRecv<'_, R> {
+impl<R: BulkRead> RequestRecv for BulkRecv<'_, R> {
     /// The rest of the envelope is drained (or the connection closed) after the answer.
     fn stop(&mut self, _code: u32) {}
     fn transport(&self) -> &'static str {
@@ -133,29 +143,66 @@ impl<R: AsyncRead + Send> RequestRecv for BulkRecv<'_, R> {
     fn door(&self) -> Door {
         Door::Bulk
     }
+    /// Straight into `buf` (under TLS decrypted there), hashed as it lands.
+    fn read_hashed<'b>(&'b mut self, buf: &'b mut [u8]) -> BoxFuture<'b, io::Result<u64>> {
+        Box::pin(async move {
+            let n = buf.len().min(usize::try_from(self.left).unwrap_or(usize::MAX));
+            let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+            match self.inner.fill(&mut buf[..n], &mut |b| h.update(b)).await {
+                Ok(()) => self.left -= n as u64,
+                Err(e) if e.kind() == io::ErrorKind::UnexpectedEof => return Err(gone()),
+                Err(e) => return Err(e),
+            }
+            if n < buf.len() {
+                // The envelope ends inside the value.
+                return Err(io::ErrorKind::UnexpectedEof.into());
+            }
+            Ok(h.digest())
+        })
+    }
+}
+
+/// Bytes waiting to go: closed chunks of small writes and chunk headers, and values.
+enum Queued {
+    Small(Vec<u8>),
+    Value(Bytes),
 }
 
 /// The sending half of one answer: chunks, then the end.
 pub(super) struct BulkSend<'a, W> {
-    inner: &'a mut WriteHalf<W>,
-    /// Small writes gathered into one chunk, header first.
+    inner: &'a mut W,
+    /// Small writes gathered into one chunk, its length first.
     gather: Vec<u8>,
-    /// Bytes of gathered data written out so far.
-    flushed: usize,
-    /// Bytes of a large chunk declared and not yet written.
+    /// Chunks not yet handed to the connection, and how far it took them.
+    queue: Vec<Queued>,
+    at: Cursor,
+    /// Value bytes queued.
+    queued: usize,
+    /// Bytes of a borrowed large write's chunk declared and not yet taken.
     in_chunk: usize,
     finished: bool,
     reset: Option<u32>,
     transport: &'static str,
 }
 
-impl<'a, W: AsyncWrite> BulkSend<'a, W> {
-    fn new(inner: &'a mut WriteHalf<W>, transport: &'static str) -> Self {
-        BulkSend { inner, gather: Vec::new(), flushed: 0, in_chunk: 0, finished: false, reset: None, transport }
+impl<'a, W: BulkWrite> BulkSend<'a, W> {
+    fn new(inner: &'a mut W, transport: &'static str) -> Self {
+        BulkSend {
+            inner,
+            gather: Vec::new(),
+            queue: Vec::new(),
+            at: Cursor::default(),
+            queued: 0,
+            in_chunk: 0,
+            finished: false,
+            reset: None,
+            transport,
+        }
     }
 
+    /// Some chunk is partly sent, and its caller gave up on it.
     fn broken(&self) -> bool {
-        self.in_chunk > 0
+        self.in_chunk > 0 || !self.at.at_start()
     }
 
     fn outcome(&self) -> (u8, u32) {
@@ -165,24 +212,34 @@ impl<'a, W: AsyncWrite> BulkSend<'a, W> {
         }
     }
 
-    /// Close the gathered bytes as a chunk (its header is at the front).
+    /// Close the gathered bytes as a chunk and queue it.
     fn seal(&mut self) {
-        if self.gather.len() > 4 && self.flushed == 0 {
+        if self.gather.len() > 4 {
             let n = (self.gather.len() - 4) as u32;
             self.gather[..4].copy_from_slice(&n.to_le_bytes());
-        }
-    }
-
-    fn poll_gathered(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        while self.flushed < self.gather.len() {
-            let n = ready!(Pin::new(&mut *self.inner).poll_write(cx, &self.gather[self.flushed..]))?;
-            if n == 0 {
-                return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
-            }
-            self.flushed += n;
+            self.queue.push(Queued::Small(std::mem::take(&mut self.gather)));
         }
         self.gather.clear();
-        self.flushed = 0;
+    }
+
+    /// Hand the queue to the connection.
+    fn poll_queue(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if self.queue.is_empty() {
+            return Poll::Ready(Ok(()));
+        }
+        let pieces: Vec<Piece<'_>> = self
+            .queue
+            .iter()
+            .map(|q| match q {
+                Queued::Small(b) => Piece::Small(b),
+                Queued::Value(b) => Piece::Value(b),
+            })
+            .collect();
+        ready!(self.inner.poll_send(cx, &pieces, &mut self.at))?;
+        drop(pieces);
+        self.queue.clear();
+        self.at = Cursor::default();
+        self.queued = 0;
         Poll::Ready(Ok(()))
     }
 
@@ -193,62 +250,59 @@ impl<'a, W: AsyncWrite> BulkSend<'a, W> {
         self.end(0, 0).await
     }
 
-    /// The end of the answer, after what is gathered.
+    /// The end of the answer, after what is gathered and queued.
     async fn end(&mut self, end: u8, code: u32) -> io::Result<()> {
         self.seal();
-        let mut tail = [0u8; 9];
+        let mut tail = vec![0u8; 9];
         tail[..4].copy_from_slice(&END.to_le_bytes());
         tail[4] = end;
         tail[5..].copy_from_slice(&code.to_le_bytes());
-        self.gather.extend_from_slice(&tail);
-        std::future::poll_fn(|cx| self.poll_gathered(cx)).await?;
+        self.queue.push(Queued::Small(tail));
+        std::future::poll_fn(|cx| self.poll_queue(cx)).await?;
         self.inner.flush().await
     }
 }
 
-impl<W: AsyncWrite> AsyncWrite for BulkSend<'_, W> {
+impl<W: BulkWrite> AsyncWrite for BulkSend<'_, W> {
     fn poll_write(mut self: Pin<&mut Self>, cx: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
         let me = &mut *self;
-        // What is gathered goes out first: earlier chunks, and an open chunk's header.
-        if me.flushed > 0 || (me.in_chunk > 0 && !me.gather.is_empty()) {
-            ready!(me.poll_gathered(cx))?;
-        }
-        if me.in_chunk > 0 {
-            let want = buf.len().min(me.in_chunk);
-            let n = ready!(Pin::new(&mut *me.inner).poll_write(cx, &buf[..want]))?;
-            me.in_chunk -= n;
-            return Poll::Ready(Ok(n));
-        }
-        if buf.is_empty() {
-            return Poll::Ready(Ok(0));
-        }
-        if buf.len() < GATHER && me.gather.len() + buf.len() <= GATHER {
-            if me.gather.is_empty() {
-                me.gather.extend_from_slice(&[0; 4]);
+        if me.in_chunk == 0 {
+            if buf.is_empty() {
+                return Poll::Ready(Ok(0));
             }
-            me.gather.extend_from_slice(buf);
-            return Poll::Ready(Ok(buf.len()));
+            if buf.len() < GATHER && me.gather.len() + buf.len() <= GATHER {
+                if me.gather.is_empty() {
+                    me.gather.extend_from_slice(&[0; 4]);
+                }
+                me.gather.extend_from_slice(buf);
+                return Poll::Ready(Ok(buf.len()));
+            }
+            // A large borrowed write: a chunk of its own, open from here (a caller that gives
+            // up on it breaks the framing, and the connection is closed).
+            let len = buf.len().min(MAX_CHUNK);
+            me.seal();
+            me.queue.push(Queued::Small((len as u32).to_le_bytes().to_vec()));
+            me.in_chunk = len;
         }
-        // A value: what is gathered, then this chunk's header, then its bytes straight from the
-        // caller's buffer. The chunk is open from here: a caller that gives up on it breaks the
-        // framing, and the connection is closed.
-        let len = buf.len().min((END >> 1) as usize);
-        me.seal();
-        me.gather.extend_from_slice(&(len as u32).to_le_bytes());
-        me.in_chunk = len;
-        ready!(me.poll_gathered(cx))?;
-        let n = ready!(Pin::new(&mut *me.inner).poll_write(cx, &buf[..len]))?;
+        ready!(me.poll_queue(cx))?;
+        let want = buf.len().min(me.in_chunk);
+        let mut at = Cursor::default();
+        let sent = me.inner.poll_send(cx, &[Piece::Value(&buf[..want])], &mut at)?;
+        let n = if at.piece > 0 { want } else { at.offset };
+        if n == 0 && sent.is_pending() {
+            return Poll::Pending;
+        }
         me.in_chunk -= n;
         Poll::Ready(Ok(n))
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let me = &mut *self;
-        // Gathered bytes go out as a chunk of their own; an open chunk's header goes out as is.
+        // Gathered bytes go out as a chunk of their own; an open chunk's header goes as is.
         if me.in_chunk == 0 {
             me.seal();
         }
-        ready!(me.poll_gathered(cx))?;
+        ready!(me.poll_queue(cx))?;
         Pin::new(&mut *me.inner).poll_flush(cx)
     }
 
@@ -258,9 +312,26 @@ impl<W: AsyncWrite> AsyncWrite for BulkSend<'_, W> {
     }
 }
 
-impl<W: AsyncWrite + Send> RequestSend for BulkSend<'_, W> {
+impl<W: BulkWrite> RequestSend for BulkSend<'_, W> {
+    /// Queued, and sent with the values before and after it (a chunk each).
     fn write_owned(&mut self, bytes: Bytes) -> BoxFuture<'_, io::Result<()>> {
-        Box::pin(async move { self.write_all(&bytes).await })
+        Box::pin(async move {
+            if self.in_chunk > 0 {
+                return Err(io::Error::other("a value written inside an open chunk"));
+            }
+            self.seal();
+            let mut rest = bytes;
+            while !rest.is_empty() {
+                let part = rest.split_to(rest.len().min(MAX_CHUNK));
+                self.queue.push(Queued::Small((part.len() as u32).to_le_bytes().to_vec()));
+                self.queued += part.len();
+                self.queue.push(Queued::Value(part));
+            }
+            if self.queued >= COALESCE {
+                std::future::poll_fn(|cx| self.poll_queue(cx)).await?;
+            }
+            Ok(())
+        })
     }
     fn finish(&mut self) {
         self.finished = true;
@@ -274,91 +345,4 @@ impl<W: AsyncWrite + Send> RequestSend for BulkSend<'_, W> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// Join an answer's chunks; the end byte and code.
-    fn unchunk(mut b: &[u8]) -> (Vec<u8>, u8, u32) {
-        let mut out = Vec::new();
-        loop {
-            let n = u32::from_le_bytes(b[..4].try_into().unwrap());
-            b = &b[4..];
-            if n == END {
-                assert_eq!(b.len(), 5, "nothing after the end");
-                return (out, b[0], u32::from_le_bytes(b[1..5].try_into().unwrap()));
-            }
-            out.extend_from_slice(&b[..n as usize]);
-            b = &b[n as usize..];
-        }
-    }
-
-    #[tokio::test]
-    async fn small_writes_gather_and_values_go_as_their_own_chunk() {
-        let (a, mut b) = tokio::io::duplex(1 << 10);
-        let (_rd, mut wr) = tokio::io::split(a);
-        let value: Vec<u8> = (0..300_000u32).map(|i| i as u8).collect();
-        let reader = tokio::spawn(async move {
-            let mut all = Vec::new();
-            b.read_to_end(&mut all).await.unwrap();
-            all
-        });
-        let mut send = BulkSend::new(&mut wr, "tcp");
-        send.write_all(b"frame").await.unwrap();
-        send.write_all(b"-more").await.unwrap();
-        send.write_owned(Bytes::from(value.clone())).await.unwrap();
-        send.write_all(b"tail").await.unwrap();
-        send.finish();
-        assert!(!send.broken());
-        let (end, code) = send.outcome();
-        send.end(end, code).await.unwrap();
-        wr.shutdown().await.unwrap();
-        drop(wr);
-        let wire = reader.await.unwrap();
-        // Three chunks: the gathered frame, the value on its own, the tail.
-        assert_eq!(u32::from_le_bytes(wire[..4].try_into().unwrap()), 10);
-        assert_eq!(u32::from_le_bytes(wire[14..18].try_into().unwrap()), 300_000);
-        let (body, end, code) = unchunk(&wire);
-        let mut want = b"frame-more".to_vec();
-        want.extend_from_slice(&value);
-        want.extend_from_slice(b"tail");
-        assert_eq!((body, end, code), (want, 0, 0));
-    }
-
-    #[tokio::test]
-    async fn a_flush_sends_what_is_gathered_as_a_chunk() {
-        let (a, mut b) = tokio::io::duplex(1 << 16);
-        let (_rd, mut wr) = tokio::io::split(a);
-        let mut send = BulkSend::new(&mut wr, "tcp");
-        send.write_all(b"head").await.unwrap();
-        send.flush().await.unwrap();
-        // On the wire now, before the answer goes on: a chunk of its own.
-        let mut first = [0u8; 8];
-        b.read_exact(&mut first).await.unwrap();
-        assert_eq!(&first, b"\x04\0\0\0head");
-        send.write_all(b"rest").await.unwrap();
-        send.end(0, 0).await.unwrap();
-        let mut wire = vec![0u8; 8 + 9];
-        b.read_exact(&mut wire).await.unwrap();
-        assert_eq!(unchunk(&wire), (b"rest".to_vec(), 0, 0));
-    }
-
-    #[tokio::test]
-    async fn a_reset_answer_says_so_and_a_request_ends_at_its_envelope() {
-        let (a, mut b) = tokio::io::duplex(1 << 16);
-        let (mut rd, mut wr) = tokio::io::split(a);
-        let mut send = BulkSend::new(&mut wr, "tcp");
-        send.write_all(b"partial").await.unwrap();
-        send.reset(7);
-        let (end, code) = send.outcome();
-        send.end(end, code).await.unwrap();
-        let mut wire = vec![0u8; 4 + 7 + 9];
-        b.read_exact(&mut wire).await.unwrap();
-        assert_eq!(unchunk(&wire), (b"partial".to_vec(), 1, 7));
-
-        b.write_all(b"abcdefNEXT").await.unwrap();
-        let mut recv = BulkRecv { inner: &mut rd, left: 6, transport: "tcp" };
-        let mut got = Vec::new();
-        recv.read_to_end(&mut got).await.unwrap();
-        assert_eq!(got, b"abcdef", "the next envelope's bytes are not this request's");
-    }
-}
+mod tests;

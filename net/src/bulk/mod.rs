@@ -1,0 +1,219 @@
+//! The TCP bulk channel's byte streams (PROTOCOL.md 11.10), shared by the server and the client:
+//! plaintext TCP, or TLS 1.3 whose records this module reads and writes itself once rustls has
+//! done the handshake.
+//!
+//! # Why a record layer of our own
+//! Through rustls's buffered connection every received byte was copied three times in user
+//! space (a read buffer under rustls, rustls's plaintext queue, the read out), and every record
+//! sent was a heap buffer of its own. rustls's unbuffered API decrypts in place but leaves each
+//! record's plaintext between its 5-byte header and its 17-byte trailer, so joining a value is a
+//! copy again; kTLS, which would decrypt in the kernel's copy, is not on every kernel (not on
+//! this project's machines). So after the handshake the channel takes the traffic keys from
+//! rustls (`enable_secret_extraction`, the way kTLS integrations do) and does RFC 8446 section 5
+//! itself, with the AEAD of the same crypto provider (`ring`):
+//! - [`RecordReader::fill`] reads a value's records with one vectored read per batch: each
+//!   record's payload straight into its final place in the destination (a DRAM block, a
+//!   caller's buffer), its header and trailer beside it, and decrypts it there. No user-space
+//!   copy; the kernel's receive copy is the only one. Records that do not fit that plan (the
+//!   last bytes of a value, small frames, a peer that cuts records differently) are read into
+//!   a small buffer and copied out: correct for any TLS 1.3 peer, only slower.
+//! - [`RecordWriter`] seals records of 16 KiB into one buffer and writes a batch of them with
+//!   one system call. A value starts a record of its own, and its last record is cut one byte
+//!   short ([`TAIL`]) so that the receiver has room for the inner content type after every
+//!   record it decrypts in place.
+//!
+//! What the layer keeps of TLS: sequence numbers and nonces, the inner content type and its
+//! padding, alerts (`close_notify` ends the stream, any other alert is an error). What it does
+//! not do: key updates. The server sends no session tickets on the channel; a `KeyUpdate`
+//! closes the connection with [`RecordError::KeyUpdate`]; a writer retires its connection long
+//! before AES-GCM's limit on records under one key ([`RETIRE_AFTER`]).
+
+mod keys;
+mod layout;
+mod plain;
+mod read;
+mod write;
+
+#[cfg(test)]
+mod tests;
+
+pub use keys::RecordError;
+pub use read::RecordReader;
+pub use write::RecordWriter;
+
+use std::future::Future;
+use std::io::{self, IoSliceMut};
+use std::pin::Pin;
+use std::task::{ready, Context, Poll};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+
+/// Largest plaintext of one record (RFC 8446 5.1).
+pub const MAX_PLAINTEXT: usize = 16_384;
+/// Value bytes a writer leaves for a value's last record (see the module docs).
+pub const TAIL: usize = 1;
+/// A connection that has sent this many records is closed after its current request: far
+/// below AES-GCM's limit of 2^24.5 records under one key (RFC 8446 5.5), with no key update.
+pub const RETIRE_AFTER: u64 = 1 << 23;
+
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// Something to send: bytes a writer may gather with others, or a value's bytes (TLS: records
+/// of their own, cut for in-place decryption at the other end; plaintext: from where they are).
+#[derive(Debug, Clone, Copy)]
+pub enum Piece<'a> {
+    Small(&'a [u8]),
+    Value(&'a [u8]),
+}
+
+impl Piece<'_> {
+    pub fn bytes(&self) -> &[u8] {
+        match self {
+            Piece::Small(b) | Piece::Value(b) => b,
+        }
+    }
+}
+
+/// How far a writer got through a list of pieces: the piece, and the bytes of it taken.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Cursor {
+    pub piece: usize,
+    pub offset: usize,
+}
+
+impl Cursor {
+    /// Nothing taken yet.
+    pub fn at_start(&self) -> bool {
+        *self == Cursor::default()
+    }
+}
+
+/// The receiving half of a bulk connection.
+pub trait BulkRead: AsyncRead + Unpin + Send {
+    /// Fill all of `dst` with the next bytes of the stream; `landed` sees each part once it is
+    /// final, in order (to hash it while it is in cache). An error leaves the stream unusable.
+    fn fill<'a>(
+        &'a mut self,
+        dst: &'a mut [u8],
+        landed: &'a mut (dyn FnMut(&[u8]) + Send),
+    ) -> BoxFuture<'a, io::Result<()>>;
+
+    /// True when nothing is buffered and the peer has sent nothing, not even its end: an idle
+    /// connection that may carry the next request.
+    fn idle(&mut self) -> bool;
+}
+
+/// The sending half of a bulk connection.
+pub trait BulkWrite: AsyncWrite + Unpin + Send {
+    /// Take `pieces` from `at` on, advancing it; `Ready(Ok)` once every piece is taken (a TLS
+    /// writer may still hold up to a batch of records: flush to send them).
+    fn poll_send(&mut self, cx: &mut Context<'_>, pieces: &[Piece<'_>], at: &mut Cursor) -> Poll<io::Result<()>>;
+
+    /// True once the connection should carry no further request (its records near the limit
+    /// under one key).
+    fn worn(&self) -> bool {
+        false
+    }
+}
+
+/// Take every piece and send it all.
+pub async fn send_all<W: BulkWrite + ?Sized>(w: &mut W, pieces: &[Piece<'_>]) -> io::Result<()> {
+    let mut at = Cursor::default();
+    std::future::poll_fn(|cx| w.poll_send(cx, pieces, &mut at)).await?;
+    tokio::io::AsyncWriteExt::flush(w).await
+}
+
+/// A socket's receiving half that can read into several buffers at once (`readv`); anything
+/// else reads into the first non-empty one.
+pub trait ReadV: AsyncRead + Unpin + Send {
+    fn poll_read_vectored(&mut self, cx: &mut Context<'_>, bufs: &mut [IoSliceMut<'_>]) -> Poll<io::Result<usize>> {
+        let Some(first) = bufs.iter_mut().find(|b| !b.is_empty()) else { return Poll::Ready(Ok(0)) };
+        let mut rb = ReadBuf::new(first);
+        ready!(Pin::new(self).poll_read(cx, &mut rb))?;
+        Poll::Ready(Ok(rb.filled().len()))
+    }
+
+    /// Peek whether the peer sent anything (or its end); `Pending` when nothing is there.
+    fn poll_any(&mut self, cx: &mut Context<'_>) -> Poll<()>;
+}
+
+impl ReadV for tokio::net::tcp::OwnedReadHalf {
+    fn poll_read_vectored(&mut self, cx: &mut Context<'_>, bufs: &mut [IoSliceMut<'_>]) -> Poll<io::Result<usize>> {
+        let tcp: &tokio::net::TcpStream = self.as_ref();
+        loop {
+            ready!(tcp.poll_read_ready(cx))?;
+            // A would-block clears the readiness, so the next poll waits for data.
+            match tcp.try_read_vectored(bufs) {
+                Err(e) if e.kind() == io::ErrorKind::WouldBlock => continue,
+                r => return Poll::Ready(r),
+            }
+        }
+    }
+
+    fn poll_any(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        let mut b = [0u8; 1];
+        let mut rb = ReadBuf::new(&mut b);
+        self.poll_peek(cx, &mut rb).map(|_| ())
+    }
+}
+
+impl<T: AsyncRead + Send> ReadV for tokio::io::ReadHalf<T> {
+    fn poll_any(&mut self, cx: &mut Context<'_>) -> Poll<()> {
+        // No peek on a generic stream: only in tests and the fuzz driver, whose connections
+        // are never kept idle.
+        let _ = cx;
+        Poll::Ready(())
+    }
+}
+
+/// A stream that splits into a [`ReadV`] half and a writing half: TCP without a lock between
+/// the halves, anything else (in-memory pipes of tests and the fuzz driver) through tokio's
+/// `split`.
+pub trait Halves: AsyncRead + AsyncWrite + Unpin + Send + Sized {
+    type Rd: ReadV + 'static;
+    type Wr: AsyncWrite + Unpin + Send + 'static;
+    fn halves(self) -> (Self::Rd, Self::Wr);
+}
+
+impl Halves for tokio::net::TcpStream {
+    type Rd = tokio::net::tcp::OwnedReadHalf;
+    type Wr = tokio::net::tcp::OwnedWriteHalf;
+    fn halves(self) -> (Self::Rd, Self::Wr) {
+        self.into_split()
+    }
+}
+
+impl Halves for tokio::io::DuplexStream {
+    type Rd = tokio::io::ReadHalf<Self>;
+    type Wr = tokio::io::WriteHalf<Self>;
+    fn halves(self) -> (Self::Rd, Self::Wr) {
+        tokio::io::split(self)
+    }
+}
+
+/// Both halves of a plaintext connection.
+pub fn plain<S: Halves>(stream: S) -> (plain::PlainReader<S::Rd>, plain::PlainWriter<S::Wr>) {
+    let (r, w) = stream.halves();
+    (plain::PlainReader::new(r), plain::PlainWriter::new(w))
+}
+
+/// The two halves of a TLS connection under this layer.
+pub type TlsHalves<R, W> = (RecordReader<R>, RecordWriter<W>);
+
+/// Both halves of a TLS connection whose handshake is done, from the traffic keys rustls
+/// extracted (`dangerous_extract_secrets`, with nothing buffered in rustls either way).
+pub fn tls<S: Halves>(stream: S, secrets: rustls::ExtractedSecrets) -> Result<TlsHalves<S::Rd, S::Wr>, RecordError> {
+    let (r, w) = stream.halves();
+    tls_halves(r, w, secrets)
+}
+
+/// As [`tls`], over halves of any kind (the fuzz driver harms what its half sends).
+pub fn tls_halves<R: ReadV, W: AsyncWrite + Unpin>(
+    r: R,
+    w: W,
+    secrets: rustls::ExtractedSecrets,
+) -> Result<TlsHalves<R, W>, RecordError> {
+    let (tx, rx) = keys::Direction::pair(secrets)?;
+    Ok((RecordReader::new(r, rx), RecordWriter::new(w, tx)))
+}
+
+pub use plain::{PlainReader, PlainWriter};
