@@ -13,7 +13,7 @@ use rand::rngs::StdRng;
 use rand::Rng;
 use std::net::IpAddr;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWriteExt, DuplexStream};
 
 const CLIENT: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 9, 0, 2));
 const STRANGER: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(10, 9, 0, 3));
@@ -133,7 +133,7 @@ async fn connection(
             // The rest of the body reads as the next envelope; only the connection is at stake.
             return Ok(());
         }
-        match answer(sock).await? {
+        match answer(sock, async |s: &mut DuplexStream, b: &mut [u8]| s.read_exact(b).await.map(drop)).await? {
             Some(_) => {}
             None if !whole || declared > max => return Ok(()),
             None => bail!("a whole envelope of {declared} bytes got no answer"),
@@ -145,8 +145,12 @@ async fn connection(
     Ok(())
 }
 
-/// One answer: chunks, then the end. `None`: the connection closed before any chunk.
-async fn answer(sock: &mut DuplexStream) -> Result<Option<Vec<u8>>> {
+/// One answer: chunks, then the end. `None`: the connection closed before any chunk. `chunk`
+/// reads a chunk's bytes (the TLS driver lands large ones in place, as the client does).
+pub(crate) async fn answer<R: AsyncRead + Unpin>(
+    sock: &mut R,
+    mut chunk: impl AsyncFnMut(&mut R, &mut [u8]) -> std::io::Result<()>,
+) -> Result<Option<Vec<u8>>> {
     let mut out = Vec::new();
     let mut heard = false;
     loop {
@@ -174,12 +178,12 @@ async fn answer(sock: &mut DuplexStream) -> Result<Option<Vec<u8>>> {
         }
         let at = out.len();
         out.resize(at + n as usize, 0);
-        sock.read_exact(&mut out[at..]).await?;
+        chunk(sock, &mut out[at..]).await?;
     }
 }
 
 /// The response frame at the front of `bytes`, and its length with the header.
-fn frame_of(bytes: &[u8]) -> Option<(Response, usize)> {
+pub(crate) fn frame_of(bytes: &[u8]) -> Option<(Response, usize)> {
     let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
     let body = bytes.get(4..4 + len)?;
     Some((codec::decode::<Response>(body).ok()?, 4 + len))

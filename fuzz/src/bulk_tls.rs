@@ -10,7 +10,7 @@
 use crate::{ask, gen, Worker};
 use anyhow::{bail, Context as _, Result};
 use kvpool_net::bulk::{self, Piece, RecordReader, RecordWriter};
-use kvpool_proto::{codec, BulkAttachRequest, Request, Response};
+use kvpool_proto::{BulkAttachRequest, Request, Response};
 use kvpool_server::service::Session;
 use rand::rngs::StdRng;
 use rand::Rng;
@@ -202,7 +202,16 @@ async fn connection(
         let mut head = (body.len() as u64).to_le_bytes().to_vec();
         let sent = send(rng, &mut wr, &mut head, &body).await;
         last = body;
-        let answered = answer(&mut rd).await;
+        let answered =
+            crate::bulk::answer(&mut rd, async |rd: &mut RecordReader<ReadHalf<DuplexStream>>, b: &mut [u8]| {
+                // Large chunks (values) land in place, as the client reads them.
+                if b.len() > 4096 {
+                    rd.fill(b, &mut |_| {}).await.map_err(io::Error::from)
+                } else {
+                    rd.read_exact(b).await.map(drop)
+                }
+            })
+            .await;
         match (sent, answered, harm) {
             (_, Ok(Some(_)), _) => {}
             // A harmed stream may end anywhere; an unharmed one answers every envelope.
@@ -257,47 +266,4 @@ async fn send(rng: &mut StdRng, wr: &mut RecordWriter<Mangle>, head: &mut Vec<u8
         }
     };
     Ok(whole)
-}
-
-/// One answer: chunks, then the end. `None`: the connection closed before any chunk.
-async fn answer(rd: &mut RecordReader<ReadHalf<DuplexStream>>) -> Result<Option<Vec<u8>>> {
-    let mut out = Vec::new();
-    let mut heard = false;
-    loop {
-        let n = match tokio::time::timeout(Duration::from_secs(600), rd.read_u32_le()).await {
-            Ok(Ok(n)) => n,
-            Ok(Err(_)) if !heard => return Ok(None),
-            Ok(Err(e)) => bail!("the answer broke off: {e}"),
-            Err(_) => bail!("no answer and no close"),
-        };
-        heard = true;
-        if n == u32::MAX {
-            let end = rd.read_u8().await?;
-            let _code = rd.read_u32_le().await?;
-            if end > 1 {
-                bail!("end byte {end}");
-            }
-            if end == 0 && !out.is_empty() && frame_of(&out).is_none() {
-                bail!("an answer that does not start with a response frame");
-            }
-            return Ok(Some(out));
-        }
-        if n > u32::MAX >> 1 || out.len() + n as usize > 256 << 20 {
-            bail!("chunk of {n} bytes");
-        }
-        let at = out.len();
-        out.resize(at + n as usize, 0);
-        // Large chunks (values) land in place, as the client reads them.
-        if n > 4096 {
-            rd.fill(&mut out[at..], &mut |_| {}).await?;
-        } else {
-            rd.read_exact(&mut out[at..]).await?;
-        }
-    }
-}
-
-/// The response frame at the front of `bytes`.
-fn frame_of(bytes: &[u8]) -> Option<Response> {
-    let len = u32::from_le_bytes(bytes.get(..4)?.try_into().ok()?) as usize;
-    codec::decode::<Response>(bytes.get(4..4 + len)?).ok()
 }

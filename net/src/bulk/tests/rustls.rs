@@ -42,9 +42,10 @@ async fn tcp_pair() -> (TcpStream, TcpStream) {
 
 type Ours = (RecordReader<tokio::net::tcp::OwnedReadHalf>, RecordWriter<tokio::net::tcp::OwnedWriteHalf>);
 
-/// A handshake as the channel does it: the client sends a 32-byte token, the server answers a
-/// status byte, and the side that is ours switches to the record layer after it.
-async fn ours_as_server() -> (Ours, client::TlsStream<TcpStream>) {
+/// A handshake as the channel does it: the client sends a 32-byte token and the server
+/// answers a status byte (not yet read by the client); the side that is ours switches to the
+/// record layer after it.
+async fn bound() -> (server::TlsStream<TcpStream>, client::TlsStream<TcpStream>) {
     let (s, c) = configs();
     let (a, b) = tcp_pair().await;
     let name = ServerName::try_from("localhost").unwrap();
@@ -56,6 +57,11 @@ async fn ours_as_server() -> (Ours, client::TlsStream<TcpStream>) {
     srv.read_exact(&mut token).await.unwrap();
     srv.write_all(&[0]).await.unwrap();
     srv.flush().await.unwrap();
+    (srv, cli)
+}
+
+async fn ours_as_server() -> (Ours, client::TlsStream<TcpStream>) {
+    let (srv, mut cli) = bound().await;
     let (tcp, conn) = srv.into_inner();
     let ours = tls(tcp, conn.dangerous_extract_secrets().unwrap()).unwrap();
     let mut status = [1u8];
@@ -65,17 +71,7 @@ async fn ours_as_server() -> (Ours, client::TlsStream<TcpStream>) {
 }
 
 async fn ours_as_client() -> (Ours, server::TlsStream<TcpStream>) {
-    let (s, c) = configs();
-    let (a, b) = tcp_pair().await;
-    let name = ServerName::try_from("localhost").unwrap();
-    let (srv, cli) = tokio::join!(TlsAcceptor::from(s).accept(a), TlsConnector::from(c).connect(name, b));
-    let (mut srv, mut cli) = (srv.unwrap(), cli.unwrap());
-    cli.write_all(&[7; 32]).await.unwrap();
-    cli.flush().await.unwrap();
-    let mut token = [0u8; 32];
-    srv.read_exact(&mut token).await.unwrap();
-    srv.write_all(&[0]).await.unwrap();
-    srv.flush().await.unwrap();
+    let (srv, mut cli) = bound().await;
     let mut status = [1u8];
     cli.read_exact(&mut status).await.unwrap();
     let (tcp, conn) = cli.into_inner();
