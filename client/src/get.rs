@@ -15,30 +15,8 @@ pub(crate) trait ValueRead: AsyncRead + Unpin + Send {
     /// Fill `dst`; the xxh3-64 of its bytes, hashed piece by piece as they land (while they
     /// are in cache) rather than in a second pass.
     fn read_hashed<'a>(&'a mut self, dst: &'a mut [u8]) -> kvpool_net::bulk::BoxFuture<'a, std::io::Result<u64>> {
-        Box::pin(async move {
-            let mut h = xxhash_rust::xxh3::Xxh3Default::new();
-            let mut filled = 0;
-            while filled < dst.len() {
-                // Pieces small enough to be hashed from L2.
-                let end = dst.len().min(filled + (128 << 10));
-                match self.read(&mut dst[filled..end]).await? {
-                    0 => return Err(short(dst.len() - filled)),
-                    n => {
-                        h.update(&dst[filled..filled + n]);
-                        filled += n;
-                    }
-                }
-            }
-            Ok(h.digest())
-        })
+        Box::pin(kvpool_net::bulk::read_hashed(self, dst))
     }
-}
-
-fn short(missing: usize) -> std::io::Error {
-    std::io::Error::new(
-        std::io::ErrorKind::UnexpectedEof,
-        format!("stream ended early, {missing} bytes short of a declared value size"),
-    )
 }
 
 impl ValueRead for RecvStream {}

@@ -115,6 +115,33 @@ pub trait BulkWrite: AsyncWrite + Unpin + Send {
     }
 }
 
+/// Fill `dst` from `r` and return the xxh3-64 of its bytes, hashed piece by piece as they land
+/// (pieces small enough to be hashed from L2) rather than in a second pass: the value reads of
+/// QUIC streams on both ends. A stream that ends first is `UnexpectedEof`, naming the bytes
+/// missing.
+pub async fn read_hashed<R: AsyncRead + Unpin + ?Sized>(r: &mut R, dst: &mut [u8]) -> io::Result<u64> {
+    use tokio::io::AsyncReadExt;
+    let mut h = xxhash_rust::xxh3::Xxh3Default::new();
+    let mut filled = 0;
+    while filled < dst.len() {
+        let end = dst.len().min(filled + (128 << 10));
+        match r.read(&mut dst[filled..end]).await? {
+            0 => {
+                let missing = dst.len() - filled;
+                return Err(io::Error::new(
+                    io::ErrorKind::UnexpectedEof,
+                    format!("stream ended early, {missing} bytes short of a declared value size"),
+                ));
+            }
+            n => {
+                h.update(&dst[filled..filled + n]);
+                filled += n;
+            }
+        }
+    }
+    Ok(h.digest())
+}
+
 /// Take every piece and send it all.
 pub async fn send_all<W: BulkWrite + ?Sized>(w: &mut W, pieces: &[Piece<'_>]) -> io::Result<()> {
     let mut at = Cursor::default();

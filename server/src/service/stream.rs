@@ -25,21 +25,7 @@ pub trait RequestRecv: AsyncRead + Unpin + Send {
     /// as they land (while they are in cache) rather than in a second pass. The TCP bulk
     /// channel lands values in place through its own (under TLS decrypting there).
     fn read_hashed<'a>(&'a mut self, buf: &'a mut [u8]) -> BoxFuture<'a, std::io::Result<u64>> {
-        Box::pin(async move {
-            let mut h = xxhash_rust::xxh3::Xxh3Default::new();
-            let mut filled = 0;
-            while filled < buf.len() {
-                let end = buf.len().min(filled + (128 << 10));
-                match self.read(&mut buf[filled..end]).await? {
-                    0 => return Err(std::io::ErrorKind::UnexpectedEof.into()),
-                    n => {
-                        h.update(&buf[filled..filled + n]);
-                        filled += n;
-                    }
-                }
-            }
-            Ok(h.digest())
-        })
+        Box::pin(kvpool_net::bulk::read_hashed(self, buf))
     }
 }
 
