@@ -16,6 +16,7 @@ mod pool;
 mod pooled;
 mod replay;
 mod scale;
+mod scrape;
 mod sim;
 mod trace;
 mod ttft;

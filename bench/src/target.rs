@@ -134,10 +134,12 @@ impl LocalServer {
     /// [`LocalServer::start`] at `place` (listening on its address).
     pub fn start_at(place: &crate::peers::Place, dram: &str, extra: &[String]) -> Result<Self> {
         let listen = format!("{}:0", place.ip);
-        // Metrics on a free port of the server's address: the bench reads its UDP counters.
-        let metrics = format!("{}:0", place.ip);
-        let mut args: Vec<String> =
-            ["--listen", &listen, "--metrics-listen", &metrics, "--dram-size", dram].map(String::from).to_vec();
+        let mut args: Vec<String> = ["--listen", &listen, "--dram-size", dram].map(String::from).to_vec();
+        // Metrics on a free port of the server's address (the bench reads its UDP counters and
+        // histograms), unless the caller names its own.
+        if !extra.iter().any(|a| a == "--metrics-listen") {
+            args.extend(["--metrics-listen".to_string(), format!("{}:0", place.ip)]);
+        }
         // No SSD tier unless the caller asks for one.
         if !extra.iter().any(|a| a == "--ssd-capacity") {
             args.extend(["--ssd-capacity".to_string(), "0".to_string()]);

@@ -22,7 +22,7 @@ mod put;
 mod tests;
 
 pub use blocks::{BlockRecord, CopyHandle, MAX_KEY_LEN};
-pub use changes::{Change, ChangeBatch, ChangeKind, ChangeLog, ChangeWindow};
+pub use changes::{Change, ChangeBatch, ChangeKind, ChangeLog, ChangeRef, ChangeWindow};
 pub use effects::{Dropped, MetaOp};
 pub use index::evict::{Demoted, Evicted};
 pub use index::put::{Commit, Pending, PinRequest, Planned, PutPlan, PutRefusal, PutSpec};

@@ -5,7 +5,7 @@
 //! A subscriber that falls behind the ring is told how many events it missed.
 
 use crate::metrics::Metrics;
-use kvpool_core::{Change, ChangeBatch, ChangeKind, ChangeLog};
+use kvpool_core::{Change, ChangeBatch, ChangeKind, ChangeLog, ChangeRef};
 use parking_lot::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -105,7 +105,7 @@ impl EventLog {
     /// See [`ChangeLog::read`]. The ring's lock is held only to take shared references to the
     /// stretch asked for; filtering and copying happen outside it, so a reader never holds up
     /// the publishers (who hold the index lock).
-    pub fn read(&self, from: u64, max: usize, scan: usize, keep: impl Fn(&Change) -> bool) -> ChangeBatch {
+    pub fn read(&self, from: u64, max: usize, scan: usize, keep: impl Fn(&ChangeRef<'_>) -> bool) -> ChangeBatch {
         let window = self.ring.lock().window(from, scan);
         let b = window.read(max, scan, keep);
         if b.lagged > 0 {

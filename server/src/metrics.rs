@@ -8,6 +8,30 @@ use prometheus::{
 /// Every request's name, from the request table: each gets its latency and error series.
 pub const OPS: [&str; kvpool_proto::REQUESTS.len()] = kvpool_proto::REQUEST_NAMES;
 
+/// The process heap as its allocator counts it, bytes.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HeapStats {
+    /// Bytes the program holds.
+    pub allocated: u64,
+    /// Bytes in pages that hold allocations (allocated plus fragmentation inside them).
+    pub active: u64,
+    /// Bytes of the allocator's pages that are resident (its metadata and dirty free pages too).
+    pub resident: u64,
+    /// Address space kept mapped but returned to the OS (not resident).
+    pub retained: u64,
+}
+
+/// Reads [`HeapStats`] from the global allocator; the binary that picks the allocator installs
+/// it ([`set_heap_probe`]), the library cannot know which one it runs on.
+pub type HeapProbe = fn() -> Option<HeapStats>;
+
+static HEAP_PROBE: std::sync::OnceLock<HeapProbe> = std::sync::OnceLock::new();
+
+/// Install the heap probe `/metrics` reads (once per process; later calls are ignored).
+pub fn set_heap_probe(probe: HeapProbe) {
+    let _ = HEAP_PROBE.set(probe);
+}
+
 pub struct Metrics {
     pub registry: Registry,
     pub hits: IntCounterVec,
@@ -42,6 +66,9 @@ pub struct Metrics {
     /// [`udp_series`].
     pub udp: Vec<IntCounter>,
     pub connections: IntGauge,
+    /// The process heap as its allocator reports it (`kvpool_heap_bytes{kind}`), when the
+    /// binary installed a [`HeapProbe`].
+    pub heap: IntGaugeVec,
     /// Requests answered on the same-host control socket, and control sockets refused.
     pub local_requests: IntCounter,
     pub local_refused: IntCounter,
@@ -261,6 +288,12 @@ impl Metrics {
                 "1 when the active policy module is quarantined",
                 &["kind", "module"],
             ),
+            heap: gauge_vec(
+                &reg,
+                "heap_bytes",
+                "Process heap as the allocator counts it (kind = allocated, active, resident, retained)",
+                &["kind"],
+            ),
             op_seconds,
             connections,
             registry: reg,
@@ -278,6 +311,16 @@ impl Metrics {
     }
 
     pub fn render(&self) -> String {
+        if let Some(heap) = HEAP_PROBE.get().and_then(|probe| probe()) {
+            for (kind, v) in [
+                ("allocated", heap.allocated),
+                ("active", heap.active),
+                ("resident", heap.resident),
+                ("retained", heap.retained),
+            ] {
+                self.heap.with_label_values(&[kind]).set(i64::try_from(v).unwrap_or(i64::MAX));
+            }
+        }
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
         String::from_utf8(buf).unwrap_or_default()

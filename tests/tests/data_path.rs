@@ -119,6 +119,10 @@ async fn a_lease_protects_a_read_from_eviction_and_memory_stays_in_the_segment()
     let m = srv.scrape();
     assert!(kvpool_tests::metric(&m, "kvpool_evictions_total{tier=\"dram\"}") >= 80.0);
     assert!(m.contains("kvpool_op_duration_seconds_bucket{op=\"put\""));
+    // The server's heap as its allocator counts it: held bytes within the resident pages.
+    let allocated = kvpool_tests::metric(&m, "kvpool_heap_bytes{kind=\"allocated\"}");
+    let resident = kvpool_tests::metric(&m, "kvpool_heap_bytes{kind=\"resident\"}");
+    assert!(allocated > 0.0 && allocated <= resident, "heap: allocated {allocated}, resident {resident}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
