@@ -315,3 +315,44 @@ async fn records_under_one_key_are_bounded() {
     assert!(matches!(k.seal(&h, &mut [0u8; 1]), Err(RecordError::Worn(n)) if n == 1 << 24));
     assert!(matches!(k.open(&h, tag.as_ref(), &mut last), Err(RecordError::Worn(_))), "nor opened");
 }
+
+/// A request's last bytes (a value's one-byte tail record, the end of an answer) join the batch
+/// before them instead of a write of their own; no write but the last is under a batch.
+#[tokio::test]
+async fn the_last_bytes_of_a_request_join_the_batch_before_them() {
+    for len in [65_536, 262_144, 300_000, 1 << 20, (4 << 20) + 3] {
+        let v = value(len, 9);
+        let head = [1u8; 100];
+        let mut w = RecordWriter::new(Written::default(), keys());
+        send_all(&mut w, &[Piece::Small(&head), Piece::Value(&v), Piece::Small(&[2u8; 9])]).await.unwrap();
+        let sizes = &w.get_ref().sizes;
+        assert_eq!(w.writes() as usize, sizes.len());
+        if len <= 300_000 {
+            // Before: 256 KiB was a batch, then a write of 32 bytes (the value's last byte
+            // and what follows).
+            assert_eq!(sizes.len(), 1, "{len}: one write, not {sizes:?}");
+        }
+        let (last, rest) = sizes.split_last().unwrap();
+        assert!(rest.iter().all(|&n| n >= write::BATCH), "{len}: {sizes:?}");
+        assert!(rest.is_empty() || *last > MAX_PLAINTEXT, "{len}: a small last write {sizes:?}");
+    }
+}
+
+/// A connection that takes every write whole and remembers the sizes.
+#[derive(Default)]
+struct Written {
+    sizes: Vec<usize>,
+}
+
+impl AsyncWrite for Written {
+    fn poll_write(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.sizes.push(buf.len());
+        Poll::Ready(Ok(buf.len()))
+    }
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}
