@@ -113,6 +113,41 @@ async fn plaintext_only_where_both_sides_trust_the_network() {
     assert_eq!((moved(&strict, "tls", "in"), moved(&strict, "tcp", "in")), ((1 << 20) as f64, 0.0));
 }
 
+/// Batches on the plaintext channel, values of every size behind one another: each value's
+/// last bytes come in one read with what follows them (the next chunk's length, the end of
+/// the answer, on the client; the next value, on the server), and every byte lands right.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn plaintext_batches_of_mixed_sizes_read_back_whole() {
+    let srv =
+        TestServer::start(Opts { extra: "[bulk]\ntrusted_networks = [\"127.0.0.0/8\"]\n".into(), ..Opts::default() });
+    let c = Client::connect(bulk_config(&srv, &["127.0.0.0/8"])).await.unwrap();
+    let sizes = [65_536, 65_537, 1, 262_144, 100, 300_001, 1 << 20, 64 << 10, 4097, (1 << 20) + 3];
+    let keys: Vec<String> = (0..sizes.len()).map(|i| format!("m{i}")).collect();
+    let values: Vec<Vec<u8>> = keys.iter().zip(sizes).map(|(k, n)| value_for(k, n)).collect();
+    let entries: Vec<PutEntry> = keys.iter().zip(&values).map(|(k, v)| PutEntry::new(k.as_bytes(), v)).collect();
+    assert!(c.put_batch(&entries, PutMode::Insert).await.unwrap().iter().all(|s| *s == ErrorCode::Ok));
+    assert_eq!(c.transport_in_use(), "tcp");
+    assert_eq!(moved(&srv, "tcp", "in"), sizes.iter().sum::<usize>() as f64, "the values came over plaintext TCP");
+    for _ in 0..3 {
+        let got = c.get_batch(&keys).await.unwrap();
+        assert!(got.iter().zip(&values).all(|(g, v)| g.value.as_ref() == Some(v)));
+    }
+    // Into buffers, one too small (its bytes are read past), then the connection goes on.
+    let mut bufs: Vec<Vec<u8>> = sizes.iter().map(|&n| vec![0u8; n]).collect();
+    bufs[3] = vec![0u8; 10];
+    let mut views: Vec<&mut [u8]> = bufs.iter_mut().map(|b| &mut b[..]).collect();
+    let r = c.get_batch_into(&keys, &mut views).await.unwrap();
+    for (i, g) in r.iter().enumerate() {
+        if i == 3 {
+            assert_eq!(g.status, ErrorCode::ValueTooLarge);
+        } else {
+            assert_eq!((g.status, &bufs[i]), (ErrorCode::Ok, &values[i]), "value {i}");
+        }
+    }
+    assert_eq!(c.get("m6").await.unwrap().unwrap(), values[6]);
+    assert_eq!(metric(&srv.scrape(), "kvpool_bulk_connections_total"), 1.0, "one connection all along");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_a_channel_the_bytes_go_over_quic() {
     let srv = TestServer::start(Opts { extra: "[bulk]\ntcp = false\n".into(), ..Opts::default() });

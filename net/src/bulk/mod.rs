@@ -18,9 +18,10 @@
 //!   last bytes of a value, small frames, a peer that cuts records differently) are read into
 //!   a small buffer and copied out: correct for any TLS 1.3 peer, only slower.
 //! - [`RecordWriter`] seals records of 16 KiB into one buffer and writes a batch of them with
-//!   one system call. A value starts a record of its own, and its last record is cut one byte
-//!   short ([`TAIL`]) so that the receiver has room for the inner content type after every
-//!   record it decrypts in place.
+//!   one system call; the last few bytes of what it is given (a value's tail record, the end
+//!   of an answer) join the batch before them rather than take a write of their own. A value
+//!   starts a record of its own, and its last record is cut one byte short ([`TAIL`]) so that
+//!   the receiver has room for the inner content type after every record it decrypts in place.
 //!
 //! What the layer keeps of TLS: sequence numbers and nonces, the inner content type and its
 //! padding, alerts (`close_notify` ends the stream, any other alert is an error). What it does

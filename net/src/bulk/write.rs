@@ -11,6 +11,9 @@ use tokio::io::AsyncWrite;
 
 /// Sealed bytes gathered before they are written: one `write` per this many.
 pub const BATCH: usize = 256 << 10;
+/// The last bytes of what is being sent, up to this many, join the batch before them rather
+/// than take a write of their own (a value's one-byte tail record and the end of an answer).
+pub(super) const SLACK: usize = BATCH / 4;
 
 pub struct RecordWriter<W> {
     io: W,
@@ -22,6 +25,7 @@ pub struct RecordWriter<W> {
     open: Option<usize>,
     /// `close_notify` is sealed.
     closing: bool,
+    writes: u64,
 }
 
 impl<W: AsyncWrite + Unpin> RecordWriter<W> {
@@ -33,12 +37,19 @@ impl<W: AsyncWrite + Unpin> RecordWriter<W> {
             sent: 0,
             open: None,
             closing: false,
+            writes: 0,
         }
     }
 
     /// Records sealed so far under this key.
     pub fn records(&self) -> u64 {
         self.keys.seq
+    }
+
+    /// Writes handed to the connection so far (each one system call on a socket that takes
+    /// it whole).
+    pub fn writes(&self) -> u64 {
+        self.writes
     }
 
     pub fn get_ref(&self) -> &W {
@@ -120,12 +131,12 @@ impl<W: AsyncWrite + Unpin> RecordWriter<W> {
     /// The rest of a value (`data`: every byte of it left) in records of its own, cut the way
     /// the receiver plans ([`predict`]), as long as the batch has room; its last [`TAIL`]
     /// bytes (or all of a small value) go into an open record that what follows joins.
-    /// Returns the bytes taken.
+    /// Returns the bytes taken; it stops once `limit` sealed bytes wait.
     ///
     /// [`TAIL`]: super::TAIL
-    fn push_value(&mut self, data: &[u8]) -> Result<usize, RecordError> {
+    fn push_value(&mut self, data: &[u8], limit: usize) -> Result<usize, RecordError> {
         let mut taken = 0;
-        while taken < data.len() && self.pending() < BATCH {
+        while taken < data.len() && self.pending() < limit {
             let n = predict(data.len() - taken);
             if n < DIRECT_MIN {
                 self.push(&data[taken..])?;
@@ -146,6 +157,7 @@ impl<W: AsyncWrite + Unpin> RecordWriter<W> {
         let end = self.sealed_end();
         while self.sent < end {
             let n = ready!(Pin::new(&mut self.io).poll_write(cx, &self.out[self.sent..end]))?;
+            self.writes += 1;
             if n == 0 {
                 return Poll::Ready(Err(io::ErrorKind::WriteZero.into()));
             }
@@ -162,14 +174,17 @@ impl<W: AsyncWrite + Unpin> RecordWriter<W> {
 impl<W: AsyncWrite + Unpin + Send> BulkWrite for RecordWriter<W> {
     fn poll_send(&mut self, cx: &mut Context<'_>, pieces: &[Piece<'_>], at: &mut Cursor) -> Poll<io::Result<()>> {
         loop {
-            if self.pending() >= BATCH {
+            let left: usize =
+                pieces.iter().skip(at.piece).map(|p| p.bytes().len()).sum::<usize>().saturating_sub(at.offset);
+            let limit = if left <= SLACK { usize::MAX } else { BATCH };
+            if self.pending() >= limit {
                 ready!(self.poll_out(cx))?;
             }
             let Some(p) = pieces.get(at.piece) else { return Poll::Ready(Ok(())) };
             let rest = &p.bytes()[at.offset..];
             let n = match p {
                 Piece::Small(_) => self.push(rest).map(|()| rest.len()),
-                Piece::Value(_) => self.push_value(rest),
+                Piece::Value(_) => self.push_value(rest, limit),
             }
             .map_err(io::Error::from)?;
             at.offset += n;

@@ -315,3 +315,134 @@ async fn records_under_one_key_are_bounded() {
     assert!(matches!(k.seal(&h, &mut [0u8; 1]), Err(RecordError::Worn(n)) if n == 1 << 24));
     assert!(matches!(k.open(&h, tag.as_ref(), &mut last), Err(RecordError::Worn(_))), "nor opened");
 }
+
+/// A stream that hands out all it has to every read: the fewest reads a reader can make.
+struct Pipe(Vec<u8>, usize);
+
+impl AsyncRead for Pipe {
+    fn poll_read(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &mut ReadBuf<'_>) -> Poll<io::Result<()>> {
+        let me = &mut *self;
+        let n = buf.remaining().min(me.0.len() - me.1);
+        buf.put_slice(&me.0[me.1..me.1 + n]);
+        me.1 += n;
+        Poll::Ready(Ok(()))
+    }
+}
+
+impl ReadV for Pipe {
+    fn poll_read_vectored(&mut self, _: &mut Context<'_>, bufs: &mut [IoSliceMut<'_>]) -> Poll<io::Result<usize>> {
+        let mut total = 0;
+        for b in bufs.iter_mut() {
+            let k = b.len().min(self.0.len() - self.1);
+            b[..k].copy_from_slice(&self.0[self.1..self.1 + k]);
+            self.1 += k;
+            total += k;
+        }
+        Poll::Ready(Ok(total))
+    }
+
+    fn poll_any(&mut self, _: &mut Context<'_>) -> Poll<()> {
+        if self.1 < self.0.len() {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    }
+}
+
+/// Values each behind a 4-byte length, then `tail`: a get's answer on a plaintext connection.
+fn chunked(values: &[Vec<u8>], tail: &[u8]) -> Vec<u8> {
+    let mut out = Vec::new();
+    for v in values {
+        out.extend_from_slice(&(v.len() as u32).to_le_bytes());
+        out.extend_from_slice(v);
+    }
+    out.extend_from_slice(tail);
+    out
+}
+
+/// Read what [`chunked`] wrote; the reader after it.
+async fn read_chunked<R: ReadV + 'static>(r: &mut PlainReader<R>, values: &[Vec<u8>], tail: &[u8]) {
+    for v in values {
+        let mut l = [0u8; 4];
+        r.read_exact(&mut l).await.unwrap();
+        assert_eq!(u32::from_le_bytes(l) as usize, v.len());
+        let mut got = vec![0u8; v.len()];
+        let mut hashed = Vec::new();
+        BulkRead::fill(r, &mut got, &mut |b| hashed.extend_from_slice(b)).await.unwrap();
+        assert!(got == *v && hashed == *v, "a value of {} bytes came back changed", v.len());
+    }
+    let mut rest = Vec::new();
+    r.read_to_end(&mut rest).await.unwrap();
+    assert_eq!(rest, tail);
+}
+
+#[tokio::test]
+async fn plaintext_values_read_the_same_whatever_the_reads_return() {
+    let values: Vec<Vec<u8>> = SIZES.iter().map(|&n| value(n, n as u64 ^ 3)).collect();
+    let bytes = chunked(&values, b"end of the answer");
+    for (max, seed) in [(1, 1), (7, 2), (5000, 3), (70_000, 5), (1 << 22, 6)] {
+        let small: Vec<Vec<u8>> = values.iter().filter(|v| v.len() < 70_000 || max > 1).cloned().collect();
+        let bytes = chunked(&small, b"end of the answer");
+        let mut r = PlainReader::new(Trickle::new(bytes, max, seed));
+        read_chunked(&mut r, &small, b"end of the answer").await;
+    }
+    let mut r = PlainReader::new(Pipe(bytes, 0));
+    read_chunked(&mut r, &values, b"end of the answer").await;
+}
+
+/// What follows a value (the next chunk's length, the end of an answer) comes in the read that
+/// takes the value's last bytes: a get of two 64 KiB values is four reads (the last finds the
+/// end of the stream), not six.
+#[tokio::test]
+async fn plaintext_reads_take_what_follows_a_value_with_it() {
+    let values = vec![value(65_536, 1), value(65_536, 2)];
+    let tail = [0xff, 0xff, 0xff, 0xff, 0, 0, 0, 0, 0];
+    let mut r = PlainReader::new(Pipe(chunked(&values, &tail), 0));
+    read_chunked(&mut r, &values, &tail).await;
+    // The first length (with the first bytes of the value), each value's rest with what
+    // follows it, and the end of the stream. Before: a read of its own for each length and the
+    // tail.
+    assert_eq!(r.reads(), 4, "reads of a two-value answer");
+}
+
+/// A request's last bytes (a value's one-byte tail record, the end of an answer) join the batch
+/// before them instead of a write of their own; no write but the last is under a batch.
+#[tokio::test]
+async fn the_last_bytes_of_a_request_join_the_batch_before_them() {
+    for len in [65_536, 262_144, 300_000, 1 << 20, (4 << 20) + 3] {
+        let v = value(len, 9);
+        let head = [1u8; 100];
+        let mut w = RecordWriter::new(Written::default(), keys());
+        send_all(&mut w, &[Piece::Small(&head), Piece::Value(&v), Piece::Small(&[2u8; 9])]).await.unwrap();
+        let sizes = &w.get_ref().sizes;
+        assert_eq!(w.writes() as usize, sizes.len());
+        if len <= 300_000 {
+            // Before: 256 KiB was a batch, then a write of 32 bytes (the value's last byte
+            // and what follows).
+            assert_eq!(sizes.len(), 1, "{len}: one write, not {sizes:?}");
+        }
+        let (last, rest) = sizes.split_last().unwrap();
+        assert!(rest.iter().all(|&n| n >= write::BATCH), "{len}: {sizes:?}");
+        assert!(rest.is_empty() || *last > MAX_PLAINTEXT, "{len}: a small last write {sizes:?}");
+    }
+}
+
+/// A connection that takes every write whole and remembers the sizes.
+#[derive(Default)]
+struct Written {
+    sizes: Vec<usize>,
+}
+
+impl AsyncWrite for Written {
+    fn poll_write(mut self: Pin<&mut Self>, _: &mut Context<'_>, buf: &[u8]) -> Poll<io::Result<usize>> {
+        self.sizes.push(buf.len());
+        Poll::Ready(Ok(buf.len()))
+    }
+    fn poll_flush(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+    fn poll_shutdown(self: Pin<&mut Self>, _: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Poll::Ready(Ok(()))
+    }
+}

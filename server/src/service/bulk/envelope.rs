@@ -33,7 +33,7 @@ const DRAIN_LIMIT: u64 = 64 << 20;
 /// Answer bytes gathered before they go out as one chunk (frames; values go on their own).
 const GATHER: usize = 64 << 10;
 /// Value bytes queued before they are handed to the connection: the chunks of several small
-/// values leave in one system call.
+/// values leave in one system call (the last ones with the end of the answer).
 const COALESCE: usize = 256 << 10;
 
 /// Serve envelopes until the client closes, the session is gone, or the framing breaks.
@@ -320,15 +320,17 @@ impl<W: BulkWrite> RequestSend for BulkSend<'_, W> {
                 return Err(io::Error::other("a value written inside an open chunk"));
             }
             self.seal();
+            // What is queued goes before this value is added, not after: the last value of an
+            // answer leaves with the answer's end, in the same write.
+            if self.queued >= COALESCE {
+                std::future::poll_fn(|cx| self.poll_queue(cx)).await?;
+            }
             let mut rest = bytes;
             while !rest.is_empty() {
                 let part = rest.split_to(rest.len().min(MAX_CHUNK));
                 self.queue.push(Queued::Small((part.len() as u32).to_le_bytes().to_vec()));
                 self.queued += part.len();
                 self.queue.push(Queued::Value(part));
-            }
-            if self.queued >= COALESCE {
-                std::future::poll_fn(|cx| self.poll_queue(cx)).await?;
             }
             Ok(())
         })

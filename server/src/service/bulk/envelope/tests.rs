@@ -144,8 +144,26 @@ async fn the_chunks_of_small_values_leave_together() {
     }
     send.finish();
     send.end(0, 0).await.unwrap();
-    // 8 x 64 KiB: one hand-over per 256 KiB, then the end.
-    assert_eq!(c.sends, 3);
+    // 8 x 64 KiB: one hand-over per 256 KiB, the last with the end (before: one more for the
+    // end alone).
+    assert_eq!(c.sends, 2);
     let (body, end, _) = unchunk(&c.wire);
     assert_eq!((body, end), ([b"frame".to_vec(), values.concat()].concat(), 0));
+}
+
+/// An answer of one value of any size is one hand-over: its frame, the value and the end.
+#[tokio::test]
+async fn the_end_of_an_answer_leaves_with_its_last_value() {
+    for size in [64 << 10, 256 << 10, 1 << 20] {
+        let mut c = Counting::default();
+        let mut send = BulkSend::new(&mut c, "tcp");
+        send.write_all(b"frame").await.unwrap();
+        let value = vec![7u8; size];
+        send.write_owned(Bytes::from(value.clone())).await.unwrap();
+        send.finish();
+        send.end(0, 0).await.unwrap();
+        assert_eq!(c.sends, 1, "{size}");
+        let (body, end, _) = unchunk(&c.wire);
+        assert_eq!((body, end), ([b"frame".to_vec(), value].concat(), 0));
+    }
 }
