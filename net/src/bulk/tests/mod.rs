@@ -154,15 +154,7 @@ async fn round_trip(values: &[Vec<u8>], max: usize, seed: u64) -> RecordReader<T
     }
     let (bytes, _) = wire(&pieces).await;
     let mut r = RecordReader::new(Trickle::new(bytes, max, seed), keys());
-    for v in values {
-        let mut l = [0u8; 4];
-        r.read_exact(&mut l).await.unwrap();
-        assert_eq!(u32::from_le_bytes(l) as usize, v.len());
-        let mut got = vec![0u8; v.len()];
-        let mut hashed = Vec::new();
-        r.fill(&mut got, &mut |b| hashed.extend_from_slice(b)).await.unwrap();
-        assert!(got == *v && hashed == *v, "a value of {} bytes came back changed", v.len());
-    }
+    read_values(&mut r, values).await;
     let mut end = [0u8; 1];
     assert_eq!(r.read(&mut end).await.unwrap(), 0);
     r
@@ -361,8 +353,8 @@ fn chunked(values: &[Vec<u8>], tail: &[u8]) -> Vec<u8> {
     out
 }
 
-/// Read what [`chunked`] wrote; the reader after it.
-async fn read_chunked<R: ReadV + 'static>(r: &mut PlainReader<R>, values: &[Vec<u8>], tail: &[u8]) {
+/// Read `values`, each after its 4-byte length, and check what came back and what was hashed.
+async fn read_values<R: BulkRead>(r: &mut R, values: &[Vec<u8>]) {
     for v in values {
         let mut l = [0u8; 4];
         r.read_exact(&mut l).await.unwrap();
@@ -372,6 +364,11 @@ async fn read_chunked<R: ReadV + 'static>(r: &mut PlainReader<R>, values: &[Vec<
         BulkRead::fill(r, &mut got, &mut |b| hashed.extend_from_slice(b)).await.unwrap();
         assert!(got == *v && hashed == *v, "a value of {} bytes came back changed", v.len());
     }
+}
+
+/// Read what [`chunked`] wrote; the reader after it.
+async fn read_chunked<R: ReadV + 'static>(r: &mut PlainReader<R>, values: &[Vec<u8>], tail: &[u8]) {
+    read_values(r, values).await;
     let mut rest = Vec::new();
     r.read_to_end(&mut rest).await.unwrap();
     assert_eq!(rest, tail);
