@@ -336,8 +336,10 @@ async fn run(a: ScaleArgs) -> Result<()> {
         // RSS first: the shared buffers of a same-host client are mapped into the server too.
         let just_filled = rss(server.pid())?;
         let r = settled_rss(server.pid(), Duration::from_secs_f64(a.settle_s)).await?;
+        // One scrape for both figures.
+        let heap_now = heap();
         let per_block = |f: fn((f64, f64)) -> f64| {
-            let (now, empty) = (heap()?, empty_heap?);
+            let (now, empty) = (heap_now?, empty_heap?);
             Some((f(now) - f(empty)) / blocks as f64)
         };
         let (heap_allocated_per_block, heap_resident_per_block) = (per_block(|h| h.0), per_block(|h| h.1));
