@@ -8,7 +8,8 @@ NET = re.compile(r"net_rx_action|napi|veth|udp|__ip_|ip_rcv|ip_finish|ip_output|
 def cat(comm, frames):
     leaf = frames[0] if frames else "?"
     chain = " ".join(frames)
-    ours = comm in OURS
+    # Every thread of ours: the runtimes' workers, and threads named kvpool-* (QUIC I/O threads).
+    ours = comm in OURS or comm.startswith("kvpool-")
     if not ours:
         if re.search(r"net_rx_action|__napi_poll|veth_|udp_|ip_rcv", chain):
             return "kernel: network stack (softirq on other tasks)"

@@ -117,7 +117,7 @@ impl ClientConfig {
             trust,
             client_name: concat!("kvpool-client/", env!("CARGO_PKG_VERSION")).into(),
             request_timeout: Duration::from_secs(30),
-            quic: kvpool_net::QuicTuning::default(),
+            quic: kvpool_net::QuicTuning { drivers: kvpool_net::Drivers::IoThread, ..Default::default() },
             transport: TransportChoice::Auto,
             local_control: true,
             verify_shm_gets: false,

@@ -40,7 +40,13 @@ pub(crate) fn client_endpoint(
     tuning: &kvpool_net::QuicTuning,
 ) -> Result<(quinn::Endpoint, kvpool_net::SocketBuffers)> {
     let bind: SocketAddr = if addr.is_ipv6() { "[::]:0".parse() } else { "0.0.0.0:0".parse() }.expect("literal");
-    kvpool_net::endpoint(bind, None, tuning).map_err(|e| ClientError::Io(e.to_string()))
+    let mut tuning = *tuning;
+    match std::env::var("KVPOOL_QUIC_DRIVERS").as_deref() {
+        Ok("caller") => tuning.drivers = kvpool_net::Drivers::Caller,
+        Ok("io") => tuning.drivers = kvpool_net::Drivers::IoThread,
+        _ => {}
+    }
+    kvpool_net::endpoint(bind, None, &tuning).map_err(|e| ClientError::Io(e.to_string()))
 }
 
 pub(crate) async fn handshake(

@@ -25,9 +25,11 @@
 
 pub mod bulk;
 mod counters;
+mod drivers;
 mod split;
 
 pub use counters::{udp_stats, UdpStats};
+pub use drivers::{io_threads, Drivers, IoThread};
 pub use split::SplitSends;
 
 use serde::{Deserialize, Serialize};
@@ -86,11 +88,13 @@ pub struct QuicTuning {
     /// Socket buffer size to ask the kernel for (it caps this at `net.core.rmem_max`/`wmem_max`
     /// unless the process has CAP_NET_ADMIN).
     pub udp_buffer: usize,
+    /// Where the endpoint's quinn tasks run ([`Drivers`]).
+    pub drivers: Drivers,
 }
 
 impl Default for QuicTuning {
     fn default() -> Self {
-        QuicTuning { segmentation: Segmentation::Auto, udp_buffer: DEFAULT_UDP_BUFFER }
+        QuicTuning { segmentation: Segmentation::Auto, udp_buffer: DEFAULT_UDP_BUFFER, drivers: Drivers::Caller }
     }
 }
 
@@ -225,13 +229,26 @@ pub fn endpoint(
     tuning: &QuicTuning,
 ) -> Result<(quinn::Endpoint, SocketBuffers), NetError> {
     let (sock, bufs) = bind_udp(addr, tuning.udp_buffer)?;
-    Ok((endpoint_on(sock, server)?, bufs))
+    Ok((endpoint_with(sock, server, tuning.drivers)?, bufs))
 }
 
 /// A quinn endpoint on `sock` (from [`bind_udp`]), its sends cut to the kernel's limit
-/// ([`SplitSends`]).
+/// ([`SplitSends`]), driven on the caller's runtime.
 pub fn endpoint_on(sock: UdpSocket, server: Option<quinn::ServerConfig>) -> Result<quinn::Endpoint, NetError> {
-    let runtime = quinn::default_runtime().ok_or(NetError::NoRuntime)?;
+    endpoint_with(sock, server, Drivers::Caller)
+}
+
+/// [`endpoint_on`], its quinn tasks run where `drivers` says.
+pub fn endpoint_with(
+    sock: UdpSocket,
+    server: Option<quinn::ServerConfig>,
+    drivers: Drivers,
+) -> Result<quinn::Endpoint, NetError> {
+    let runtime = match drivers::runtime(drivers) {
+        Ok(rt) => rt,
+        Err(_) if drivers == Drivers::Caller => return Err(NetError::NoRuntime),
+        Err(e) => return Err(NetError::Endpoint(e)),
+    };
     let sock = Arc::new(SplitSends::new(runtime.wrap_udp_socket(sock).map_err(NetError::Endpoint)?));
     quinn::Endpoint::new_with_abstract_socket(endpoint_config(), server, sock, runtime).map_err(NetError::Endpoint)
 }
@@ -436,7 +453,12 @@ mod loopback {
     /// A server and a client endpoint on 127.0.0.1 with this module's settings; moves `n` bytes
     /// each way on one stream and returns the client's path report.
     async fn exchange(segmentation: Segmentation, n: usize) -> PathReport {
-        let tuning = QuicTuning { segmentation, ..QuicTuning::default() };
+        exchange_with(QuicTuning { segmentation, ..QuicTuning::default() }, n).await
+    }
+
+    /// A server and a client endpoint as [`exchange`] makes them, the client's drivers where
+    /// `tuning` says.
+    async fn exchange_with(tuning: QuicTuning, n: usize) -> PathReport {
         let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
         let der = rustls::pki_types::CertificateDer::from(cert.cert.der().to_vec());
         let key = rustls::pki_types::PrivateKeyDer::try_from(cert.key_pair.serialize_der()).unwrap();
@@ -494,6 +516,67 @@ mod loopback {
         conn.close(0u32.into(), b"done");
         srv.await.unwrap();
         report
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn io_thread_drivers_move_the_bytes() {
+        let r = exchange_with(QuicTuning { drivers: Drivers::IoThread, ..QuicTuning::default() }, 4 << 20).await;
+        assert!(r.mtu > 60_000, "{r}");
+    }
+
+    /// With [`Drivers::IoThread`] a connection makes progress while the thread that made it is
+    /// blocked: quinn's tasks are not on the caller's runtime (with `Caller` drivers on this
+    /// single-threaded runtime, nothing moves until the test's thread yields).
+    #[tokio::test(flavor = "current_thread")]
+    async fn io_thread_drivers_run_while_the_caller_is_blocked() {
+        let tuning = QuicTuning { drivers: Drivers::IoThread, ..QuicTuning::default() };
+        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
+        let der = rustls::pki_types::CertificateDer::from(cert.cert.der().to_vec());
+        let key = rustls::pki_types::PrivateKeyDer::try_from(cert.key_pair.serialize_der()).unwrap();
+        let mut sc = rustls::ServerConfig::builder_with_provider(crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_no_client_auth()
+            .with_single_cert(vec![der.clone()], key)
+            .unwrap();
+        sc.alpn_protocols = vec![b"t".to_vec()];
+        let (sock, _) = bind_udp("127.0.0.1:0".parse().unwrap(), 1 << 20).unwrap();
+        let server =
+            quinn::ServerConfig::with_crypto(Arc::new(quinn::crypto::rustls::QuicServerConfig::try_from(sc).unwrap()));
+        let sep = endpoint_with(sock, Some(server), Drivers::IoThread).unwrap();
+        let addr = sep.local_addr().unwrap();
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der).unwrap();
+        let mut cc = rustls::ClientConfig::builder_with_provider(crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        cc.alpn_protocols = vec![b"t".to_vec()];
+        let (cep, _) = endpoint("127.0.0.1:0".parse().unwrap(), None, &tuning).unwrap();
+        let client = quinn::ClientConfig::new(Arc::new(quinn::crypto::rustls::QuicClientConfig::try_from(cc).unwrap()));
+        let connecting = cep.connect_with(client, addr, "localhost").unwrap();
+        let accepting = sep.accept();
+        // Both handshake sides run on the pool's threads while this thread sleeps.
+        std::thread::sleep(Duration::from_millis(500));
+        let incoming = futures_now(accepting).expect("the server saw the client's Initial while the caller slept");
+        let incoming = incoming.expect("an incoming connection");
+        let (conn, server_conn) =
+            tokio::time::timeout(Duration::from_secs(5), async { tokio::join!(connecting, incoming) }).await.unwrap();
+        let (conn, server_conn) = (conn.unwrap(), server_conn.unwrap());
+        assert_eq!(conn.remote_address(), addr);
+        drop(server_conn);
+        conn.close(0u32.into(), b"done");
+    }
+
+    /// The output of a future that is ready now, polled once.
+    fn futures_now<F: std::future::Future>(f: F) -> Option<F::Output> {
+        let mut f = std::pin::pin!(f);
+        let waker = std::task::Waker::noop();
+        match f.as_mut().poll(&mut std::task::Context::from_waker(waker)) {
+            std::task::Poll::Ready(v) => Some(v),
+            std::task::Poll::Pending => None,
+        }
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

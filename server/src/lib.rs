@@ -412,7 +412,7 @@ pub async fn start(cfg: Config) -> Result<ServerHandle, ServerError> {
     })?;
     info!(recv = bufs.recv, send = bufs.send, "UDP socket buffers granted");
     let configs = quic_server_configs(&tls, &cfg, &bufs)?;
-    let endpoint = kvpool_net::endpoint_on(sock, Some((*configs.network).clone()))
+    let endpoint = kvpool_net::endpoint_with(sock, Some((*configs.network).clone()), cfg.quic.drivers)
         .map_err(|e| listen_err(std::io::Error::other(e.to_string())))?;
     let quic_addr = endpoint.local_addr().map_err(listen_err)?;
     if cfg.bulk.tcp && shared.role.master().is_none() {

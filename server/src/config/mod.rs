@@ -179,6 +179,10 @@ pub struct QuicSection {
     pub segmentation: kvpool_net::Segmentation,
     /// UDP socket buffer to ask the kernel for (capped by `net.core.rmem_max` / `wmem_max`).
     pub udp_buffer: Size,
+    /// Where quinn's tasks run: `caller` (the server's worker threads: connections' packet work
+    /// spreads over cores) or `io-thread` (one thread for the endpoint and every connection:
+    /// fewer cross-thread hand-offs per packet, one core's worth of QUIC in all).
+    pub drivers: kvpool_net::Drivers,
 }
 
 impl Default for QuicSection {
@@ -186,13 +190,18 @@ impl Default for QuicSection {
         QuicSection {
             segmentation: kvpool_net::Segmentation::Auto,
             udp_buffer: Size(kvpool_net::DEFAULT_UDP_BUFFER as u64),
+            drivers: kvpool_net::Drivers::Caller,
         }
     }
 }
 
 impl QuicSection {
     pub fn tuning(&self) -> kvpool_net::QuicTuning {
-        kvpool_net::QuicTuning { segmentation: self.segmentation, udp_buffer: self.udp_buffer.0 as usize }
+        kvpool_net::QuicTuning {
+            segmentation: self.segmentation,
+            udp_buffer: self.udp_buffer.0 as usize,
+            drivers: self.drivers,
+        }
     }
 }
 

@@ -99,3 +99,12 @@ fn mooncake_and_hixl_map() {
     let l = load(Some(h.path()), None, None).unwrap();
     assert_eq!(l.config.transport.max_batch_size, Some(32));
 }
+
+#[test]
+fn quic_drivers_parse() {
+    let load_text = |text: &str| load(Some(file(text, ".toml").path()), None, None);
+    let cfg = load_text("[quic]\ndrivers = \"io-thread\"\n").unwrap().config;
+    assert_eq!(cfg.quic.tuning().drivers, kvpool_net::Drivers::IoThread);
+    assert_eq!(load_text("").unwrap().config.quic.tuning().drivers, kvpool_net::Drivers::Caller);
+    assert!(load_text("[quic]\ndrivers = \"everywhere\"\n").is_err());
+}
