@@ -450,15 +450,8 @@ mod loopback {
     use super::*;
     use std::time::Duration;
 
-    /// A server and a client endpoint on 127.0.0.1 with this module's settings; moves `n` bytes
-    /// each way on one stream and returns the client's path report.
-    async fn exchange(segmentation: Segmentation, n: usize) -> PathReport {
-        exchange_with(QuicTuning { segmentation, ..QuicTuning::default() }, n).await
-    }
-
-    /// A server and a client endpoint as [`exchange`] makes them, the client's drivers where
-    /// `tuning` says.
-    async fn exchange_with(tuning: QuicTuning, n: usize) -> PathReport {
+    /// A server's and a client's TLS settings for "localhost" (a fresh self-signed certificate).
+    fn tls_pair() -> (rustls::ServerConfig, rustls::ClientConfig) {
         let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
         let der = rustls::pki_types::CertificateDer::from(cert.cert.der().to_vec());
         let key = rustls::pki_types::PrivateKeyDer::try_from(cert.key_pair.serialize_der()).unwrap();
@@ -469,6 +462,27 @@ mod loopback {
             .with_single_cert(vec![der.clone()], key)
             .unwrap();
         sc.alpn_protocols = vec![b"t".to_vec()];
+        let mut roots = rustls::RootCertStore::empty();
+        roots.add(der).unwrap();
+        let mut cc = rustls::ClientConfig::builder_with_provider(crypto_provider())
+            .with_protocol_versions(&[&rustls::version::TLS13])
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
+        cc.alpn_protocols = vec![b"t".to_vec()];
+        (sc, cc)
+    }
+
+    /// A server and a client endpoint on 127.0.0.1 with this module's settings; moves `n` bytes
+    /// each way on one stream and returns the client's path report.
+    async fn exchange(segmentation: Segmentation, n: usize) -> PathReport {
+        exchange_with(QuicTuning { segmentation, ..QuicTuning::default() }, n).await
+    }
+
+    /// A server and a client endpoint as [`exchange`] makes them, the client's drivers where
+    /// `tuning` says.
+    async fn exchange_with(tuning: QuicTuning, n: usize) -> PathReport {
+        let (sc, cc) = tls_pair();
         let (sock, bufs) = bind_udp("127.0.0.1:0".parse().unwrap(), tuning.udp_buffer).unwrap();
         let mut server =
             quinn::ServerConfig::with_crypto(Arc::new(quinn::crypto::rustls::QuicServerConfig::try_from(sc).unwrap()));
@@ -483,14 +497,6 @@ mod loopback {
             tx.finish().unwrap();
             conn.closed().await;
         });
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(der).unwrap();
-        let mut cc = rustls::ClientConfig::builder_with_provider(crypto_provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        cc.alpn_protocols = vec![b"t".to_vec()];
         let (cep, cbufs) = endpoint("127.0.0.1:0".parse().unwrap(), None, &tuning).unwrap();
         let mut client =
             quinn::ClientConfig::new(Arc::new(quinn::crypto::rustls::QuicClientConfig::try_from(cc).unwrap()));
@@ -530,29 +536,12 @@ mod loopback {
     #[tokio::test(flavor = "current_thread")]
     async fn io_thread_drivers_run_while_the_caller_is_blocked() {
         let tuning = QuicTuning { drivers: Drivers::IoThread, ..QuicTuning::default() };
-        let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
-        let der = rustls::pki_types::CertificateDer::from(cert.cert.der().to_vec());
-        let key = rustls::pki_types::PrivateKeyDer::try_from(cert.key_pair.serialize_der()).unwrap();
-        let mut sc = rustls::ServerConfig::builder_with_provider(crypto_provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_no_client_auth()
-            .with_single_cert(vec![der.clone()], key)
-            .unwrap();
-        sc.alpn_protocols = vec![b"t".to_vec()];
+        let (sc, cc) = tls_pair();
         let (sock, _) = bind_udp("127.0.0.1:0".parse().unwrap(), 1 << 20).unwrap();
         let server =
             quinn::ServerConfig::with_crypto(Arc::new(quinn::crypto::rustls::QuicServerConfig::try_from(sc).unwrap()));
         let sep = endpoint_with(sock, Some(server), Drivers::IoThread).unwrap();
         let addr = sep.local_addr().unwrap();
-        let mut roots = rustls::RootCertStore::empty();
-        roots.add(der).unwrap();
-        let mut cc = rustls::ClientConfig::builder_with_provider(crypto_provider())
-            .with_protocol_versions(&[&rustls::version::TLS13])
-            .unwrap()
-            .with_root_certificates(roots)
-            .with_no_client_auth();
-        cc.alpn_protocols = vec![b"t".to_vec()];
         let (cep, _) = endpoint("127.0.0.1:0".parse().unwrap(), None, &tuning).unwrap();
         let client = quinn::ClientConfig::new(Arc::new(quinn::crypto::rustls::QuicClientConfig::try_from(cc).unwrap()));
         let connecting = cep.connect_with(client, addr, "localhost").unwrap();
