@@ -24,12 +24,20 @@ impl Client {
         let frame = frame::encode_frame(&req)?;
         c.timed(async {
             let (conn, mut tx, mut rx) = c.open().await?;
-            tx.write_all(&frame).await?;
-            tx.write_all(wasm).await?;
-            tx.finish()?;
-            match read_response(&conn, &mut rx).await? {
-                Response::Policy(info) => Ok(info),
-                other => Err(unexpected("Policy", &other)),
+            let sent = async {
+                tx.write_all(&frame).await?;
+                tx.write_all(wasm).await?;
+                tx.finish()?;
+                Ok::<_, crate::ClientError>(())
+            }
+            .await;
+            // A refusal (not an admin key, a module too large) may stop our stream before the
+            // module is sent: its typed answer says why, not the write it cut short.
+            match (read_response(&conn, &mut rx).await, sent) {
+                (Ok(Response::Policy(info)), Ok(())) => Ok(info),
+                (Ok(other), Ok(())) => Err(unexpected("Policy", &other)),
+                (Err(e @ crate::ClientError::Status { .. }), _) | (Err(e), Ok(())) => Err(e),
+                (Ok(_), Err(e)) | (Err(_), Err(e)) => Err(e),
             }
         })
         .await

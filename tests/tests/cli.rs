@@ -77,7 +77,11 @@ fn cli_policy_load_list_rollback() {
     let sieve = comps["sieve"].to_str().unwrap().to_string();
     let denied = kvpool(&srv, ALICE_KEY, &["policy", "load", "eviction", &sieve], None);
     assert!(!denied.status.success());
-    assert!(String::from_utf8_lossy(&denied.stderr).contains("forbidden"));
+    assert!(
+        String::from_utf8_lossy(&denied.stderr).contains("forbidden"),
+        "{}",
+        String::from_utf8_lossy(&denied.stderr)
+    );
     ok(&kvpool(&srv, ADMIN_KEY, &["policy", "load", "eviction", &sieve, "--name", "my-sieve"], None));
     let threshold = comps["threshold"].to_str().unwrap().to_string();
     ok(&kvpool(&srv, ADMIN_KEY, &["policy", "load", "admission", &threshold, "--param", "store_threshold=64"], None));
