@@ -40,7 +40,7 @@ pub enum RecordError {
     Truncated,
     #[error("the stream ended before the bytes asked for")]
     Ended,
-    #[error("{0} records under one key: the connection must be retired")]
+    #[error("{0} records under one key, the limit (a peer must update its keys before): the connection cannot go on")]
     Worn(u64),
     #[error("a read was abandoned inside a TLS record: the stream cannot go on")]
     Abandoned,
