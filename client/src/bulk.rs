@@ -53,7 +53,7 @@ pub(crate) struct BulkConn {
 /// The bulk channel of one QUIC session: how to open connections, and the idle ones.
 pub(crate) struct BulkLink {
     ip: std::net::IpAddr,
-    tls: tokio_rustls::TlsConnector,
+    tls: Arc<rustls::ClientConfig>,
     server_name: rustls::pki_types::ServerName<'static>,
     plaintext: bool,
     /// Puts of at least this many value bytes take the channel.
@@ -86,7 +86,7 @@ impl BulkLink {
         let ip = addr.ip().to_canonical();
         Ok(Some(Arc::new(BulkLink {
             ip,
-            tls: tokio_rustls::TlsConnector::from(Arc::new(tls)),
+            tls: Arc::new(tls),
             server_name,
             plaintext: cfg.trusted_networks.iter().any(|n| n.contains(&ip)),
             min_put: cfg.bulk_min_put,
@@ -143,11 +143,10 @@ impl BulkLink {
     }
 
     /// Keep a connection for the next call when its last answer was read to its end (and,
-    /// for a put, its values all sent), and it has not sent its share of records under one
-    /// key; drop it otherwise.
+    /// for a put, its values all sent); drop it otherwise.
     pub(crate) fn keep(&self, c: BulkConn) {
         let mut idle = self.idle.lock();
-        if c.state == State::Done && !c.wr.worn() && idle.len() < MAX_OPEN {
+        if c.state == State::Done && idle.len() < MAX_OPEN {
             idle.push(c);
         }
     }
@@ -170,8 +169,13 @@ impl BulkLink {
             .map_err(|e| ClientError::Connect { addr: addr.to_string(), message: format!("bulk channel: {e}") })?;
         tcp.set_nodelay(true).map_err(io_err)?;
         let (rd, wr): (Box<dyn BulkRead>, Box<dyn BulkWrite>) = if offer.tls {
-            let mut s =
-                self.tls.connect(self.server_name.clone(), tcp).await.map_err(|e| ClientError::Tls(e.to_string()))?;
+            // A config of its own, whose key log keeps the connection's traffic secrets: the
+            // record layer derives its next keys from them (key updates).
+            let (config, secrets_log) = bulk::SecretLog::client(&self.tls);
+            let mut s = tokio_rustls::TlsConnector::from(config)
+                .connect(self.server_name.clone(), tcp)
+                .await
+                .map_err(|e| ClientError::Tls(e.to_string()))?;
             bind(&mut s, &offer.token).await?;
             // The server sends nothing after the status byte until it has a request: rustls
             // holds nothing more, and the records from here on are ours.
@@ -186,7 +190,7 @@ impl BulkLink {
                 )));
             }
             let secrets = conn.dangerous_extract_secrets().map_err(|e| ClientError::Tls(e.to_string()))?;
-            let (r, w) = bulk::tls(tcp, secrets).map_err(|e| ClientError::Tls(e.to_string()))?;
+            let (r, w) = bulk::tls(tcp, secrets, &secrets_log).map_err(|e| ClientError::Tls(e.to_string()))?;
             (Box::new(r), Box::new(w))
         } else {
             let mut tcp = tcp;
@@ -250,6 +254,14 @@ impl BulkConn {
             filled += n;
         }
         Ok(())
+    }
+}
+
+impl Drop for BulkConn {
+    /// A connection given up on the server's bad records tells it why (a TLS alert): one
+    /// write that does not wait.
+    fn drop(&mut self) {
+        bulk::try_alert(&mut *self.wr);
     }
 }
 

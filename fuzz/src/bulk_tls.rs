@@ -3,7 +3,7 @@
 //! ALPN, sometimes noise instead of a ClientHello), the token through rustls, then envelopes in
 //! the channel's own records, cut as the channel cuts them or at random (records across value
 //! boundaries), and mangled on the way: flipped bits (bad tags, bad headers), records of
-//! other types (alerts, a KeyUpdate, padding), noise between records, the stream cut inside a
+//! other types (alerts, a KeyUpdate, padding), key updates, noise between records, the stream cut inside a
 //! record. Every whole envelope on an unharmed connection must be answered, every answer
 //! well-framed; a harmed connection may close, the server never falls over.
 
@@ -165,7 +165,8 @@ async fn connection(
         _ => {}
     }
     let name = rustls::pki_types::ServerName::try_from("localhost")?;
-    let mut tls = tokio_rustls::TlsConnector::from(cfg.clone()).connect(name, sock).await.context("handshake")?;
+    let (cfg, secrets_log) = bulk::SecretLog::client(cfg);
+    let mut tls = tokio_rustls::TlsConnector::from(cfg).connect(name, sock).await.context("handshake")?;
     let mut shown = token.to_vec();
     if rng.gen_bool(0.05) {
         shown[rng.gen_range(0..32)] ^= 1;
@@ -195,7 +196,7 @@ async fn connection(
         _ => Vec::new(),
     };
     let mangle = Mangle { inner: wr, harm, at: 0, pending: Vec::new(), noise, cut: false };
-    let (mut rd, mut wr) = bulk::tls_halves(rd, mangle, secrets)?;
+    let (mut rd, mut wr) = bulk::tls_halves(rd, mangle, secrets, &secrets_log)?;
     let mut last = Vec::new();
     for _ in 0..rng.gen_range(1..5) {
         let body = gen::input(rng, w.principals.len(), &last).bytes;
@@ -225,9 +226,10 @@ async fn connection(
 }
 
 /// One envelope as the channel's client sends it, or in records cut at random, or with a
-/// record of another type in between; `Ok(true)` when all of it went out unharmed by us.
+/// record of another type in between, or after a key update; `Ok(true)` when all of it went
+/// out unharmed by us.
 async fn send(rng: &mut StdRng, wr: &mut RecordWriter<Mangle>, head: &mut Vec<u8>, body: &[u8]) -> Result<bool> {
-    let whole = match rng.gen_range(0..6) {
+    let whole = match rng.gen_range(0..7) {
         0 => {
             // Cut at random: records across the frame and the value bytes.
             head.extend_from_slice(body);
@@ -245,7 +247,8 @@ async fn send(rng: &mut StdRng, wr: &mut RecordWriter<Mangle>, head: &mut Vec<u8
             true
         }
         1 => {
-            // A record of another type first: an alert, a KeyUpdate, a ticket, padding only.
+            // A record of another type first: an alert, a KeyUpdate with no change of our keys
+            // after it, a ticket, padding only.
             let (ty, content): (u8, Vec<u8>) = match rng.gen_range(0..5) {
                 0 => (21, vec![2, rng.gen()]),
                 1 => (22, vec![24, 0, 0, 1, 0]),
@@ -258,6 +261,13 @@ async fn send(rng: &mut StdRng, wr: &mut RecordWriter<Mangle>, head: &mut Vec<u8
             let pieces = [Piece::Small(head), Piece::Value(body)];
             bulk::send_all(wr, &pieces).await?;
             harmless
+        }
+        2 => {
+            // A true key update (the server's answer follows one of its own when asked).
+            wr.update_keys(rng.gen_bool(0.5))?;
+            let pieces = [Piece::Small(head), Piece::Value(body)];
+            bulk::send_all(wr, &pieces).await?;
+            true
         }
         _ => {
             let pieces = [Piece::Small(head), Piece::Value(body)];

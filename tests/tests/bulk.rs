@@ -216,7 +216,7 @@ async fn handshake(
 }
 
 /// Present `token`: `Ok` when bound, else the refusal's code (the server then closes).
-async fn present(io: &mut Box<dyn Io>, token: &[u8]) -> Result<(), ErrorCode> {
+async fn present<S: AsyncRead + AsyncWrite + Unpin>(io: &mut S, token: &[u8]) -> Result<(), ErrorCode> {
     io.write_all(token).await.unwrap();
     let mut status = [0u8; 1];
     tokio::time::timeout(Duration::from_secs(5), io.read_exact(&mut status)).await.unwrap().unwrap();
@@ -235,7 +235,7 @@ async fn present(io: &mut Box<dyn Io>, token: &[u8]) -> Result<(), ErrorCode> {
 }
 
 /// One envelope; the answer's chunks joined, and whether it ended (0) or was reset (1).
-async fn envelope(io: &mut Box<dyn Io>, bytes: &[u8]) -> (Vec<u8>, u8) {
+async fn envelope<S: AsyncRead + AsyncWrite + Unpin>(io: &mut S, bytes: &[u8]) -> (Vec<u8>, u8) {
     io.write_all(&(bytes.len() as u64).to_le_bytes()).await.unwrap();
     io.write_all(bytes).await.unwrap();
     let mut out = Vec::new();
@@ -336,6 +336,66 @@ async fn the_door_refuses_unknown_used_foreign_and_orphaned_tokens_and_leaks_not
     // Through it all the pool serves.
     let c = Client::connect(srv.client_config(ADMIN_KEY)).await.unwrap();
     assert_eq!(c.get("secret").await.unwrap().unwrap(), secret);
+}
+
+/// Past the bind the server follows the client's key updates (answering one that asks with
+/// its own), and answers a record that fails its authentication with a `bad_record_mac` alert
+/// before it closes that connection; the others go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_channel_follows_key_updates_and_answers_a_bad_record_with_an_alert() {
+    let srv = TestServer::start(Opts::default());
+    let secret = value_for("secret", 300_000);
+    Client::connect(srv.client_config(ADMIN_KEY)).await.unwrap().put("secret", &secret).await.unwrap();
+    let r = session(&srv).await;
+    let alpn = vec![kvpool_proto::BULK_ALPN.to_vec()];
+
+    let o = offer(&r, false).await;
+    let mut kept = handshake(&srv, tcp(&srv, o.port, None).await, alpn.clone()).await.unwrap();
+    present(&mut kept, &o.token).await.unwrap();
+    for _ in 0..3 {
+        // rustls's update asks for the server's (update_requested): its answer comes under
+        // its next keys, which rustls follows.
+        kept.get_mut().1.refresh_traffic_keys().unwrap();
+        let (answer, end) = envelope(&mut kept, &get_frame("secret")).await;
+        assert_eq!(end, 0);
+        assert_eq!(kvpool_client::parse_reply(&answer).unwrap().1, &secret[..]);
+    }
+
+    let o = offer(&r, false).await;
+    let mut bad = handshake(&srv, tcp(&srv, o.port, None).await, alpn).await.unwrap();
+    present(&mut bad, &o.token).await.unwrap();
+    {
+        let (tcp, conn) = bad.get_mut();
+        let frame = get_frame("secret");
+        let mut plain = (frame.len() as u64).to_le_bytes().to_vec();
+        plain.extend_from_slice(&frame);
+        std::io::Write::write_all(&mut conn.writer(), &plain).unwrap();
+        let mut records = Vec::new();
+        while conn.wants_write() {
+            conn.write_tls(&mut records).unwrap();
+        }
+        let last = records.len() - 1;
+        records[last] ^= 0x40;
+        tcp.write_all(&records).await.unwrap();
+    }
+    let mut rest = Vec::new();
+    let read = tokio::time::timeout(Duration::from_secs(5), bad.read_to_end(&mut rest)).await.expect("not left open");
+    let e = read.expect_err("an alert, not a clean end");
+    let alert = e.into_inner().unwrap().downcast::<rustls::Error>().unwrap();
+    assert!(
+        matches!(*alert, rustls::Error::AlertReceived(rustls::AlertDescription::BadRecordMac)),
+        "the client saw {alert:?}"
+    );
+    assert!(rest.is_empty(), "no answer to the bad record");
+
+    // The other connection, and the pool, go on.
+    let (answer, _) = envelope(&mut kept, &get_frame("secret")).await;
+    assert_eq!(kvpool_client::parse_reply(&answer).unwrap().1, &secret[..]);
+    let c = Client::connect(bulk_config(&srv, &[])).await.unwrap();
+    let big = value_for("big", 3 << 20);
+    c.put("big", &big).await.unwrap();
+    assert_eq!(c.transport_in_use(), "tls");
+    assert_eq!(c.get("big").await.unwrap().unwrap(), big);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

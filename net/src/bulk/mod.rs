@@ -24,15 +24,33 @@
 //!   the receiver has room for the inner content type after every record it decrypts in place.
 //!
 //! What the layer keeps of TLS: sequence numbers and nonces, the inner content type and its
-//! padding, alerts (`close_notify` ends the stream, any other alert is an error). What it does
-//! not do: key updates. The server sends no session tickets on the channel; a `KeyUpdate`
-//! closes the connection with [`RecordError::KeyUpdate`]; a writer retires its connection long
-//! before AES-GCM's limit on records under one key ([`RETIRE_AFTER`]).
+//! padding, alerts (`close_notify` ends the stream, any other alert is an error), session
+//! tickets (passed over; the server sends none on the channel), and key updates (RFC 8446
+//! 4.6.3), both ways:
+//! - A peer's `KeyUpdate` switches the reader to the peer's next keys from the next record on
+//!   (`application_traffic_secret_N+1`, its key and IV, sequence number 0). One with
+//!   `update_requested` is passed to the writer through the `keys::Link` the halves share
+//!   (atomics, no lock): before its next records the writer sends a `KeyUpdate` of its own
+//!   (`update_not_requested`) and seals everything after it under its next keys.
+//! - A writer whose key has sealed [`UPDATE_AFTER`] records updates its keys the same way, so
+//!   a connection never nears AES-GCM's limit on records under one key; a key that reaches
+//!   2^24 records all the same fails ([`RecordError::Worn`]) rather than reuse a nonce.
+//!
+//! The next keys come from the traffic secrets, which rustls's buffered connections do not
+//! hand over: each connection's config logs them to a [`SecretLog`] of its own (`secrets.rs`).
+//!
+//! When the reader gives up on what the peer sent ([`RecordError::alert`]: `bad_record_mac`,
+//! `decode_error`, `unexpected_message`, `record_overflow`), the writer sends that fatal alert,
+//! encrypted, before the connection closes ([`BulkWrite::poll_alert`]): best effort, a failed
+//! write ignored. The server waits for it at most [`ALERT_WAIT`] as a connection ends
+//! ([`send_alert`]); the client tries one write that does not wait as it drops a connection
+//! ([`try_alert`]).
 
 mod keys;
 mod layout;
 mod plain;
 mod read;
+mod secrets;
 mod write;
 
 #[cfg(test)]
@@ -40,21 +58,25 @@ mod tests;
 
 pub use keys::RecordError;
 pub use read::RecordReader;
+pub use secrets::SecretLog;
 pub use write::RecordWriter;
 
 use std::future::Future;
 use std::io::{self, IoSliceMut};
 use std::pin::Pin;
 use std::task::{ready, Context, Poll};
+use std::time::Duration;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 
 /// Largest plaintext of one record (RFC 8446 5.1).
 pub const MAX_PLAINTEXT: usize = 16_384;
 /// Value bytes a writer leaves for a value's last record (see the module docs).
 pub const TAIL: usize = 1;
-/// A connection that has sent this many records is closed after its current request: far
-/// below AES-GCM's limit of 2^24.5 records under one key (RFC 8446 5.5), with no key update.
-pub const RETIRE_AFTER: u64 = 1 << 23;
+/// A writer whose key has sealed this many records updates its keys: far below AES-GCM's limit
+/// of 2^24.5 records under one key (RFC 8446 5.5).
+pub const UPDATE_AFTER: u64 = 1 << 23;
+/// How long [`send_alert`] waits for the alert to be written.
+pub const ALERT_WAIT: Duration = Duration::from_millis(250);
 
 pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
 
@@ -109,11 +131,26 @@ pub trait BulkWrite: AsyncWrite + Unpin + Send {
     /// writer may still hold up to a batch of records: flush to send them).
     fn poll_send(&mut self, cx: &mut Context<'_>, pieces: &[Piece<'_>], at: &mut Cursor) -> Poll<io::Result<()>>;
 
-    /// True once the connection should carry no further request (its records near the limit
-    /// under one key).
-    fn worn(&self) -> bool {
-        false
+    /// After the receiving half failed on the peer's input: send the fatal alert that calls
+    /// for (TLS), after what is already sealed; `Ready(Ok)` at once when there is none (and
+    /// always in plaintext).
+    fn poll_alert(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let _ = cx;
+        Poll::Ready(Ok(()))
     }
+}
+
+/// Before closing a connection: the fatal alert its reader's failure calls for, if any, within
+/// [`ALERT_WAIT`]; a write that fails or takes longer is given up.
+pub async fn send_alert<W: BulkWrite + ?Sized>(w: &mut W) {
+    let _ = tokio::time::timeout(ALERT_WAIT, std::future::poll_fn(|cx| w.poll_alert(cx))).await;
+}
+
+/// As [`send_alert`] where nothing may wait (a `Drop`): one try, on a socket one write that
+/// does not block.
+pub fn try_alert<W: BulkWrite + ?Sized>(w: &mut W) {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    let _ = w.poll_alert(&mut cx);
 }
 
 /// Fill `dst` from `r` and return the xxh3-64 of its bytes, hashed piece by piece as they land
@@ -228,10 +265,16 @@ pub fn plain<S: Halves>(stream: S) -> (plain::PlainReader<S::Rd>, plain::PlainWr
 pub type TlsHalves<R, W> = (RecordReader<R>, RecordWriter<W>);
 
 /// Both halves of a TLS connection whose handshake is done, from the traffic keys rustls
-/// extracted (`dangerous_extract_secrets`, with nothing buffered in rustls either way).
-pub fn tls<S: Halves>(stream: S, secrets: rustls::ExtractedSecrets) -> Result<TlsHalves<S::Rd, S::Wr>, RecordError> {
+/// extracted (`dangerous_extract_secrets`, with nothing buffered in rustls either way) and the
+/// secrets behind them that the connection's config logged to `log` ([`SecretLog::server`],
+/// [`SecretLog::client`]).
+pub fn tls<S: Halves>(
+    stream: S,
+    secrets: rustls::ExtractedSecrets,
+    log: &SecretLog,
+) -> Result<TlsHalves<S::Rd, S::Wr>, RecordError> {
     let (r, w) = stream.halves();
-    tls_halves(r, w, secrets)
+    tls_halves(r, w, secrets, log)
 }
 
 /// As [`tls`], over halves of any kind (the fuzz driver harms what its half sends).
@@ -239,9 +282,11 @@ pub fn tls_halves<R: ReadV, W: AsyncWrite + Unpin>(
     r: R,
     w: W,
     secrets: rustls::ExtractedSecrets,
+    log: &SecretLog,
 ) -> Result<TlsHalves<R, W>, RecordError> {
-    let (tx, rx) = keys::Direction::pair(secrets)?;
-    Ok((RecordReader::new(r, rx), RecordWriter::new(w, tx)))
+    let (tx, rx) = keys::Direction::pair(secrets, log)?;
+    let link = std::sync::Arc::new(keys::Link::default());
+    Ok((RecordReader::linked(r, rx, link.clone()), RecordWriter::linked(w, tx, link)))
 }
 
 pub use plain::{PlainReader, PlainWriter};

@@ -2,13 +2,14 @@
 //! decrypted where they land ([`RecordReader::fill`]).
 
 use super::keys::{
-    self, control, inner, parse_header, Direction, RecordError, APPLICATION_DATA, HEADER, MAX_CIPHERTEXT,
+    self, control, inner, parse_header, Control, Direction, Link, RecordError, APPLICATION_DATA, HEADER, MAX_CIPHERTEXT,
 };
 use super::layout::{Plan, META, READ_AHEAD};
 use super::{BoxFuture, BulkRead, ReadV};
 use std::io;
 use std::ops::Range;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use tokio::io::{AsyncRead, ReadBuf};
 
@@ -18,6 +19,8 @@ const BUFFER: usize = 2 * (HEADER + MAX_CIPHERTEXT) + READ_AHEAD;
 pub struct RecordReader<R> {
     io: R,
     keys: Direction,
+    /// Shared with the writing half: key updates asked for, the alert to send.
+    link: Arc<Link>,
     /// Received bytes: `buf[next..end]` not yet decrypted; `buf[plain]` decrypted content not
     /// yet handed out (it lies before `next`).
     buf: Vec<u8>,
@@ -33,13 +36,22 @@ pub struct RecordReader<R> {
     /// Records decrypted, and content bytes copied out of the buffer (not landed in place).
     records: u64,
     copied: u64,
+    /// The peer's key updates so far.
+    updates: u64,
 }
 
 impl<R: ReadV> RecordReader<R> {
+    /// A reader of its own (tests); [`super::tls_halves`] links it to its writer.
+    #[cfg(test)]
     pub(super) fn new(io: R, keys: Direction) -> Self {
+        Self::linked(io, keys, Arc::default())
+    }
+
+    pub(super) fn linked(io: R, keys: Direction, link: Arc<Link>) -> Self {
         RecordReader {
             io,
             keys,
+            link,
             buf: vec![0; BUFFER],
             next: 0,
             end: 0,
@@ -49,7 +61,13 @@ impl<R: ReadV> RecordReader<R> {
             failed: None,
             records: 0,
             copied: 0,
+            updates: 0,
         }
+    }
+
+    /// Key updates the peer made so far.
+    pub fn key_updates(&self) -> u64 {
+        self.updates
     }
 
     /// Records decrypted so far.
@@ -70,8 +88,10 @@ impl<R: ReadV> RecordReader<R> {
         }
     }
 
-    /// Remember `e` for every later call, and return it.
+    /// Remember `e` for every later call (and the alert it calls for, for the writer), and
+    /// return it.
     fn fail(&mut self, e: RecordError) -> RecordError {
+        self.link.failed(&e);
         let kind = match &e {
             RecordError::Io(i) => i.kind(),
             RecordError::Truncated | RecordError::Ended => io::ErrorKind::UnexpectedEof,
@@ -106,10 +126,27 @@ impl<R: ReadV> RecordReader<R> {
         let content = at + HEADER..at + HEADER + n;
         if ty == APPLICATION_DATA {
             self.plain = content;
-        } else if control(ty, &self.buf[content])? {
-            self.closed = true;
+        } else {
+            let c = control(ty, &self.buf[content])?;
+            self.apply(c)?;
         }
         Ok(true)
+    }
+
+    /// Act on a non-data record: the peer's end, or its next keys from the next record on.
+    fn apply(&mut self, c: Control) -> Result<(), RecordError> {
+        match c {
+            Control::None => {}
+            Control::Closed => self.closed = true,
+            Control::KeyUpdate(requested) => {
+                self.keys.update()?;
+                self.updates += 1;
+                if requested {
+                    self.link.request_update();
+                }
+            }
+        }
+        Ok(())
     }
 
     /// Read and decrypt the next record into the buffer (or note the peer's end).
@@ -310,9 +347,8 @@ impl<R: ReadV> RecordReader<R> {
         if ty == APPLICATION_DATA {
             return Ok(InPlace::Short(c));
         }
-        if control(ty, &inner_plain[..c])? {
-            self.closed = true;
-        }
+        let c = control(ty, &inner_plain[..c])?;
+        self.apply(c)?;
         Ok(InPlace::Control)
     }
 }
@@ -322,7 +358,7 @@ enum InPlace {
     Data,
     /// Data, `c` bytes of it (the rest was padding).
     Short(usize),
-    /// Not data (an alert, a ticket): nothing landed.
+    /// Not data (an alert, a ticket, a key update): nothing landed.
     Control,
 }
 

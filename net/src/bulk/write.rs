@@ -1,11 +1,12 @@
 //! The sending half of a TLS bulk connection: records sealed into one buffer, a batch of them
 //! written with one system call.
 
-use super::keys::{header, Direction, RecordError, ALERT, APPLICATION_DATA, HEADER};
+use super::keys::{header, Direction, Link, RecordError, ALERT, APPLICATION_DATA, HANDSHAKE, HEADER};
 use super::layout::{predict, DIRECT_MIN};
-use super::{BulkWrite, Cursor, Piece, MAX_PLAINTEXT, RETIRE_AFTER};
+use super::{BulkWrite, Cursor, Piece, MAX_PLAINTEXT, UPDATE_AFTER};
 use std::io;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::task::{ready, Context, Poll};
 use tokio::io::AsyncWrite;
 
@@ -18,6 +19,8 @@ pub(super) const SLACK: usize = BATCH / 4;
 pub struct RecordWriter<W> {
     io: W,
     keys: Direction,
+    /// Shared with the reading half: key updates the peer asked for, the alert to send.
+    link: Arc<Link>,
     /// Sealed records, `out[sent..]` not yet written, then the open record (header space and
     /// plaintext) from `open` on.
     out: Vec<u8>,
@@ -25,20 +28,86 @@ pub struct RecordWriter<W> {
     open: Option<usize>,
     /// `close_notify` is sealed.
     closing: bool,
+    /// A fatal alert is sealed.
+    alerted: bool,
     writes: u64,
+    updates: u64,
 }
 
 impl<W: AsyncWrite + Unpin> RecordWriter<W> {
+    /// A writer of its own (tests); [`super::tls_halves`] links it to its reader.
+    #[cfg(test)]
     pub(super) fn new(io: W, keys: Direction) -> Self {
+        Self::linked(io, keys, Arc::default())
+    }
+
+    pub(super) fn linked(io: W, keys: Direction, link: Arc<Link>) -> Self {
         RecordWriter {
             io,
             keys,
+            link,
             out: Vec::with_capacity(BATCH + 2 * MAX_PLAINTEXT),
             sent: 0,
             open: None,
             closing: false,
+            alerted: false,
             writes: 0,
+            updates: 0,
         }
+    }
+
+    /// Key updates sent so far.
+    pub fn key_updates(&self) -> u64 {
+        self.updates
+    }
+
+    /// Send a `KeyUpdate` (`update_requested` when `request`) and seal every record after it
+    /// under the next keys (RFC 8446 4.6.3); what is open, not yet sealed, goes after it. The
+    /// writer does this by itself when the peer asks and before its records under one key
+    /// reach [`UPDATE_AFTER`].
+    pub fn update_keys(&mut self, request: bool) -> Result<(), RecordError> {
+        let open = self.open.take().map(|at| {
+            let plain = self.out[at + HEADER..].to_vec();
+            self.out.truncate(at);
+            plain
+        });
+        self.open_record();
+        self.out.extend_from_slice(&[24, 0, 0, 1, u8::from(request)]);
+        self.seal_as(HANDSHAKE)?;
+        self.keys.update()?;
+        self.updates += 1;
+        if let Some(plain) = open {
+            self.open_record();
+            self.out.extend_from_slice(&plain);
+        }
+        Ok(())
+    }
+
+    /// Before sealing data: the `KeyUpdate` the peer asked for, or one of our own when the
+    /// key has sealed its share. (An atomic load; the swap only when asked.)
+    fn keep_keys(&mut self) -> Result<(), RecordError> {
+        if self.link.take_update() || self.keys.seq >= UPDATE_AFTER {
+            self.update_keys(false)?;
+        }
+        Ok(())
+    }
+
+    /// After the reading half failed on the peer's records: the fatal alert that calls for,
+    /// sealed after what is sealed (what is open is dropped), and written. `Ready(Ok)` at once
+    /// when there is none.
+    pub fn poll_alert(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        if !self.alerted {
+            let Some(d) = self.link.take_alert() else { return Poll::Ready(Ok(())) };
+            if let Some(at) = self.open.take() {
+                self.out.truncate(at);
+            }
+            self.open_record();
+            self.out.extend_from_slice(&[2, d]);
+            self.seal_as(ALERT)?;
+            self.alerted = true;
+        }
+        ready!(self.poll_out(cx))?;
+        Pin::new(&mut self.io).poll_flush(cx)
     }
 
     /// Records sealed so far under this key.
@@ -174,6 +243,7 @@ impl<W: AsyncWrite + Unpin> RecordWriter<W> {
 impl<W: AsyncWrite + Unpin + Send> BulkWrite for RecordWriter<W> {
     fn poll_send(&mut self, cx: &mut Context<'_>, pieces: &[Piece<'_>], at: &mut Cursor) -> Poll<io::Result<()>> {
         loop {
+            self.keep_keys().map_err(io::Error::from)?;
             let left: usize =
                 pieces.iter().skip(at.piece).map(|p| p.bytes().len()).sum::<usize>().saturating_sub(at.offset);
             let limit = if left <= SLACK { usize::MAX } else { BATCH };
@@ -194,8 +264,8 @@ impl<W: AsyncWrite + Unpin + Send> BulkWrite for RecordWriter<W> {
         }
     }
 
-    fn worn(&self) -> bool {
-        self.keys.seq >= RETIRE_AFTER
+    fn poll_alert(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        RecordWriter::poll_alert(self, cx)
     }
 }
 
@@ -205,6 +275,7 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for RecordWriter<W> {
         if me.pending() >= BATCH {
             ready!(me.poll_out(cx))?;
         }
+        me.keep_keys()?;
         let take = buf.len().min(BATCH);
         me.push(&buf[..take])?;
         Poll::Ready(Ok(take))
@@ -212,6 +283,7 @@ impl<W: AsyncWrite + Unpin> AsyncWrite for RecordWriter<W> {
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
         let me = &mut *self;
+        me.keep_keys()?;
         me.seal()?;
         ready!(me.poll_out(cx))?;
         Pin::new(&mut me.io).poll_flush(cx)

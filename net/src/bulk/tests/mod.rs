@@ -1,20 +1,21 @@
 //! The record layer against itself over streams cut at random, against tampering and
-//! truncation; `rustls.rs`: against rustls on the other end.
+//! truncation; `updates.rs`: key updates, alerts and the key derivation; `rustls.rs`: against
+//! rustls on the other end.
 
 mod rustls;
+mod updates;
 
-use super::keys::{header, Direction, RecordError, ALERT, APPLICATION_DATA, HANDSHAKE, HEADER, TAG};
+use super::keys::{header, Direction, RecordError, Suite, ALERT, APPLICATION_DATA, HANDSHAKE, HEADER, TAG};
 use super::layout::{Plan, DIRECT_MIN, READ_AHEAD};
+use super::secrets::Secret;
 use super::*;
-use ::rustls::crypto::cipher::{AeadKey, Iv};
-use ::rustls::ConnectionTrafficSecrets;
 use std::io::IoSliceMut;
 use tokio::io::AsyncReadExt;
 
 /// The same keys for a writer and a reader.
 fn keys() -> Direction {
-    let secrets = ConnectionTrafficSecrets::Aes256Gcm { key: AeadKey::from([7; 32]), iv: Iv::new([9; 12]) };
-    Direction::new(secrets, 0).unwrap()
+    let secret = Secret::new(ring::hkdf::HKDF_SHA384, &[7; 48]).unwrap();
+    Direction::from_secret(Suite::AES_256_GCM_SHA384, secret).unwrap()
 }
 
 /// A tiny deterministic generator (xorshift), enough to cut streams at random.
@@ -250,10 +251,14 @@ async fn tampering_truncation_and_alerts_end_the_stream() {
     let e = r.fill(&mut dst, &mut |_| {}).await.unwrap_err();
     assert!(matches!(e, RecordError::Ended), "{e}");
 
-    // A KeyUpdate closes with its own error; a session ticket is passed over; any other alert
-    // is fatal.
+    // A KeyUpdate of another body than one byte of 0 or 1, or not at the end of its record, is
+    // an error; a session ticket is passed over; any other alert is fatal.
     for (ty, content, want) in [
-        (HANDSHAKE, vec![24, 0, 0, 1, 0], "KeyUpdate"),
+        (HANDSHAKE, vec![24, 0, 0, 1, 2], "Malformed"),
+        (HANDSHAKE, vec![24, 0, 0, 0], "Malformed"),
+        (HANDSHAKE, vec![24, 0, 0, 2, 0, 0], "Malformed"),
+        (HANDSHAKE, vec![24, 0, 0, 1], "Malformed"),
+        (HANDSHAKE, vec![24, 0, 0, 1, 0, 4, 0, 0, 0], "Unexpected(22)"),
         (HANDSHAKE, vec![2, 0, 0, 0], "Unexpected"),
         (ALERT, vec![2, 40], "Alert(40)"),
         (20, vec![1], "Unexpected(20)"),
@@ -287,17 +292,25 @@ async fn a_fill_given_up_inside_a_batch_leaves_the_reader_unusable() {
     assert!(matches!(e, RecordError::Io(ref i) if i.to_string().contains("abandoned")), "{e}");
 }
 
-/// A writer says it is worn once it has sent `RETIRE_AFTER` records (its connection carries no
-/// further request), and no key ever seals or opens a record past AES-GCM's limit: the nonce
-/// is never reused, the error is typed.
+/// A writer updates its keys once a key has sealed `UPDATE_AFTER` records (a reader from the
+/// same keys reads on), and no key ever seals or opens a record past AES-GCM's limit: the
+/// nonce is never reused, the error is typed.
 #[tokio::test]
 async fn records_under_one_key_are_bounded() {
     let mut k = keys();
-    k.seq = RETIRE_AFTER - 1;
+    k.seq = UPDATE_AFTER - 1;
     let mut w = RecordWriter::new(Vec::new(), k);
-    assert!(!w.worn());
+    send_all(&mut w, &[Piece::Small(b"one")]).await.unwrap();
+    assert_eq!((w.key_updates(), w.records()), (0, UPDATE_AFTER), "the last record under the first key");
     send_all(&mut w, &[Piece::Value(&[1u8; 100])]).await.unwrap();
-    assert!(w.worn(), "the record that reached the limit retires the connection");
+    assert_eq!((w.key_updates(), w.records()), (1, 1), "a KeyUpdate, then the value under the next key");
+    let mut k = keys();
+    k.seq = UPDATE_AFTER - 1;
+    let mut r = RecordReader::new(Trickle::new(w.get_ref().clone(), 50, 3), k);
+    let mut all = Vec::new();
+    r.read_to_end(&mut all).await.unwrap();
+    assert!(all.len() == 103 && all.starts_with(b"one") && all[3..].iter().all(|b| *b == 1));
+    assert_eq!(r.key_updates(), 1);
 
     let mut k = keys();
     k.seq = (1 << 24) - 1;

@@ -126,7 +126,10 @@ async fn serve_tls<S: Halves>(
         let _ = tokio::time::timeout_at(deadline, start.io.write_all(&NO_APPLICATION_PROTOCOL)).await;
         return Ok(());
     }
-    let Some(mut tls) = step(deadline, start.into_stream(door.tls.clone()), refused).await? else { return Ok(()) };
+    // A config of its own, whose key log keeps the connection's traffic secrets: the record
+    // layer derives its next keys from them (key updates).
+    let (config, secrets_log) = kvpool_net::bulk::SecretLog::server(&door.tls);
+    let Some(mut tls) = step(deadline, start.into_stream(config), refused).await? else { return Ok(()) };
     let Some(bound) = bind(&mut tls, peer, true, shared, deadline, pass).await? else { return Ok(()) };
     // The client sends nothing after its token until it has read the status byte, so rustls
     // holds no bytes of the envelopes: from here on the records are ours.
@@ -136,7 +139,7 @@ async fn serve_tls<S: Halves>(
         return Err(io::Error::new(io::ErrorKind::InvalidData, "bulk bytes sent before the status byte was read"));
     }
     let secrets = conn.dangerous_extract_secrets().map_err(io::Error::other)?;
-    let (rd, wr) = kvpool_net::bulk::tls(sock, secrets).map_err(io::Error::from)?;
+    let (rd, wr) = kvpool_net::bulk::tls(sock, secrets, &secrets_log).map_err(io::Error::from)?;
     bound.run(rd, wr, "tls", shared).await
 }
 

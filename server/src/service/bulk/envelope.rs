@@ -36,10 +36,23 @@ const GATHER: usize = 64 << 10;
 /// values leave in one system call (the last ones with the end of the answer).
 const COALESCE: usize = 256 << 10;
 
-/// Serve envelopes until the client closes, the session is gone, or the framing breaks.
+/// Serve envelopes until the client closes, the session is gone, or the framing breaks; a
+/// connection given up on the client's bad records is told why (a TLS alert) before it closes.
 pub(super) async fn run<R: BulkRead, W: BulkWrite>(
     mut rd: R,
     mut wr: W,
+    session: Weak<Session>,
+    transport: &'static str,
+    shared: &Arc<Shared>,
+) -> io::Result<()> {
+    let r = serve(&mut rd, &mut wr, session, transport, shared).await;
+    kvpool_net::bulk::send_alert(&mut wr).await;
+    r
+}
+
+async fn serve<R: BulkRead, W: BulkWrite>(
+    rd: &mut R,
+    wr: &mut W,
     session: Weak<Session>,
     transport: &'static str,
     shared: &Arc<Shared>,
@@ -53,7 +66,7 @@ pub(super) async fn run<R: BulkRead, W: BulkWrite>(
             Err(e) => return Err(e),
         }
         let len = u64::from_le_bytes(head);
-        let mut send = BulkSend::new(&mut wr, transport);
+        let mut send = BulkSend::new(wr, transport);
         if len > max_request {
             let m = format!("a request envelope of {len} bytes; the limit is {max_request}");
             return send.fail(ErrorCode::FrameTooLarge, m).await;
@@ -61,7 +74,7 @@ pub(super) async fn run<R: BulkRead, W: BulkWrite>(
         let Some(session) = session.upgrade() else { return Ok(()) };
         // The handler reads the frame as on QUIC, and refuses (from the request table) what
         // must be asked on the QUIC connection.
-        let mut recv = BulkRecv { inner: &mut rd, left: len, transport };
+        let mut recv = BulkRecv { inner: rd, left: len, transport };
         handle_stream(&mut recv, &mut send, &session, shared).await;
         drop(session);
         shared.metrics.bulk_requests.inc();
@@ -76,7 +89,7 @@ pub(super) async fn run<R: BulkRead, W: BulkWrite>(
             // The client does not read its answer.
             Err(_) => return Ok(()),
         }
-        if !drain(&mut recv, shared).await || wr.worn() {
+        if !drain(&mut recv, shared).await {
             return Ok(());
         }
     }
