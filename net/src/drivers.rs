@@ -35,32 +35,32 @@ pub fn io_threads() -> usize {
     std::thread::available_parallelism().map_or(1, |n| n.get()).clamp(1, 4)
 }
 
-/// The pool: started on first use and alive for the process (its threads park when idle);
-/// started again in a child process after a `fork`, which copies the pool's handles but not its
-/// threads (an engine that makes a client and then forks workers).
-fn pool() -> io::Result<Vec<tokio::runtime::Handle>> {
+/// The next thread of the pool (endpoints are dealt in turn). The pool is started on first use
+/// and lives for the process (its threads park when idle); it is started again in a child
+/// process after a `fork`, which copies the pool's handles but not its threads (an engine that
+/// makes a client and then forks workers).
+fn next_thread() -> io::Result<tokio::runtime::Handle> {
     static POOL: Mutex<Option<(u32, Vec<tokio::runtime::Handle>)>> = Mutex::new(None);
+    static TURN: AtomicUsize = AtomicUsize::new(0);
     let mut pool = POOL.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
     let pid = std::process::id();
-    if let Some((owner, handles)) = pool.as_ref() {
-        if *owner == pid {
-            return Ok(handles.clone());
-        }
+    if pool.as_ref().is_none_or(|(owner, _)| *owner != pid) {
+        let handles = (0..io_threads())
+            .map(|i| {
+                let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
+                let handle = rt.handle().clone();
+                std::thread::Builder::new().name(format!("kvpool-quic-io-{i}")).spawn(move || {
+                    // Runs the spawned drivers until the process ends.
+                    rt.block_on(std::future::pending::<()>());
+                })?;
+                Ok(handle)
+            })
+            .collect::<io::Result<Vec<_>>>()
+            .map_err(|e| io::Error::new(e.kind(), format!("cannot start QUIC I/O threads: {e}")))?;
+        *pool = Some((pid, handles));
     }
-    let handles = (0..io_threads())
-        .map(|i| {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build()?;
-            let handle = rt.handle().clone();
-            std::thread::Builder::new().name(format!("kvpool-quic-io-{i}")).spawn(move || {
-                // Runs the spawned drivers until the process ends.
-                rt.block_on(std::future::pending::<()>());
-            })?;
-            Ok(handle)
-        })
-        .collect::<io::Result<Vec<_>>>()
-        .map_err(|e| io::Error::new(e.kind(), format!("cannot start QUIC I/O threads: {e}")))?;
-    *pool = Some((pid, handles.clone()));
-    Ok(handles)
+    let handles = &pool.as_ref().expect("just set").1;
+    Ok(handles[TURN.fetch_add(1, Ordering::Relaxed) % handles.len()].clone())
 }
 
 /// A quinn runtime whose timers, sockets and tasks all belong to one pool thread's runtime.
@@ -78,10 +78,7 @@ impl fmt::Debug for IoThread {
 impl IoThread {
     /// The next thread of the pool.
     pub fn next() -> io::Result<IoThread> {
-        static TURN: AtomicUsize = AtomicUsize::new(0);
-        let pool = pool()?;
-        let handle = pool[TURN.fetch_add(1, Ordering::Relaxed) % pool.len()].clone();
-        Ok(IoThread { handle, inner: quinn::TokioRuntime })
+        Ok(IoThread { handle: next_thread()?, inner: quinn::TokioRuntime })
     }
 }
 
@@ -104,15 +101,5 @@ impl quinn::Runtime for IoThread {
 
     fn now(&self) -> Instant {
         self.inner.now()
-    }
-}
-
-/// The runtime for `drivers`.
-pub(crate) fn runtime(drivers: Drivers) -> io::Result<Arc<dyn quinn::Runtime>> {
-    match drivers {
-        Drivers::Caller => {
-            quinn::default_runtime().ok_or_else(|| io::Error::other("no Tokio runtime for QUIC on this thread"))
-        }
-        Drivers::IoThread => Ok(Arc::new(IoThread::next()?)),
     }
 }

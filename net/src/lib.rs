@@ -244,10 +244,9 @@ pub fn endpoint_with(
     server: Option<quinn::ServerConfig>,
     drivers: Drivers,
 ) -> Result<quinn::Endpoint, NetError> {
-    let runtime = match drivers::runtime(drivers) {
-        Ok(rt) => rt,
-        Err(_) if drivers == Drivers::Caller => return Err(NetError::NoRuntime),
-        Err(e) => return Err(NetError::Endpoint(e)),
+    let runtime: Arc<dyn quinn::Runtime> = match drivers {
+        Drivers::Caller => quinn::default_runtime().ok_or(NetError::NoRuntime)?,
+        Drivers::IoThread => Arc::new(IoThread::next().map_err(NetError::Endpoint)?),
     };
     let sock = Arc::new(SplitSends::new(runtime.wrap_udp_socket(sock).map_err(NetError::Endpoint)?));
     quinn::Endpoint::new_with_abstract_socket(endpoint_config(), server, sock, runtime).map_err(NetError::Endpoint)
