@@ -213,6 +213,7 @@ impl SimPool {
                 }
                 if self.make_room(chunk) == 0 {
                     self.stats.dropped += 1;
+                    self.core.index.release_plan(&planned);
                     break;
                 }
             }
@@ -346,6 +347,9 @@ impl ReplayPool for SimPool {
             let parent_gone = specs[i].parent.is_some_and(|p| !self.core.index.exists(self.tenant(), &[p.to_vec()])[0]);
             if n >= room || parent_gone {
                 self.stats.dropped += (admitted.len() - n) as u64;
+                for (_, planned) in &admitted[n..] {
+                    self.core.index.release_plan(planned);
+                }
                 break;
             }
             if self.publish(planned, specs[i], now, now_us).is_ok() {

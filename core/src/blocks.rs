@@ -1,18 +1,10 @@
 //! A block and its parts (its copy handle, SSD locator, access stamp, children, persistent
-//! record), and the index's block table: one slab of block records, found by id or by
-//! (tenant, key).
-//!
-//! A block's key is stored once, in the key arena ([`Keys`]); the two lookup tables hold only
-//! 4-byte slab slots. The id table hashes server-chosen ids cheaply; the key table hashes
-//! client-chosen keys with SipHash (std's randomly keyed hasher), so that nobody can pick
-//! colliding keys.
+//! record) and the key arena its key lives in. The table that holds blocks and finds them by
+//! id or key is [`crate::table`].
 
 use crate::changes::{Change, ChangeKind};
-use hashbrown::HashTable;
 use kvpool_policy_sdk::{Event, EventKind, Pin, Tier};
 use serde::{Deserialize, Serialize};
-use slab::Slab;
-use std::hash::{BuildHasher, RandomState};
 use std::sync::Arc;
 
 /// A DRAM copy as the index hands it out.
@@ -95,7 +87,9 @@ impl From<Option<u64>> for Locator {
 }
 
 pub(crate) struct Block<D: CopyHandle> {
-    pub(crate) id: u64,
+    /// The generation of the block's slot when it was planned: its id is the generation and
+    /// the slot ([`crate::table::Blocks`]), so the record keeps 4 bytes of it, not 8.
+    pub(crate) gen: u32,
     pub(crate) tenant: u32,
     /// The key's place in the table's arena ([`Blocks::key`] gives the bytes).
     pub(crate) key: KeyAt,
@@ -212,26 +206,27 @@ impl<D: CopyHandle> Block<D> {
     }
 }
 
-/// A block's resident children in 8 bytes: most blocks of a chain have none or one, kept
-/// inline; a block with more (a shared prefix) has them in the index's `many_kids` table.
+/// A block's resident children in 4 bytes: most blocks of a chain have none or one, kept
+/// inline as the child's slot (a resident child's id is its slot and that slot's generation);
+/// a block with more (a shared prefix) has their ids in the index's `many_kids` table.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct Kids(pub(crate) u64);
+pub(crate) struct Kids(pub(crate) u32);
 
 impl Kids {
-    /// Ids start at 1, so 0 is never a child.
-    pub(crate) const NONE: Kids = Kids(0);
-    pub(crate) const MANY: Kids = Kids(u64::MAX);
+    /// Slots stop below both ([`crate::table::MAX_SLOTS`]).
+    pub(crate) const NONE: Kids = Kids(u32::MAX);
+    pub(crate) const MANY: Kids = Kids(u32::MAX - 1);
 }
 
 // Every resident block pays for its record: keep it from growing unnoticed (64-bit targets),
 // with what the server keeps of a DRAM copy (8 bytes with a niche: an allocator offset and node
 // index; the length is the block's size).
 #[cfg(target_pointer_width = "64")]
-const _: () = assert!(std::mem::size_of::<Block<ServerLike>>() <= 88);
+const _: () = assert!(std::mem::size_of::<Block<ServerLike>>() <= 80);
 
-/// A handle shaped like the server's, for the size check above.
+/// A handle shaped like the server's, for the size checks (here and in [`crate::table`]).
 #[derive(Clone)]
-struct ServerLike;
+pub(crate) struct ServerLike;
 
 impl CopyHandle for ServerLike {
     type Kept = (u32, std::num::NonZeroU32);
@@ -241,14 +236,6 @@ impl CopyHandle for ServerLike {
     fn restore(_: &Self::Kept, _: u64) -> ServerLike {
         ServerLike
     }
-}
-
-pub(crate) struct Blocks<D: CopyHandle> {
-    slab: Slab<Block<D>>,
-    by_id: HashTable<u32>,
-    by_key: HashTable<u32>,
-    keyed: RandomState,
-    keys: Keys,
 }
 
 /// Where a key's bytes are in the arena: 6 bytes in the record, where an `Arc<[u8]>` took 16
@@ -299,7 +286,7 @@ impl Keys {
         &self.classes[len].bytes[start..start + len]
     }
 
-    fn add(&mut self, key: &[u8]) -> KeyAt {
+    pub(crate) fn add(&mut self, key: &[u8]) -> KeyAt {
         let len = key.len();
         if self.classes.len() <= len {
             self.classes.resize_with(len + 1, KeyClass::default);
@@ -323,252 +310,22 @@ impl Keys {
         KeyAt::new(u16::try_from(len).expect("a key of at most MAX_KEY_LEN bytes"), at)
     }
 
-    fn free(&mut self, k: KeyAt) {
+    /// Places ever taken by keys of `len` bytes (freed ones included).
+    #[cfg(test)]
+    pub(crate) fn places(&self, len: usize) -> usize {
+        self.classes.get(len).map_or(0, |c| c.bytes.len() / len.max(1))
+    }
+
+    pub(crate) fn free(&mut self, k: KeyAt) {
         if k.len > 0 {
             self.classes[usize::from(k.len)].free.push(k.at());
         }
     }
 }
 
-/// Ids are assigned by the index (a counter), never by clients: a multiplicative hash spreads
-/// them over the table's high bits, which hashbrown uses for its control bytes.
-fn id_hash(id: u64) -> u64 {
-    (id ^ (id >> 32)).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-}
-
-fn key_hash(keyed: &RandomState, tenant: u32, key: &[u8]) -> u64 {
-    keyed.hash_one((tenant, key))
-}
-
-impl<D: CopyHandle> Blocks<D> {
-    pub(crate) fn new() -> Blocks<D> {
-        Blocks {
-            slab: Slab::new(),
-            by_id: HashTable::new(),
-            by_key: HashTable::new(),
-            keyed: RandomState::new(),
-            keys: Keys::default(),
-        }
-    }
-
-    pub(crate) fn len(&self) -> usize {
-        self.slab.len()
-    }
-
-    pub(crate) fn reserve(&mut self, n: usize) {
-        self.slab.reserve(n);
-        let (slab, keyed, keys) = (&self.slab, &self.keyed, &self.keys);
-        self.by_id.reserve(n, |&s| id_hash(slab[s as usize].id));
-        self.by_key.reserve(n, |&s| {
-            let b = &slab[s as usize];
-            key_hash(keyed, b.tenant, keys.get(b.key))
-        });
-    }
-
-    fn slot(&self, id: u64) -> Option<usize> {
-        let slab = &self.slab;
-        self.by_id.find(id_hash(id), |&s| slab[s as usize].id == id).map(|&s| s as usize)
-    }
-
-    pub(crate) fn get(&self, id: u64) -> Option<&Block<D>> {
-        self.slot(id).map(|s| &self.slab[s])
-    }
-
-    pub(crate) fn get_mut(&mut self, id: u64) -> Option<&mut Block<D>> {
-        self.slot(id).map(|s| &mut self.slab[s])
-    }
-
-    pub(crate) fn contains(&self, id: u64) -> bool {
-        self.slot(id).is_some()
-    }
-
-    /// The id of the block stored under (tenant, key).
-    pub(crate) fn id_of(&self, tenant: u32, key: &[u8]) -> Option<u64> {
-        self.id_of_hashed(self.hash_of(tenant, key), tenant, key)
-    }
-
-    /// The key table's hash of a key ([`Blocks::id_of_hashed`] takes it).
-    pub(crate) fn hash_of(&self, tenant: u32, key: &[u8]) -> u64 {
-        key_hash(&self.keyed, tenant, key)
-    }
-
-    /// [`Blocks::id_of`] with the hash computed beforehand. A batch hashes every key first and
-    /// then probes: the probes are then short and independent, so the CPU overlaps their cache
-    /// misses (two per probe in a large table) instead of taking them one after another.
-    pub(crate) fn id_of_hashed(&self, h: u64, tenant: u32, key: &[u8]) -> Option<u64> {
-        let (slab, keys) = (&self.slab, &self.keys);
-        self.by_key
-            .find(h, |&s| {
-                let b = &slab[s as usize];
-                b.tenant == tenant && keys.get(b.key) == key
-            })
-            .map(|&s| slab[s as usize].id)
-    }
-
-    /// The key bytes of a block of this table.
-    pub(crate) fn key(&self, b: &Block<D>) -> &[u8] {
-        self.keys.get(b.key)
-    }
-
-    /// A block and its key, for changing the one while reading the other.
-    pub(crate) fn get_mut_with_key(&mut self, id: u64) -> Option<(&mut Block<D>, &[u8])> {
-        let s = self.slot(id)?;
-        let b = &mut self.slab[s];
-        let key = self.keys.get(b.key);
-        Some((b, key))
-    }
-
-    /// Add a block under its id and `key` (the record's own `key` field is set here); neither
-    /// may be present (the index removes the old block of a key before it inserts the new one).
-    pub(crate) fn insert(&mut self, mut block: Block<D>, key: &[u8]) {
-        debug_assert!(self.slot(block.id).is_none() && self.id_of(block.tenant, key).is_none());
-        let (id, kh) = (block.id, key_hash(&self.keyed, block.tenant, key));
-        block.key = self.keys.add(key);
-        // A slab of 2^32 blocks would need terabytes of records first.
-        let s = u32::try_from(self.slab.insert(block)).expect("fewer than 2^32 blocks");
-        let (slab, keyed, keys) = (&self.slab, &self.keyed, &self.keys);
-        self.by_id.insert_unique(id_hash(id), s, |&x| id_hash(slab[x as usize].id));
-        self.by_key.insert_unique(kh, s, |&x| {
-            let b = &slab[x as usize];
-            key_hash(keyed, b.tenant, keys.get(b.key))
-        });
-    }
-
-    /// Take a block out, with its key (whose place in the arena is freed).
-    pub(crate) fn remove(&mut self, id: u64) -> Option<(Block<D>, Box<[u8]>)> {
-        let slab = &self.slab;
-        let entry = self.by_id.find_entry(id_hash(id), |&s| slab[s as usize].id == id).ok()?;
-        let (s, _) = entry.remove();
-        let b = &self.slab[s as usize];
-        let key: Box<[u8]> = self.keys.get(b.key).into();
-        let kh = key_hash(&self.keyed, b.tenant, &key);
-        if let Ok(e) = self.by_key.find_entry(kh, |&x| x == s) {
-            e.remove();
-        }
-        let b = self.slab.remove(s as usize);
-        self.keys.free(b.key);
-        Some((b, key))
-    }
-
-    /// The slot of a block: a dense index below [`Blocks::slot_bound`], for per-block scratch
-    /// arrays (a walk over every block needs no hash set).
-    pub(crate) fn slot_of(&self, id: u64) -> Option<usize> {
-        self.slot(id)
-    }
-
-    /// Every slot is below this.
-    pub(crate) fn slot_bound(&self) -> usize {
-        self.slab.capacity()
-    }
-
-    pub(crate) fn at_slot(&self, slot: usize) -> Option<&Block<D>> {
-        self.slab.get(slot)
-    }
-
-    /// (slot, block) pairs.
-    pub(crate) fn slots(&self) -> impl Iterator<Item = (usize, &Block<D>)> {
-        self.slab.iter()
-    }
-
-    pub(crate) fn iter(&self) -> impl Iterator<Item = (u64, &Block<D>)> {
-        self.slab.iter().map(|(_, b)| (b.id, b))
-    }
-
-    pub(crate) fn ids(&self) -> impl Iterator<Item = u64> + '_ {
-        self.slab.iter().map(|(_, b)| b.id)
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use kvpool_policy_sdk::Pin;
-    use std::collections::HashMap;
-
-    fn block(id: u64, tenant: u32) -> Block<u64> {
-        Block {
-            id,
-            tenant,
-            key: KeyAt::UNSET,
-            size: id as u32,
-            tokens: 0,
-            seq_tokens: 0,
-            parent: 0,
-            checksum: 0,
-            pin: Pin::None,
-            dram: Some(id),
-            ssd: Locator::NONE,
-            moving: false,
-            depth: 0,
-            wanted: 0,
-            stamp: Stamp::default(),
-            kids: Kids::NONE,
-        }
-    }
-
-    /// Random inserts and removes against a map model: ids and keys always find the same
-    /// record, slots are reused, and a removed id never finds a newer block in its old slot.
-    #[test]
-    fn agrees_with_a_map_model() {
-        let mut t: Blocks<u64> = Blocks::new();
-        let mut model: HashMap<(u32, Vec<u8>), u64> = HashMap::new();
-        let mut next = 1u64;
-        // A fixed xorshift: the test is deterministic and needs no crate.
-        let mut x = 0x2545_F491_4F6C_DD1Du64;
-        let mut rnd = move || {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x
-        };
-        for step in 0..20_000 {
-            let tenant = (rnd() % 3) as u32;
-            let key = format!("k{}", rnd() % 2_000).into_bytes();
-            match model.get(&(tenant, key.clone())).copied() {
-                Some(id) if rnd() % 2 == 0 => {
-                    let (b, k) = t.remove(id).expect("present");
-                    assert_eq!((b.id, b.tenant, &*k), (id, tenant, &key[..]));
-                    model.remove(&(tenant, key.clone()));
-                    assert!(t.get(id).is_none() && t.id_of(tenant, &key).is_none());
-                    assert!(t.remove(id).is_none(), "removed twice");
-                }
-                Some(id) => {
-                    assert_eq!(t.id_of(tenant, &key), Some(id));
-                    assert_eq!(t.get(id).map(|b| u64::from(b.size)), Some(id));
-                    t.get_mut(id).expect("present").wanted += 1;
-                }
-                None => {
-                    assert_eq!(t.id_of(tenant, &key), None);
-                    t.insert(block(next, tenant), &key);
-                    model.insert((tenant, key), next);
-                    next += 1;
-                }
-            }
-            if step % 5_000 == 0 {
-                t.reserve(100);
-            }
-        }
-        assert_eq!(t.len(), model.len());
-        let mut ids: Vec<u64> = t.ids().collect();
-        ids.sort_unstable();
-        let mut want: Vec<u64> = model.values().copied().collect();
-        want.sort_unstable();
-        assert_eq!(ids, want);
-        for ((tenant, key), id) in &model {
-            assert_eq!(t.id_of(*tenant, key), Some(*id));
-            assert!(t.contains(*id));
-        }
-        assert!(!t.contains(next), "an id never assigned");
-        // Every record's key reads back from the arena, and freed places were reused: each
-        // length's buffer holds no more keys than were ever resident at once (2,000 per tenant).
-        for ((tenant, key), id) in &model {
-            let b = t.get(*id).expect("present");
-            assert_eq!((b.tenant, t.key(b)), (*tenant, &key[..]));
-        }
-        for (len, c) in t.keys.classes.iter().enumerate().skip(1) {
-            assert!(c.bytes.len() / len <= 3 * 2_000, "length {len}: {} places", c.bytes.len() / len);
-        }
-    }
 
     #[test]
     fn the_key_arena_reuses_places_and_keeps_empty_keys() {

@@ -18,6 +18,7 @@ mod index;
 mod policies;
 mod pool;
 mod put;
+mod table;
 #[cfg(test)]
 mod tests;
 

@@ -80,6 +80,8 @@ pub struct Metrics {
     /// KV events logged, by kind; subscriptions open; events subscribers missed.
     pub events: IntCounterVec,
     pub event_subscribers: IntGauge,
+    /// Put items admitted and neither committed nor given up yet (each holds its block's id).
+    pub put_plans: IntGauge,
     /// Value bytes moved, and the time one request took to move them, by transport (`quic`,
     /// `local`: in band on the same-host control socket, `shm`: copied to or from a client's
     /// shared buffers) and direction (`in`: into the pool, `out`: to the client).
@@ -224,6 +226,12 @@ impl Metrics {
             transfer_seconds,
             event_subscribers: {
                 let g = IntGauge::new("event_subscribers", "KV event subscriptions open").expect("static metric");
+                reg.register(Box::new(g.clone())).expect("unique metric name");
+                g
+            },
+            put_plans: {
+                let g = IntGauge::new("put_plans", "Put items admitted whose bytes are not committed yet")
+                    .expect("static metric");
                 reg.register(Box::new(g.clone())).expect("unique metric name");
                 g
             },

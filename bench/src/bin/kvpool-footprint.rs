@@ -165,7 +165,7 @@ fn main() -> Result<()> {
     }
     drop(copies);
     // The handles moved into the index and their list is gone (it was never counted).
-    m.part("block index (records, id and key tables, keys, chain links)");
+    m.part("block index (records, key table, keys, chain links)");
 
     let lease = now + Duration::from_secs(3600);
     for c in 0..chains {

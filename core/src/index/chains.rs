@@ -3,30 +3,38 @@
 
 use super::Index;
 use crate::blocks::{Block, CopyHandle, Kids};
+use crate::table::slot_of;
 use kvpool_policy_sdk::{Pin, NO_DEPTH};
 use std::sync::Arc;
 use std::time::Instant;
 
 impl<D: CopyHandle> Index<D> {
-    /// The resident children of `b`.
-    pub(super) fn kids_of<'a>(&'a self, b: &'a Block<D>) -> &'a [u64] {
-        match b.kids {
-            Kids::NONE => &[],
-            Kids::MANY => self.many_kids.get(&b.id).map_or(&[], Vec::as_slice),
-            _ => std::slice::from_ref(&b.kids.0),
-        }
+    /// The resident children of block `id` (whose record is `b`).
+    pub(super) fn kids_of<'a>(&'a self, id: u64, b: &Block<D>) -> impl Iterator<Item = u64> + 'a {
+        let (one, many) = match b.kids {
+            Kids::NONE => (None, &[][..]),
+            Kids::MANY => (None, self.many_kids.get(&id).map_or(&[][..], Vec::as_slice)),
+            Kids(slot) => (self.blocks.id_at(slot), &[][..]),
+        };
+        one.into_iter().chain(many.iter().copied())
     }
 
+    /// Add `child` (resident, or held for a block being published) to `parent`'s children.
     pub(super) fn add_kid(&mut self, parent: u64, child: u64) {
-        let p = self.blocks.get_mut(parent).expect("an indexed parent");
-        match p.kids {
-            Kids::NONE => p.kids = Kids(child),
-            Kids::MANY => self.many_kids.entry(parent).or_default().push(child),
-            Kids(one) => {
-                p.kids = Kids::MANY;
-                self.many_kids.insert(parent, vec![one, child]);
+        let Some(kids) = self.blocks.get(parent).map(|p| p.kids) else { return };
+        let kids = match kids {
+            Kids::NONE => Kids(slot_of(child)),
+            Kids::MANY => {
+                self.many_kids.entry(parent).or_default().push(child);
+                Kids::MANY
             }
-        }
+            Kids(one) => {
+                let one = self.blocks.id_at(one).expect("a resident child");
+                self.many_kids.insert(parent, vec![one, child]);
+                Kids::MANY
+            }
+        };
+        self.blocks.get_mut(parent).expect("found above").kids = kids;
     }
 
     pub(super) fn remove_kid(&mut self, parent: u64, child: u64) {
@@ -36,29 +44,30 @@ impl<D: CopyHandle> Index<D> {
                 let Some(v) = self.many_kids.get_mut(&parent) else { return };
                 v.retain(|&c| c != child);
                 if let [one] = v[..] {
-                    p.kids = Kids(one);
+                    p.kids = Kids(slot_of(one));
                     self.many_kids.remove(&parent);
                 }
             }
-            Kids(one) if one == child => p.kids = Kids::NONE,
+            Kids(one) if one == slot_of(child) => p.kids = Kids::NONE,
             _ => {}
         }
     }
 
-    /// The children of block `id` (no longer indexed), whose list was `kids`.
+    /// The children of block `id` (no longer indexed; its children still are), whose list was
+    /// `kids`.
     pub(super) fn take_kids(&mut self, id: u64, kids: Kids) -> Vec<u64> {
         match kids {
             Kids::NONE => Vec::new(),
             Kids::MANY => self.many_kids.remove(&id).unwrap_or_default(),
-            Kids(one) => vec![one],
+            Kids(one) => self.blocks.id_at(one).into_iter().collect(),
         }
     }
 
-    /// The parent key `b` was put under, if any.
-    pub(super) fn parent_key(&self, b: &Block<D>) -> Option<Arc<[u8]>> {
+    /// The parent key block `id` (whose record is `b`) was put under, if any.
+    pub(super) fn parent_key(&self, id: u64, b: &Block<D>) -> Option<Arc<[u8]>> {
         match self.blocks.get(b.parent) {
             Some(p) => Some(self.blocks.key(p).into()),
-            None => self.orphan_keys.get(&b.id).cloned(),
+            None => self.orphan_keys.get(&id).cloned(),
         }
     }
 
@@ -79,7 +88,7 @@ impl<D: CopyHandle> Index<D> {
         let mut i = 0;
         while i < sub.len() {
             let b = self.blocks.get(sub[i]).expect("resident");
-            for &c in self.kids_of(b) {
+            for c in self.kids_of(sub[i], b) {
                 let cb = self.blocks.get(c)?;
                 if self.is_leased(c, now) || cb.moving || cb.pin == Pin::Hard {
                     return None;

@@ -20,9 +20,10 @@ mod reads;
 pub(crate) mod recover;
 mod view;
 
-use crate::blocks::{BlockRecord, Blocks, CopyHandle, Stamp};
+use crate::blocks::{BlockRecord, CopyHandle, Stamp};
 use crate::changes::{Change, ChangeKind};
 use crate::effects::{Dropped, MetaOp};
+use crate::table::Blocks;
 use kvpool_policy_sdk::{key_hash, Event, EventKind, Events, Pin, Tier, NO_PARENT};
 use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::sync::Arc;
@@ -88,7 +89,6 @@ pub enum Located<D> {
 pub struct Index<D: CopyHandle> {
     /// Keyed with SipHash (std's randomly keyed hasher): keys are chosen by clients.
     blocks: Blocks<D>,
-    next_id: u64,
     /// When each lease ends, by id, for leases that may still be running (expired ones are
     /// pruned lazily). Aside, not in the record: only blocks being read have one.
     leases: BTreeMap<u64, Instant>,
@@ -195,7 +195,6 @@ impl<D: CopyHandle> Index<D> {
     pub fn new(gran: Granularity, has_ssd: bool) -> Index<D> {
         Index {
             blocks: Blocks::new(),
-            next_id: 1,
             leases: BTreeMap::new(),
             holds: HashMap::new(),
             moving: BTreeSet::new(),
@@ -264,7 +263,7 @@ impl<D: CopyHandle> Index<D> {
     /// A KV event about block `id`'s copy in `tier` (the block is indexed).
     fn change_of(&self, id: u64, kind: ChangeKind, tier: Tier) -> Change {
         let b = self.blocks.get(id).expect("an indexed block");
-        b.change(self.blocks.key(b), kind, tier, self.parent_key(b))
+        b.change(self.blocks.key(b), kind, tier, self.parent_key(id, b))
     }
 
     /// Record a KV event about block `id` (indexed), when the feed is on.
@@ -282,7 +281,7 @@ impl<D: CopyHandle> Index<D> {
         let created_ms = self.record_time(wall_ms);
         let b = self.blocks.get(id).expect("an indexed block");
         let until = if b.pin == Pin::Soft { self.pin_until.get(&id).copied().unwrap_or(0) } else { 0 };
-        b.record(self.parent_key(b).as_deref(), until, created_ms)
+        b.record(self.parent_key(id, b).as_deref(), until, created_ms)
     }
 
     /// The time of a record written at `wall_ms`: never earlier than an earlier record's.
@@ -347,7 +346,8 @@ impl<D: CopyHandle> Index<D> {
     /// Take a block out of the index: its copies for the caller to free, and the removal of its
     /// record when it had one (only blocks with an SSD copy have one).
     fn drop_block(&mut self, id: u64, why: ChangeKind) -> Option<(Dropped<D>, Option<MetaOp>)> {
-        let parent_key = self.changes.is_some().then(|| self.blocks.get(id).and_then(|b| self.parent_key(b))).flatten();
+        let parent_key =
+            self.changes.is_some().then(|| self.blocks.get(id).and_then(|b| self.parent_key(id, b))).flatten();
         let (b, key) = self.blocks.remove(id)?;
         // Chain links: out of the parent's children (or the orphans waiting for it); the
         // children wait for this key to come back.

@@ -5,6 +5,7 @@ use super::{probe, saturate, Index};
 use crate::blocks::{Block, CopyHandle, KeyAt, Kids, Locator, MAX_KEY_LEN};
 use crate::changes::ChangeKind;
 use crate::effects::{Dropped, MetaOp};
+use crate::table::slot_of;
 use kvpool_policy_sdk::{key_hash, Admit, AdmitBatch, AdmitRequest, EventKind, Pin, Tier, NO_DEPTH, NO_PARENT};
 use std::sync::Arc;
 use std::time::Instant;
@@ -126,8 +127,11 @@ impl<D: CopyHandle> Index<D> {
                 pending.push(Pending::Skip(PutRefusal::NoSpace));
                 continue;
             }
-            let id = self.next_id;
-            self.next_id += 1;
+            // The block's slot is held from now on: admission is told the id it will have.
+            let Some(id) = self.blocks.reserve_id() else {
+                pending.push(Pending::Skip(PutRefusal::NoSpace));
+                continue;
+            };
             let resident = it.parent.and_then(|p| self.blocks.id_of(tenant, p));
             let in_batch = || it.parent.and_then(|p| rows.iter().rev().find(|r| r.0 == p).map(|r| (r.1, r.2)));
             let (parent, depth) = match (resident, in_batch()) {
@@ -178,6 +182,7 @@ impl<D: CopyHandle> Index<D> {
                     match decisions.get(row).copied().unwrap_or(Admit::Into(Tier::Dram)) {
                         Admit::Reject => {
                             rejected += 1;
+                            self.blocks.release(id);
                             PutPlan::Skip(PutRefusal::Rejected)
                         }
                         Admit::Into(t) => {
@@ -195,9 +200,36 @@ impl<D: CopyHandle> Index<D> {
         plans
     }
 
+    /// Give back what a plan holds (the slot of its block's id) when its block will not be
+    /// published: its bytes did not arrive, or nobody will commit them. Every
+    /// [`PutPlan::Store`] ends either here or in [`Index::publish`]; false when `planned` holds
+    /// nothing (already published or released).
+    pub fn release_plan(&mut self, planned: &Planned) -> bool {
+        self.blocks.release(planned.id)
+    }
+
+    /// Slots held by plans that are neither published nor released yet.
+    pub fn plans_held(&self) -> usize {
+        self.blocks.held()
+    }
+
     /// Publish a block whose bytes are complete. `Err` when the key changed meanwhile (an insert
-    /// found it present, an upsert found the old value leased): the caller frees the copy.
+    /// found it present, an upsert found the old value leased), or when the plan holds nothing
+    /// (it was published or released already: `NoSpace`): the caller frees the copy. The plan
+    /// is over either way.
     pub fn publish(&mut self, c: Commit<'_, D>) -> Result<(Option<Dropped<D>>, Vec<MetaOp>), PutRefusal> {
+        let id = c.planned.id;
+        if !self.blocks.is_held(id) {
+            return Err(PutRefusal::NoSpace);
+        }
+        let r = self.publish_held(c);
+        if r.is_err() {
+            self.blocks.release(id);
+        }
+        r
+    }
+
+    fn publish_held(&mut self, c: Commit<'_, D>) -> Result<(Option<Dropped<D>>, Vec<MetaOp>), PutRefusal> {
         let Commit { planned, spec, checksum, dram, ssd, now, wall_ms, soft_pin_ttl_ms } = c;
         let Planned { tenant, id, upsert, .. } = planned;
         let spec = &spec;
@@ -251,14 +283,14 @@ impl<D: CopyHandle> Index<D> {
         }
         let kids = match children[..] {
             [] => Kids::NONE,
-            [c] => Kids(c),
+            [c] => Kids(slot_of(c)),
             _ => {
                 self.many_kids.insert(id, children);
                 Kids::MANY
             }
         };
         let block = Block {
-            id,
+            gen: 0,
             tenant,
             key: KeyAt::UNSET,
             // plan_put refused sizes beyond 4 bytes.
@@ -280,7 +312,9 @@ impl<D: CopyHandle> Index<D> {
             self.soft_pins.insert((pin_until_ms, id));
             self.pin_until.insert(id, pin_until_ms);
         }
-        self.blocks.insert(block, spec.key);
+        if self.blocks.insert(id, block, spec.key).is_err() {
+            unreachable!("the slot was held on entry and nothing since releases it");
+        }
         // Only blocks with an SSD copy are persisted: a DRAM copy does not survive a restart.
         if self.blocks.get(id).expect("just inserted").ssd.is_some() {
             let key = Box::from(spec.key);

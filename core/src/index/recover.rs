@@ -54,23 +54,13 @@ impl<D: CopyHandle> Index<D> {
                 out.dropped += 1;
                 continue;
             };
-            let id = self.next_id;
-            self.next_id += 1;
-            self.record_ms = self.record_ms.max(r.created_ms);
             let file = r.ssd_file.expect("checked usable");
             let pin = match Pin::from_u8(r.pin).unwrap_or(Pin::None) {
                 Pin::Soft if r.pin_until_ms <= wall_ms => Pin::None,
                 p => p,
             };
-            if pin == Pin::Soft {
-                self.soft_pins.insert((r.pin_until_ms, id));
-                self.pin_until.insert(id, r.pin_until_ms);
-            }
-            if let Some(pk) = r.parent {
-                parents.push((id, tenant, pk));
-            }
             let b = Block {
-                id,
+                gen: 0,
                 tenant,
                 key: KeyAt::UNSET,
                 // Records are written from blocks, whose sizes fit.
@@ -89,9 +79,24 @@ impl<D: CopyHandle> Index<D> {
                 stamp: Stamp::at_us(r.created_ms.min(wall_ms).saturating_mul(1000)),
                 kids: Kids::NONE,
             };
-            self.copy_added(tenant, Tier::Ssd, b.size());
+            let size = b.size();
+            // Slots run out only past 2^32 - 2 blocks, terabytes of records before any SSD
+            // holds that many: a record beyond them is dropped like an unusable one.
+            let Some(id) = self.blocks.insert_new(b, &key) else {
+                out.meta.push(MetaOp::Remove { tenant, key: key.into() });
+                out.dropped += 1;
+                continue;
+            };
+            self.record_ms = self.record_ms.max(r.created_ms);
+            if pin == Pin::Soft {
+                self.soft_pins.insert((r.pin_until_ms, id));
+                self.pin_until.insert(id, r.pin_until_ms);
+            }
+            if let Some(pk) = r.parent {
+                parents.push((id, tenant, pk));
+            }
+            self.copy_added(tenant, Tier::Ssd, size);
             self.tenant_mut(tenant).resident += 1;
-            self.blocks.insert(b, &key);
             out.kept += 1;
         }
         // In id order (ids were given in record order), so that children lists are stable.

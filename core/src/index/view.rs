@@ -4,6 +4,7 @@
 use super::Index;
 use crate::blocks::{CopyHandle, Stamp};
 use crate::changes::{Change, ChangeKind};
+use crate::table::slot_of;
 use kvpool_policy_sdk::{Event, EventKind, Events, IndexView, Pin, Tier, NO_PARENT};
 
 impl<D: CopyHandle> Index<D> {
@@ -19,10 +20,10 @@ impl<D: CopyHandle> Index<D> {
     /// what a storage node announces to a master that does not know it yet.
     pub fn inventory(&self) -> Vec<Change> {
         let mut out = Vec::with_capacity(self.blocks.len());
-        for (_, b) in self.blocks.slots() {
+        for (id, b) in self.blocks.iter() {
             for tier in [Tier::Dram, Tier::Ssd] {
                 if b.has(tier) {
-                    out.push(self.change_of(b.id, ChangeKind::Stored, tier));
+                    out.push(self.change_of(id, ChangeKind::Stored, tier));
                 }
             }
         }
@@ -47,7 +48,8 @@ impl<D: CopyHandle> Index<D> {
         // Walk by slot: a scratch array marks the blocks already sent.
         // Recovered blocks are stamped with their records' times: they come first, in that
         // order, then ids.
-        let mut order: Vec<(Stamp, u64, usize)> = blocks.slots().map(|(s, b)| (b.stamp, b.id, s)).collect();
+        let mut order: Vec<(Stamp, u64, usize)> =
+            blocks.iter().map(|(id, b)| (b.stamp, id, slot_of(id) as usize)).collect();
         order.sort_unstable();
         let mut done = vec![false; blocks.slot_bound()];
         let mut stack = Vec::new();
@@ -69,11 +71,12 @@ impl<D: CopyHandle> Index<D> {
                     continue;
                 }
                 let b = blocks.at_slot(x).expect("stacked");
+                let id = blocks.id_at(x as u32).expect("stacked");
                 if b.ssd.is_some() {
-                    ev.push(b.event(blocks.key(b), b.id, EventKind::Inserted, Tier::Ssd).with_time(b.stamp.us()));
+                    ev.push(b.event(blocks.key(b), id, EventKind::Inserted, Tier::Ssd).with_time(b.stamp.us()));
                 }
                 if b.dram.is_some() {
-                    ev.push(b.event(blocks.key(b), b.id, EventKind::Inserted, Tier::Dram).with_time(b.stamp.us()));
+                    ev.push(b.event(blocks.key(b), id, EventKind::Inserted, Tier::Dram).with_time(b.stamp.us()));
                 }
             }
         }
@@ -100,7 +103,7 @@ impl<D: CopyHandle> IndexView for Index<D> {
     }
 
     fn resident_children(&self, id: u64) -> Vec<u64> {
-        self.blocks.get(id).map(|b| self.kids_of(b).to_vec()).unwrap_or_default()
+        self.blocks.get(id).map(|b| self.kids_of(id, b).collect()).unwrap_or_default()
     }
 
     fn snapshot(&self) -> Events {

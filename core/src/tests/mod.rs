@@ -61,6 +61,14 @@ fn upserting(mut c: Commit<'_, Copy>) -> Commit<'_, Copy> {
     c
 }
 
+/// Plan one block, which admission must take; its plan.
+fn plan(p: &mut Pool<Copy>, tenant: u32, s: PutSpec<'_>, upsert: bool) -> Planned {
+    match p.plan_put(tenant, &[s], upsert, 1 << 30, &NodeSet::default())[0] {
+        PutPlan::Store(planned) => planned,
+        PutPlan::Skip(r) => panic!("{r:?}"),
+    }
+}
+
 /// Plan and commit one block into DRAM; returns its id.
 fn put(p: &mut Pool<Copy>, tenant: u32, s: PutSpec<'_>, now: Instant) -> Result<u64, PutRefusal> {
     let plans = p.plan_put(tenant, &[s], false, 1 << 30, &NodeSet::default());
@@ -127,19 +135,56 @@ fn only_blocks_with_an_ssd_copy_are_persisted() {
 fn upsert_replaces_unless_leased() {
     let mut p = pool(false, 0);
     let now = Instant::now();
-    let id = put(&mut p, T1, spec(b"k", 100, None), now).unwrap();
+    put(&mut p, T1, spec(b"k", 100, None), now).unwrap();
     p.index.plan_get(T1, &keys(&["k"]), now + Duration::from_secs(1), 0);
     let s = spec(b"k", 200, None);
-    let r = p.index.publish(upserting(Commit { checksum: 9, dram: Some(copy(0)), ..block(T1, id + 100, s, now) }));
+    let planned = plan(&mut p, T1, s, true);
+    let r = p.index.publish(upserting(Commit { checksum: 9, dram: Some(copy(0)), ..block(T1, planned.id, s, now) }));
     assert_eq!(r.unwrap_err(), PutRefusal::Leased);
+    assert_eq!(p.index.plans_held(), 0, "a refused publication ends its plan");
     let later = now + Duration::from_secs(2);
+    let planned = plan(&mut p, T1, s, true);
     let (replaced, meta) = p
         .index
-        .publish(upserting(Commit { checksum: 9, dram: Some(copy(0)), ..block(T1, id + 100, s, later) }))
+        .publish(upserting(Commit { checksum: 9, dram: Some(copy(0)), ..block(T1, planned.id, s, later) }))
         .unwrap();
     assert!(replaced.unwrap().dram.is_some(), "the old copy comes back to be freed");
     assert!(meta.is_empty(), "DRAM-only blocks have no records");
     assert_eq!(p.index.tenant_counters(T1).bytes[0], 256);
+}
+
+/// Every plan ends in a publication or a release, and holds its block's slot until then: a
+/// rejected row holds nothing, a plan is published at most once, and a released one never.
+#[test]
+fn a_plan_holds_its_id_until_published_or_released() {
+    let mut p = pool(false, 0);
+    let now = Instant::now();
+    let a = plan(&mut p, T1, spec(b"a", 100, None), false);
+    let b = plan(&mut p, T1, spec(b"b", 100, None), false);
+    assert_eq!(p.index.plans_held(), 2);
+    assert!(!p.index.exists(T1, &keys(&["a"]))[0], "a planned block is not there yet");
+    assert!(p.index.size_in_tier(a.id, Tier::Dram).is_none());
+    p.index.publish(block(T1, a.id, spec(b"a", 100, None), now)).unwrap();
+    assert_eq!(p.index.size_in_tier(a.id, Tier::Dram), Some(100));
+    let again = p.index.publish(upserting(block(T1, a.id, spec(b"a2", 100, None), now)));
+    assert_eq!(again.unwrap_err(), PutRefusal::NoSpace, "published twice");
+    assert!(p.index.release_plan(&b));
+    assert!(!p.index.release_plan(&b), "released twice");
+    assert!(!p.index.release_plan(&a), "a published plan holds nothing");
+    let late = p.index.publish(block(T1, b.id, spec(b"b", 100, None), now));
+    assert_eq!(late.unwrap_err(), PutRefusal::NoSpace, "published after its release");
+    assert_eq!(p.index.plans_held(), 0);
+    // The released slot comes back under a new id; the old one finds nothing.
+    let c = plan(&mut p, T1, spec(b"c", 100, None), false);
+    assert_ne!(c.id, b.id);
+    p.index.publish(block(T1, c.id, spec(b"c", 100, None), now)).unwrap();
+    assert!(p.index.size_in_tier(b.id, Tier::Dram).is_none());
+    assert_eq!(p.index.counts(), (2, 2, 0));
+    // Rows admission rejects (a threshold above the row's 16 tokens) hold nothing.
+    let mut q = pool(false, 1 << 20);
+    let plans = q.plan_put(T1, &[spec(b"x", 100, None)], false, 1 << 30, &NodeSet::default());
+    assert_eq!(plans[0], PutPlan::Skip(PutRefusal::Rejected));
+    assert_eq!(q.index.plans_held(), 0);
 }
 
 #[test]

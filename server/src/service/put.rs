@@ -26,7 +26,7 @@ use super::staged::Staged;
 use super::stream::{check_keys, error, expect_end, invalid, read_exact_by, Fail, RequestRecv};
 use crate::auth::Principal;
 use crate::store::put::{Landing, PutError};
-use kvpool_core::{PinRequest, PutPlan, PutRefusal, PutSpec};
+use kvpool_core::{PinRequest, PutRefusal, PutSpec};
 use kvpool_proto::{
     ErrorCode, Grant, Limits, Location, NodePutRequest, PinSpec, PutDoneRequest, PutFromRequest, PutIntentRequest,
     PutItem, PutMode, Response, StatusList, WriteRequest,
@@ -104,6 +104,8 @@ async fn stage<S: ValueSource>(
     let upsert = mode == PutMode::Upsert;
     // Space is waited for once per request, not per item.
     let space_by = Deadline::now() + s.store.cfg.put_wait;
+    // Each admitted plan holds its block's id until it is committed: those still here at an
+    // early return are dropped with it and give their ids back.
     let plans = {
         let specs: Vec<PutSpec<'_>> = items.iter().map(spec).collect();
         s.store.plan_put(tenant, &specs, upsert)
@@ -113,10 +115,8 @@ async fn stage<S: ValueSource>(
     let mut staged = Vec::with_capacity(items.len());
     for (item, plan) in items.into_iter().zip(plans) {
         let placed = match plan {
-            PutPlan::Skip(refusal) => Err(refusal_code(refusal)),
-            PutPlan::Store(planned) => {
-                s.store.reserve_for(planned, item.size, into_dram, space_by).await.map_err(|e| put_code(&e))
-            }
+            Err(refusal) => Err(refusal_code(refusal)),
+            Ok(plan) => s.store.reserve_for(plan, item.size, into_dram, space_by).await.map_err(|e| put_code(&e)),
         };
         let mut st = Staged { item, placed };
         src.arrive(&mut st).await?;

@@ -129,6 +129,8 @@ pub struct Store {
     events: std::sync::OnceLock<Arc<EventLog>>,
     /// Where DRAM victims may go before SSD: another node's free DRAM (a cluster storage node).
     offload: std::sync::OnceLock<Arc<dyn Offload>>,
+    /// Plans dropped before their commit, released at the next put.
+    abandoned: Arc<put::Abandoned>,
 }
 
 /// The index, locked. Unlocking hands the KV events of what was done under the lock to the
@@ -213,6 +215,7 @@ impl Store {
         let (_, dram_blocks, ssd_blocks) = self.counts();
         m.blocks.with_label_values(&["dram"]).set(dram_blocks as i64);
         m.blocks.with_label_values(&["ssd"]).set(ssd_blocks as i64);
+        m.put_plans.set(self.plans_held() as i64);
     }
 
     /// (blocks, DRAM copies, SSD copies)

@@ -130,6 +130,7 @@ impl Store {
             kick: tokio::sync::Notify::new(),
             events: std::sync::OnceLock::new(),
             offload: std::sync::OnceLock::new(),
+            abandoned: Default::default(),
         });
         store.update_gauges();
         if !rec.snapshot.is_empty() {

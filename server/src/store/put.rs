@@ -5,13 +5,20 @@
 //! The plan (index, then admission and placement, then the index's decision) is the core's one
 //! put decision, [`kvpool_core::plan_put`], which the benchmark's replay runs too; the store
 //! only says where its index and policies are ([`Sides`]). An admitted item's plan
-//! ([`Planned`]) travels unchanged, inside its [`Placed`], to the index's [`Commit`].
+//! ([`Planned`]) travels unchanged, inside its [`Plan`] and then its [`Placed`], to the index's
+//! [`Commit`].
+//!
+//! A plan holds its block's id (a slot of the index) until it is committed. Whatever drops it
+//! first (a put cut short, an item refused for space, a one-sided put that timed out) gives
+//! the slot back: [`Plan`] notes the id on drop, and the index releases it at the store's next
+//! put, under the lock it takes anyway (never from a destructor, which may run anywhere).
 
 use super::dram::DramBlock;
 use super::tier::{Medium, MediumError};
 use super::{checksum, wall_ms, DramCopy, Store};
 use kvpool_core::{Commit, Index, Planned, Policies, PutPlan, PutRefusal, PutSides, PutSpec};
 use kvpool_policy_sdk::{NodeSet, Tier};
+use std::sync::Arc;
 use std::time::Instant;
 use tracing::warn;
 
@@ -23,10 +30,44 @@ pub enum Landing {
     Ssd(Vec<u8>),
 }
 
+/// An admitted item's plan, not yet committed: dropped, it gives its block's id back.
+pub struct Plan {
+    planned: Planned,
+    /// Where a drop notes the plan; `None` once it was handed to the index.
+    ends: Option<Arc<Abandoned>>,
+}
+
+impl Plan {
+    pub fn planned(&self) -> &Planned {
+        &self.planned
+    }
+
+    /// The plan, for the index, which ends it (publishes or releases its id) from here on.
+    fn into_index(mut self) -> Planned {
+        self.ends = None;
+        self.planned
+    }
+}
+
+impl Drop for Plan {
+    fn drop(&mut self) {
+        if let Some(a) = self.ends.take() {
+            a.0.lock().push(self.planned);
+        }
+    }
+}
+
+/// Plans dropped before their commit, for the index to release at the next put.
+#[derive(Default)]
+pub(crate) struct Abandoned(parking_lot::Mutex<Vec<Planned>>);
+
+/// An item's plan as the store hands it out: a plan that holds its block's id, or the refusal.
+pub type ItemPlan = Result<Plan, PutRefusal>;
+
 /// A put item between its plan and its commit: the core's plan, carried as is; where its bytes
 /// land; and, once they have, their xxh3-64 when whoever moved them hashed them on the way.
 pub struct Placed {
-    pub planned: Planned,
+    pub plan: Plan,
     pub landing: Landing,
     pub sum: Option<u64>,
 }
@@ -67,7 +108,9 @@ impl PutSides for Sides<'_> {
     type Copy = DramCopy;
 
     fn with_index<R>(&mut self, f: impl FnOnce(&mut Index<DramCopy>) -> R) -> R {
-        f(&mut self.0.ix())
+        let mut ix = self.0.ix();
+        self.0.release_abandoned(&mut ix);
+        f(&mut ix)
     }
 
     fn with_policies<R>(&mut self, f: impl FnOnce(&mut Policies, &dyn Fn() -> NodeSet) -> R) -> R {
@@ -79,12 +122,35 @@ impl PutSides for Sides<'_> {
 
 impl Store {
     /// Decide every item of a put before any byte is read: existing keys, admission, placement.
-    /// The core's plans, as they are (a refusal by admission is counted here).
-    pub fn plan_put(&self, tenant: u32, specs: &[PutSpec<'_>], upsert: bool) -> Vec<PutPlan> {
+    /// The core's plans, each admitted one holding its block's id until it is committed or
+    /// dropped (a refusal by admission is counted here).
+    pub fn plan_put(&self, tenant: u32, specs: &[PutSpec<'_>], upsert: bool) -> Vec<ItemPlan> {
         let plans = kvpool_core::plan_put(&mut Sides(self), tenant, specs, upsert, self.dram.capacity()).plans;
         let rejected = plans.iter().filter(|p| **p == PutPlan::Skip(PutRefusal::Rejected)).count();
         self.metrics.rejected_puts.with_label_values(&["admission"]).inc_by(rejected as u64);
         plans
+            .into_iter()
+            .map(|p| match p {
+                PutPlan::Store(planned) => Ok(Plan { planned, ends: Some(self.abandoned.clone()) }),
+                PutPlan::Skip(r) => Err(r),
+            })
+            .collect()
+    }
+
+    /// Release the ids of plans dropped since the last time.
+    fn release_abandoned(&self, ix: &mut Index<DramCopy>) {
+        let gone = std::mem::take(&mut *self.abandoned.0.lock());
+        for p in &gone {
+            ix.release_plan(p);
+        }
+    }
+
+    /// Plans that hold an id: made and neither committed nor dropped (those dropped since the
+    /// last put are released first).
+    pub fn plans_held(&self) -> usize {
+        let mut ix = self.ix();
+        self.release_abandoned(&mut ix);
+        ix.plans_held()
     }
 
     fn no_space(&self, tenant: u32) -> PutError {
@@ -98,17 +164,18 @@ impl Store {
     /// DRAM (`into_dram`: they are written there one-sidedly).
     pub async fn reserve_for(
         &self,
-        planned: Planned,
+        plan: Plan,
         size: u64,
         into_dram: bool,
         deadline: tokio::time::Instant,
     ) -> Result<Placed, PutError> {
+        let planned = *plan.planned();
         let landing = if planned.tier == Tier::Ssd && !into_dram {
             Landing::Ssd(vec![0u8; size as usize])
         } else {
             Landing::Dram(self.reserve(planned.tenant, size, deadline).await?)
         };
-        Ok(Placed { planned, landing, sum: None })
+        Ok(Placed { plan, landing, sum: None })
     }
 
     /// Reserve DRAM for `len` bytes, evicting and then waiting for space until `deadline`.
@@ -124,26 +191,27 @@ impl Store {
     /// `AlreadyExists` / `Leased` when the key changed meanwhile. Without a `sum` (nobody hashed
     /// the bytes as they landed) the block is hashed here.
     pub async fn commit(&self, spec: &PutSpec<'_>, placed: Placed) -> Result<(), PutError> {
-        let Placed { planned, landing, sum } = placed;
+        let Placed { plan, landing, sum } = placed;
         match landing {
             Landing::Dram(block) => {
                 let sum = sum.unwrap_or_else(|| checksum(block.bytes()));
-                self.publish(planned, spec, sum, Some(DramCopy(block.commit())), None)
+                self.publish(plan, spec, sum, Some(DramCopy(block.commit())), None)
             }
-            Landing::Ssd(data) => self.commit_ssd(planned, spec, data, sum).await,
+            Landing::Ssd(data) => self.commit_ssd(plan, spec, data, sum).await,
         }
     }
 
     /// Hand a filled block's copies to the index; a copy the index refused is given back.
     fn publish(
         &self,
-        planned: Planned,
+        plan: Plan,
         spec: &PutSpec<'_>,
         sum: u64,
         dram: Option<DramCopy>,
         ssd: Option<u64>,
     ) -> Result<(), PutError> {
         // The record keeps a DRAM copy without its length ([`DramKept`]): its size is it.
+        let planned = *plan.planned();
         if let Some(c) = dram.filter(|c| c.0.len() != spec.size) {
             tracing::error!(
                 planned.id,
@@ -156,8 +224,9 @@ impl Store {
         }
         let soft_ttl = self.cfg.soft_pin_ttl.as_millis() as u64;
         let mut ix = self.ix();
+        self.release_abandoned(&mut ix);
         let r = ix.publish(Commit {
-            planned,
+            planned: plan.into_index(),
             spec: *spec,
             checksum: sum,
             dram,
@@ -187,11 +256,12 @@ impl Store {
     /// Write a block's bytes to the SSD tier, then publish it.
     async fn commit_ssd(
         &self,
-        planned: Planned,
+        plan: Plan,
         spec: &PutSpec<'_>,
         data: Vec<u8>,
         sum: Option<u64>,
     ) -> Result<(), PutError> {
+        let planned = *plan.planned();
         let Some(ssd) = self.ssd.clone() else { return Err(PutError::Refused(PutRefusal::NoSpace)) };
         let Some(extent) = self.reserve_in(&*ssd, spec.size, None).await else {
             return Err(self.no_space(planned.tenant));
@@ -214,7 +284,7 @@ impl Store {
             ssd.release(extent);
             return Err(e);
         }
-        let r = self.publish(planned, spec, sum, None, Some(extent.offset));
+        let r = self.publish(plan, spec, sum, None, Some(extent.offset));
         if r.is_err() {
             ssd.release(extent);
         }

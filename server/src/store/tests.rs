@@ -4,7 +4,7 @@ use super::put::PutError;
 use super::read::{GetPlan, ReadError};
 use super::*;
 use crate::metrics::Metrics;
-use kvpool_core::{BlockRecord, PinRequest, PutPlan, PutRefusal, PutSpec};
+use kvpool_core::{BlockRecord, PinRequest, PutRefusal, PutSpec};
 use kvpool_proto::ErrorCode;
 use std::time::Duration;
 
@@ -117,16 +117,54 @@ async fn two_records_naming_one_extent_leave_it_to_the_newer() {
     assert_eq!(read(&store, "old").await, Err(ErrorCode::NotFound));
 }
 
+/// A plan holds its block's id until committed; one dropped on the way (before its space, with
+/// its space, or refused at commit) gives it back at the next put, and the committed one stays.
+#[tokio::test]
+async fn plans_dropped_before_their_commit_give_their_ids_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Store::open(cfg(dir.path()), Arc::new(Metrics::new()), crate::policy::builtin_policies(0)).unwrap();
+    let item = |k: &'static [u8]| PutSpec {
+        key: k,
+        size: 4096,
+        parent: None,
+        tokens: 0,
+        seq_tokens: 0,
+        pin: PinRequest::None,
+    };
+    let items = [item(b"a"), item(b"b"), item(b"c"), item(b"d")];
+    let mut plans = store.plan_put(1, &items, false).into_iter().map(|p| match p {
+        Ok(p) => p,
+        Err(r) => panic!("refused: {r:?}"),
+    });
+    let (a, b, c, d) = (plans.next().unwrap(), plans.next().unwrap(), plans.next().unwrap(), plans.next().unwrap());
+    assert_eq!(store.plans_held(), 4);
+    let by = tokio::time::Instant::now() + Duration::from_secs(1);
+    drop(a);
+    let placed_b = store.reserve_for(b, 4096, false, by).await.unwrap();
+    drop(placed_b);
+    let mut placed_c = store.reserve_for(c, 4096, false, by).await.unwrap();
+    placed_c.bytes_mut().fill(1);
+    assert_eq!(code(store.commit(&items[2], placed_c).await), ErrorCode::Ok);
+    // Committed into a key that another put took meanwhile: refused, and its id is given back.
+    let mut placed_d = store.reserve_for(d, 4096, false, by).await.unwrap();
+    placed_d.bytes_mut().fill(2);
+    assert_eq!(code(store.commit(&items[2], placed_d).await), ErrorCode::AlreadyExists);
+    assert_eq!(store.plans_held(), 0);
+    assert_eq!(store.exists(1, &[b"a".to_vec(), b"b".to_vec(), b"c".to_vec()]), vec![false, false, true]);
+    assert_eq!(read(&store, "c").await.unwrap(), vec![1u8; 4096]);
+    assert_eq!(store.counts().0, 1);
+}
+
 #[tokio::test]
 async fn a_block_found_corrupt_on_the_way_out_is_counted_and_removed() {
     let dir = tempfile::tempdir().unwrap();
     let store = Store::open(cfg(dir.path()), Arc::new(Metrics::new()), crate::policy::builtin_policies(0)).unwrap();
     let item = PutSpec { key: b"k", size: 4096, parent: None, tokens: 0, seq_tokens: 0, pin: PinRequest::None };
-    let PutPlan::Store(planned) = store.plan_put(1, std::slice::from_ref(&item), false).remove(0) else {
+    let Ok(plan) = store.plan_put(1, std::slice::from_ref(&item), false).remove(0) else {
         panic!("expected a plan to store");
     };
     let by = tokio::time::Instant::now() + Duration::from_secs(1);
-    let mut placed = store.reserve_for(planned, 4096, false, by).await.unwrap();
+    let mut placed = store.reserve_for(plan, 4096, false, by).await.unwrap();
     assert!(matches!(placed.landing, super::put::Landing::Dram(_)));
     placed.bytes_mut().fill(7);
     assert_eq!(code(store.commit(&item, placed).await), ErrorCode::Ok);
