@@ -3,7 +3,7 @@
 //! core (`kvpool_core::Index` and `kvpool_core::Policies`, no I/O): the same calls the store
 //! makes, in the same order, with one DRAM tier of `capacity` blocks of size 1:
 //!
-//! - every put attempt gets a fresh dense block id from the index; a block keeps its key hash
+//! - every put attempt gets a fresh block id from the index; a block keeps its key hash
 //!   ([`kvpool_policy_sdk::key_hash`] of the key bytes, tenant 0) across evictions and re-puts;
 //! - a `lookup` reports every absent key of the chain as a `Missed` event (key hash, chain
 //!   position, the resident block before it); a `get` reads (and leases) blocks, `Accessed`;

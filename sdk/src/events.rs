@@ -36,7 +36,8 @@ impl EventKind {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Event {
     pub kind: EventKind,
-    /// Dense block id, fresh for every put (never reused); [`NO_ID`] on a miss.
+    /// Block id, fresh for every put (never reused); [`NO_ID`] on a miss. Opaque: the host's
+    /// table slot (low 32 bits) and that slot's generation, so neither small nor in put order.
     pub id: u64,
     /// Key hash ([`key_hash`](crate::key_hash)): the same for a key whatever block id it has.
     pub key: u64,

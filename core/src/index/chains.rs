@@ -4,7 +4,7 @@
 use super::Index;
 use crate::blocks::{Block, CopyHandle, Kids};
 use crate::table::slot_of;
-use kvpool_policy_sdk::{Pin, NO_DEPTH};
+use kvpool_policy_sdk::{Pin, NO_DEPTH, NO_PARENT};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -71,6 +71,19 @@ impl<D: CopyHandle> Index<D> {
         }
     }
 
+    /// The top of `id`'s chain: its furthest resident ancestor (`id` itself for a block with no
+    /// resident parent). Walks at most as many links as there are blocks.
+    pub(super) fn root_of(&self, id: u64) -> u64 {
+        let mut cur = id;
+        for _ in 0..=self.blocks.len() {
+            match self.blocks.get(cur).map(|b| b.parent) {
+                Some(p) if p != NO_PARENT && self.blocks.contains(p) => cur = p,
+                _ => break,
+            }
+        }
+        cur
+    }
+
     /// Depth of a block whose parent is `parent` (a resident id or none) and whose parent key
     /// is `parent_key`.
     pub(super) fn depth_under(&self, parent: u64, parent_key: Option<&[u8]>) -> u32 {
@@ -87,6 +100,11 @@ impl<D: CopyHandle> Index<D> {
         let mut sub = vec![id];
         let mut i = 0;
         while i < sub.len() {
+            // Chains are trees (publication and recovery never link a loop); should one ever
+            // not be, the victim stays rather than the walk going round for ever.
+            if sub.len() > self.blocks.len() {
+                return None;
+            }
             let b = self.blocks.get(sub[i]).expect("resident");
             for c in self.kids_of(sub[i], b) {
                 let cb = self.blocks.get(c)?;

@@ -260,14 +260,23 @@ impl<D: CopyHandle> Index<D> {
         self.clock(wall_ms.saturating_mul(1000));
         let stamp = self.next_stamp();
         let hash = key_hash(tenant, spec.key);
-        // Resident blocks that were waiting for this key as their parent.
-        let children: Vec<u64> = self
+        // Resident blocks that were waiting for this key as their parent. One that is this
+        // block's own ancestor (puts that name each other as parents) keeps waiting: adopted, it
+        // would close a loop that chain walks would never leave.
+        let mut children: Vec<u64> = self
             .orphans
             .remove(&probe(tenant, spec.key))
             .unwrap_or_default()
             .into_iter()
             .filter(|&c| self.blocks.contains(c))
             .collect();
+        if !children.is_empty() && parent != NO_PARENT {
+            let root = self.root_of(parent);
+            if let Some(i) = children.iter().position(|&c| c == root) {
+                let pk: Arc<[u8]> = spec.key.into();
+                self.orphans.entry((tenant, pk)).or_default().push(children.swap_remove(i));
+            }
+        }
         for c in &children {
             self.blocks.get_mut(*c).expect("filtered").parent = id;
             self.orphan_keys.remove(c);

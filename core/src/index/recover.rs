@@ -3,6 +3,7 @@
 use super::{saturate, Index};
 use crate::blocks::{Block, BlockRecord, CopyHandle, KeyAt, Kids, Locator, Stamp, MAX_KEY_LEN};
 use crate::effects::MetaOp;
+use crate::table::slot_of;
 use kvpool_policy_sdk::{Events, Pin, Tier, NO_DEPTH, NO_PARENT};
 use std::sync::Arc;
 
@@ -99,10 +100,24 @@ impl<D: CopyHandle> Index<D> {
             self.tenant_mut(tenant).resident += 1;
             out.kept += 1;
         }
-        // In id order (ids were given in record order), so that children lists are stable.
+        // In id order (ids were given in record order), so that children lists are stable. A
+        // link that would close a loop (records that name each other, or themselves, as
+        // parents) is not made: that child waits for its parent key as if it were absent. `top`
+        // finds each block's chain top as linked so far (union-find by slot, paths halved); a
+        // child is still the top of its own chain when it is linked.
+        let mut top: Vec<u32> = (0..self.blocks.slot_bound() as u32).collect();
+        let find = |top: &mut Vec<u32>, mut x: u32| {
+            while top[x as usize] != x {
+                top[x as usize] = top[top[x as usize] as usize];
+                x = top[x as usize];
+            }
+            x
+        };
         for (id, tenant, pk) in parents {
-            match self.blocks.id_of(tenant, &pk) {
+            let (cs, parent) = (slot_of(id), self.blocks.id_of(tenant, &pk));
+            match parent.filter(|&pid| find(&mut top, slot_of(pid)) != cs) {
                 Some(pid) => {
+                    top[cs as usize] = slot_of(pid);
                     self.add_kid(pid, id);
                     self.blocks.get_mut(id).expect("listed").parent = pid;
                 }

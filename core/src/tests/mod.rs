@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 // Policy SDK 0.2: key identity, misses, chain rule, warm snapshot.
+mod loops;
 mod sdk;
 
 /// A DRAM copy for tests: a name, and a share count standing for in-flight readers.
