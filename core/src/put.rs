@@ -67,12 +67,25 @@ pub fn plan_put<S: PutSides>(
     let (decisions, placed) = if batch.is_empty() {
         (Vec::new(), None)
     } else {
-        sides.with_policies(|pol, nodes| {
-            let decisions = pol.admission.admit(&batch);
-            let placed =
-                pol.placement.as_mut().map(|p| placed_tiers(&p.place(&placement_batch(&batch), &nodes()), batch.len()));
-            (decisions, placed)
-        })
+        // The rows asked hold their ids from here: a policy that panics (a native one's bug;
+        // guarded Wasm modules trap instead) must not take them along.
+        let asked = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+            sides.with_policies(|pol, nodes| {
+                let decisions = pol.admission.admit(&batch);
+                let placed = pol
+                    .placement
+                    .as_mut()
+                    .map(|p| placed_tiers(&p.place(&placement_batch(&batch), &nodes()), batch.len()));
+                (decisions, placed)
+            })
+        }));
+        match asked {
+            Ok(answers) => answers,
+            Err(panic) => {
+                sides.with_index(|ix| ix.release_pending(&pending));
+                std::panic::resume_unwind(panic)
+            }
+        }
     };
     let plans = sides.with_index(|ix| ix.decide_put(tenant, &pending, &batch, &decisions, placed.as_deref()));
     let policy_rejected = decisions.iter().take(batch.len()).filter(|d| **d == Admit::Reject).count();

@@ -208,6 +208,16 @@ impl<D: CopyHandle> Index<D> {
         self.blocks.release(planned.id)
     }
 
+    /// Release what a put's rows asked of admission hold ([`Index::plan_put`]), when no
+    /// decision will be taken on them.
+    pub(crate) fn release_pending(&mut self, pending: &[Pending]) {
+        for p in pending {
+            if let Pending::Ask { id, .. } = *p {
+                self.blocks.release(id);
+            }
+        }
+    }
+
     /// Slots held by plans that are neither published nor released yet.
     pub fn plans_held(&self) -> usize {
         self.blocks.held()

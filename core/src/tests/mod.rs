@@ -564,3 +564,23 @@ fn a_demoted_chain_keeps_its_leaves_in_the_ssd_tier() {
     p.index.plan_get(T1, &keys(&["b"]), now, 3_000_000);
     assert_eq!(p.select_victims(Tier::Ssd, 100, now), vec![b], "the leaf of the SSD tier goes first");
 }
+
+/// A native admission policy that panics mid-put: the put's rows give their ids back.
+#[test]
+fn a_policy_that_panics_mid_put_leaves_no_plan_held() {
+    struct Panics;
+    impl AdmissionPolicy for Panics {
+        fn on_events(&mut self, _: &Events) {}
+        fn admit(&mut self, _: &AdmitBatch) -> Vec<Admit> {
+            panic!("a bug in a native policy")
+        }
+    }
+    let mut p: Pool<Copy> =
+        Pool::new(Index::new(GRAN, false), Policies::new(Box::new(Native(LeafLru::new())), Box::new(Native(Panics))));
+    let items = [spec(b"a", 100, None), spec(b"b", 100, Some(b"a"))];
+    let r = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        p.plan_put(T1, &items, false, 1 << 30, &NodeSet::default())
+    }));
+    assert!(r.is_err(), "the panic goes on to the caller");
+    assert_eq!(p.index.plans_held(), 0);
+}
