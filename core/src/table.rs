@@ -158,7 +158,9 @@ impl<D: CopyHandle> Blocks<D> {
         self.free = slot;
     }
 
-    fn slot(&self, id: u64) -> Option<usize> {
+    /// The slot of a block: a dense index below [`Blocks::slot_bound`], for per-block scratch
+    /// arrays (a walk over every block needs no hash set).
+    pub(crate) fn slot(&self, id: u64) -> Option<usize> {
         let (gen, slot) = split(id);
         match self.slots.get(slot as usize) {
             Some(Slot::Live(b)) if b.gen == gen => Some(slot as usize),
@@ -264,12 +266,6 @@ impl<D: CopyHandle> Blocks<D> {
         self.free_slot(slot, gen);
         self.keys.free(b.key);
         Some((b, key))
-    }
-
-    /// The slot of a block: a dense index below [`Blocks::slot_bound`], for per-block scratch
-    /// arrays (a walk over every block needs no hash set).
-    pub(crate) fn slot_of(&self, id: u64) -> Option<usize> {
-        self.slot(id)
     }
 
     /// Every slot is below this.

@@ -61,7 +61,7 @@ impl<D: CopyHandle> Index<D> {
                 if p == NO_PARENT || stack.len() > blocks.len() {
                     break;
                 }
-                match blocks.slot_of(p) {
+                match blocks.slot(p) {
                     Some(ps) => cur = ps,
                     None => break,
                 }

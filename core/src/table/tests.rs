@@ -105,7 +105,7 @@ fn agrees_with_a_map_model() {
         assert_eq!(t.id_of(*tenant, key), Some(*id));
         let b = t.get(*id).expect("present");
         assert_eq!((b.tenant, t.key(b)), (*tenant, &key[..]));
-        let s = t.slot_of(*id).expect("present");
+        let s = t.slot(*id).expect("present");
         assert_eq!(t.id_at(s as u32), Some(*id));
         assert!(s < t.slot_bound());
     }
