@@ -8,7 +8,7 @@ use crate::{
 use kvpool_proto::{ErrorCode, Hello, HelloOk, Request, Response, MIN_PROTOCOL_VERSION, PROTOCOL_VERSION};
 use std::net::SocketAddr;
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 pub(crate) async fn resolve(server: &str) -> Result<SocketAddr> {
     let mut addrs = tokio::net::lookup_host(server)
@@ -35,10 +35,12 @@ pub(crate) fn quic_config(
     Ok(qc)
 }
 
+/// The endpoint a client connects from, its socket watched for ICMP port unreachable (the
+/// [`kvpool_net::Refusals`] say when the server's process is gone).
 pub(crate) fn client_endpoint(
     addr: &SocketAddr,
     tuning: &kvpool_net::QuicTuning,
-) -> Result<(quinn::Endpoint, kvpool_net::SocketBuffers)> {
+) -> Result<(quinn::Endpoint, kvpool_net::SocketBuffers, kvpool_net::Refusals)> {
     let bind: SocketAddr = if addr.is_ipv6() { "[::]:0".parse() } else { "0.0.0.0:0".parse() }.expect("literal");
     let mut tuning = *tuning;
     match std::env::var("KVPOOL_QUIC_DRIVERS").as_deref() {
@@ -46,19 +48,29 @@ pub(crate) fn client_endpoint(
         Ok("io") => tuning.drivers = kvpool_net::Drivers::IoThread,
         _ => {}
     }
-    kvpool_net::endpoint(bind, None, &tuning).map_err(|e| ClientError::Io(e.to_string()))
+    kvpool_net::endpoint_watched(bind, &tuning).map_err(|e| ClientError::Io(e.to_string()))
 }
 
+/// A QUIC handshake with the server at `addr`. It fails as soon as the server's host answers
+/// that nothing listens there (its process is not running), else within the request timeout.
 pub(crate) async fn handshake(
     endpoint: &quinn::Endpoint,
+    refusals: &kvpool_net::Refusals,
     quic: &quinn::ClientConfig,
     addr: SocketAddr,
     cfg: &ClientConfig,
 ) -> Result<quinn::Connection> {
     let connect_err = |message: String| ClientError::Connect { addr: cfg.server.clone(), message };
+    let started = Instant::now();
     let connecting =
         endpoint.connect_with(quic.clone(), addr, &cfg.server_name).map_err(|e| connect_err(e.to_string()))?;
-    match tokio::time::timeout(cfg.request_timeout, connecting).await {
+    let done = tokio::select! {
+        done = tokio::time::timeout(cfg.request_timeout, connecting) => done,
+        _ = refusals.refused(addr, started) => {
+            return Err(connect_err(format!("nothing listens on {addr} (ICMP port unreachable): the server is not running")));
+        }
+    };
+    match done {
         Err(_) => Err(connect_err(format!("no QUIC handshake within {:?}", cfg.request_timeout))),
         Ok(Ok(c)) => Ok(c),
         Ok(Err(e)) => match ClientError::from(e) {
@@ -93,22 +105,43 @@ pub(crate) async fn hello(conn: &quinn::Connection, cfg: &ClientConfig, version:
 
 pub(crate) async fn establish(
     endpoint: &quinn::Endpoint,
+    refusals: &kvpool_net::Refusals,
     quic: &quinn::ClientConfig,
     addr: SocketAddr,
     cfg: &ClientConfig,
 ) -> Result<Session> {
-    let conn = handshake(endpoint, quic, addr, cfg).await?;
-    let hello = match hello(&conn, cfg, PROTOCOL_VERSION).await {
+    let conn = handshake(endpoint, refusals, quic, addr, cfg).await?;
+    let session = match hello(&conn, cfg, PROTOCOL_VERSION).await {
         // A server older than this client: speak its version (it closed that connection).
         Err(ClientError::Status { code: ErrorCode::UnsupportedVersion, .. }) if PROTOCOL_VERSION > 1 => {
             conn.close(kvpool_proto::close::OK.into(), b"retry with version 1");
-            let conn = handshake(endpoint, quic, addr, cfg).await?;
+            let conn = handshake(endpoint, refusals, quic, addr, cfg).await?;
             let h = hello(&conn, cfg, 1).await;
-            return finish_session(conn, h);
+            finish_session(conn, h)?
         }
-        h => h,
+        h => finish_session(conn, h)?,
     };
-    finish_session(conn, hello)
+    close_when_refused(&session.conn, refusals, addr);
+    Ok(session)
+}
+
+/// Close `conn` when the server's host says nothing listens on its port any more: the server's
+/// process is gone, and every call waiting on it fails now instead of at a watchdog's bound or
+/// the idle timeout (the next call connects again).
+fn close_when_refused(conn: &quinn::Connection, refusals: &kvpool_net::Refusals, addr: SocketAddr) {
+    if !refusals.watched() {
+        return;
+    }
+    let (conn, refusals, since) = (conn.clone(), refusals.clone(), Instant::now());
+    tokio::spawn(async move {
+        tokio::select! {
+            _ = conn.closed() => {}
+            _ = refusals.refused(addr, since) => {
+                tracing::warn!(server = %addr, "the server's port answered unreachable (its process is gone): connection closed");
+                conn.close(kvpool_proto::close::OK.into(), b"server port unreachable");
+            }
+        }
+    });
 }
 
 pub(crate) fn finish_session(conn: quinn::Connection, hello: Result<HelloOk>) -> Result<Session> {

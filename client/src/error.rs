@@ -87,6 +87,10 @@ impl From<quinn::ConnectionError> for ClientError {
             // QUIC carries TLS alerts as transport codes 0x100..=0x1ff.
             C::ConnectionClosed(c) if is_crypto(u64::from(c.error_code)) => ClientError::Tls(e.to_string()),
             C::TransportError(t) if is_crypto(u64::from(t.code)) => ClientError::Tls(e.to_string()),
+            C::LocallyClosed => ClientError::Closed(
+                "connection closed by this client (closed by its owner, or its server's port answered unreachable)"
+                    .into(),
+            ),
             _ => ClientError::Closed(e.to_string()),
         }
     }

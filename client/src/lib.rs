@@ -96,6 +96,8 @@ struct Inner {
     cfg: ClientConfig,
     addr: SocketAddr,
     endpoint: quinn::Endpoint,
+    /// ICMP port unreachable seen on the endpoint's socket (the server's process is gone).
+    refusals: kvpool_net::Refusals,
     quic: quinn::ClientConfig,
     session: RwLock<Session>,
     /// Serialises reconnects so that a dropped connection is re-established once.
@@ -236,9 +238,9 @@ impl Client {
     /// storage nodes and cluster clients, which know what they talk to.
     pub async fn connect_direct(cfg: ClientConfig) -> Result<Client> {
         let addr = resolve(&cfg.server).await?;
-        let (endpoint, bufs) = client_endpoint(&addr, &cfg.quic)?;
+        let (endpoint, bufs, refusals) = client_endpoint(&addr, &cfg.quic)?;
         let quic = quic_config(&cfg, &addr, &bufs)?;
-        let mut session = establish(&endpoint, &quic, addr, &cfg).await?;
+        let mut session = establish(&endpoint, &refusals, &quic, addr, &cfg).await?;
         let registry = Arc::new(shm::Registry::default());
         attach_shm(&mut session, &cfg, addr, &registry).await?;
         session.bulk = bulk::BulkLink::for_server(&cfg, addr, session.hello.version)?;
@@ -247,6 +249,7 @@ impl Client {
                 cfg,
                 addr,
                 endpoint,
+                refusals,
                 quic,
                 session: RwLock::new(session),
                 reconnect: tokio::sync::Mutex::new(()),
@@ -315,7 +318,8 @@ impl Client {
             return Ok(s);
         }
         tracing::info!(server = %self.inner.cfg.server, "connection lost, reconnecting");
-        let mut fresh = establish(&self.inner.endpoint, &self.inner.quic, self.inner.addr, &self.inner.cfg).await?;
+        let i = &self.inner;
+        let mut fresh = establish(&i.endpoint, &i.refusals, &i.quic, i.addr, &i.cfg).await?;
         attach_shm(&mut fresh, &self.inner.cfg, self.inner.addr, &self.inner.registry).await?;
         fresh.bulk = bulk::BulkLink::for_server(&self.inner.cfg, self.inner.addr, fresh.hello.version)?;
         *self.inner.session.write().unwrap_or_else(|p| p.into_inner()) = fresh.clone();

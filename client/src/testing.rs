@@ -32,9 +32,9 @@ pub struct RawConnection {
 impl RawConnection {
     pub async fn connect(cfg: &ClientConfig) -> Result<RawConnection> {
         let addr = resolve(&cfg.server).await?;
-        let (endpoint, bufs) = client_endpoint(&addr, &cfg.quic)?;
+        let (endpoint, bufs, refusals) = client_endpoint(&addr, &cfg.quic)?;
         let quic = quic_config(cfg, &addr, &bufs)?;
-        let conn = handshake(&endpoint, &quic, addr, cfg).await?;
+        let conn = handshake(&endpoint, &refusals, &quic, addr, cfg).await?;
         Ok(RawConnection { endpoint, conn, timeout: cfg.request_timeout })
     }
 

@@ -26,10 +26,12 @@
 pub mod bulk;
 mod counters;
 mod drivers;
+mod refusals;
 mod split;
 
 pub use counters::{udp_stats, UdpStats};
 pub use drivers::{io_threads, Drivers, IoThread};
+pub use refusals::Refusals;
 pub use split::SplitSends;
 
 use serde::{Deserialize, Serialize};
@@ -244,12 +246,36 @@ pub fn endpoint_with(
     server: Option<quinn::ServerConfig>,
     drivers: Drivers,
 ) -> Result<quinn::Endpoint, NetError> {
+    Ok(make_endpoint(sock, server, drivers, false)?.0)
+}
+
+/// A client endpoint as [`endpoint`] makes one, its socket watched for ICMP errors: the
+/// [`Refusals`] say when a server's port stopped answering (its process is gone).
+pub fn endpoint_watched(
+    addr: SocketAddr,
+    tuning: &QuicTuning,
+) -> Result<(quinn::Endpoint, SocketBuffers, Refusals), NetError> {
+    let (sock, bufs) = bind_udp(addr, tuning.udp_buffer)?;
+    let (endpoint, refusals) = make_endpoint(sock, None, tuning.drivers, true)?;
+    Ok((endpoint, bufs, refusals))
+}
+
+fn make_endpoint(
+    sock: UdpSocket,
+    server: Option<quinn::ServerConfig>,
+    drivers: Drivers,
+    watch: bool,
+) -> Result<(quinn::Endpoint, Refusals), NetError> {
     let runtime: Arc<dyn quinn::Runtime> = match drivers {
         Drivers::Caller => quinn::default_runtime().ok_or(NetError::NoRuntime)?,
         Drivers::IoThread => Arc::new(IoThread::next().map_err(NetError::Endpoint)?),
     };
-    let sock = Arc::new(SplitSends::new(runtime.wrap_udp_socket(sock).map_err(NetError::Endpoint)?));
-    quinn::Endpoint::new_with_abstract_socket(endpoint_config(), server, sock, runtime).map_err(NetError::Endpoint)
+    let refusals = if watch { Refusals::watch(&sock, &*runtime) } else { Refusals::default() };
+    let inner = runtime.wrap_udp_socket(sock).map_err(NetError::Endpoint)?;
+    let sock = Arc::new(if refusals.watched() { SplitSends::with_icmp_reports(inner) } else { SplitSends::new(inner) });
+    let endpoint = quinn::Endpoint::new_with_abstract_socket(endpoint_config(), server, sock, runtime)
+        .map_err(NetError::Endpoint)?;
+    Ok((endpoint, refusals))
 }
 
 /// Transport settings for bulk transfer on a path of `kind`. Callers add their own stream
@@ -450,7 +476,7 @@ mod loopback {
     use std::time::Duration;
 
     /// A server's and a client's TLS settings for "localhost" (a fresh self-signed certificate).
-    fn tls_pair() -> (rustls::ServerConfig, rustls::ClientConfig) {
+    pub(crate) fn tls_pair() -> (rustls::ServerConfig, rustls::ClientConfig) {
         let cert = rcgen::generate_simple_self_signed(vec!["localhost".into()]).unwrap();
         let der = rustls::pki_types::CertificateDer::from(cert.cert.der().to_vec());
         let key = rustls::pki_types::PrivateKeyDer::try_from(cert.key_pair.serialize_der()).unwrap();

@@ -1,6 +1,8 @@
 //! Harness for the end-to-end tests: starts a real `kvpool-server` process on a temp data dir
 //! with a generated config, and connects clients to it.
 
+pub mod cluster;
+
 use kvpool_client::{Client, ClientConfig, Trust};
 use sha2::{Digest, Sha256};
 use std::path::{Path, PathBuf};
@@ -190,6 +192,19 @@ sha256 = "{bob}"
             unsafe { libc::kill(c.id() as i32, libc::SIGKILL) };
             let _ = c.wait();
         }
+    }
+
+    /// SIGSTOP: the process stays, its sockets open, and answers nothing (a hung node, or one
+    /// whose host dropped off the network) until [`TestServer::thaw`].
+    pub fn freeze(&self) {
+        // SAFETY: plain kill(2) on our own child.
+        unsafe { libc::kill(self.pid() as i32, libc::SIGSTOP) };
+    }
+
+    /// SIGCONT after [`TestServer::freeze`].
+    pub fn thaw(&self) {
+        // SAFETY: plain kill(2) on our own child.
+        unsafe { libc::kill(self.pid() as i32, libc::SIGCONT) };
     }
 
     /// Graceful stop (SIGTERM), then start again on the same data dir.

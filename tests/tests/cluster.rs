@@ -1,78 +1,13 @@
 //! A cluster pool of real processes on 127.0.0.1: a master and storage nodes, driven through
 //! `ClusterClient` and the `kvpool nodes` command.
 
-use kvpool_client::proto::{EventScope, KvEventKind, NodeInfo};
-use kvpool_client::{ClientConfig, ClusterClient, ErrorCode, PutEntry, PutMode, PutOptions, Trust};
+use kvpool_client::proto::{EventScope, KvEventKind};
+use kvpool_client::{ClientConfig, ClusterClient, ErrorCode, PutOptions, Trust};
+use kvpool_tests::cluster::{
+    chain, cluster, master, nodes_until, put_chain, read_back, storage, visible, Cluster, REPORT_MS, TIMEOUT_MS,
+};
 use kvpool_tests::{bin, value_for, Opts, TestServer, ADMIN_KEY, ALICE_KEY, BOB_KEY};
 use std::time::{Duration, Instant};
-
-const REPORT_MS: u64 = 100;
-// Generous: five cluster tests share two cores in CI, and a node must not be declared dead for
-// a slow report.
-const TIMEOUT_MS: u64 = 2000;
-
-struct Cluster {
-    master: TestServer,
-    nodes: Vec<TestServer>,
-    /// Holds the master's admin key file for the storage nodes.
-    _keys: tempfile::TempDir,
-}
-
-fn master() -> TestServer {
-    TestServer::start(Opts {
-        dram: "1MiB",
-        extra: format!("[cluster]\nrole = \"master\"\nreport_ms = {REPORT_MS}\nnode_timeout_ms = {TIMEOUT_MS}\n"),
-        ..Opts::default()
-    })
-}
-
-fn storage(
-    master: &TestServer,
-    key_file: &std::path::Path,
-    name: &str,
-    dram: &'static str,
-    ssd: &'static str,
-) -> TestServer {
-    let extra = format!(
-        "[cluster]\nrole = \"storage\"\nmaster = \"{}\"\nmaster_fingerprint = \"{}\"\nmaster_key_file = \"{}\"\nnode_name = \"{name}\"\n",
-        master.addr(),
-        master.endpoint["fingerprint"].as_str().expect("fingerprint"),
-        key_file.display()
-    );
-    TestServer::start(Opts { dram, ssd, extra, ..Opts::default() })
-}
-
-fn cluster(n: usize, dram: &'static str, ssd: &'static str) -> Cluster {
-    let keys = tempfile::tempdir().unwrap();
-    let key_file = keys.path().join("master-key");
-    std::fs::write(&key_file, format!("{ADMIN_KEY}\n")).unwrap();
-    let master = master();
-    let nodes = (0..n).map(|i| storage(&master, &key_file, &format!("s{i}"), dram, ssd)).collect();
-    Cluster { master, nodes, _keys: keys }
-}
-
-impl Cluster {
-    fn config(&self, key: &str) -> ClientConfig {
-        let cert = std::path::PathBuf::from(self.master.endpoint["cert_path"].as_str().unwrap());
-        let mut cfg = ClientConfig::new(self.master.addr(), key, Trust::CaFile(cert));
-        cfg.transport = kvpool_tests::test_transport();
-        // A killed node must not hold a request for long.
-        cfg.request_timeout = Duration::from_secs(3);
-        // Eight clusters share two cores under CI: a live node busy past the default 250 ms
-        // would be taken for dead and its blocks read as misses. The test of a silent node
-        // sets its own bound.
-        cfg.node_answer_within = Duration::from_secs(1);
-        cfg
-    }
-
-    async fn client(&self, key: &str) -> ClusterClient {
-        ClusterClient::connect(self.config(key)).await.expect("connect to the master")
-    }
-
-    fn key_file(&self) -> std::path::PathBuf {
-        self._keys.path().join("master-key")
-    }
-}
 
 /// `kvpool ARGS` against `master` with `key` (the CLI finds out it is a master): exit code,
 /// stdout, stderr.
@@ -88,68 +23,6 @@ fn kvpool_cluster_cli(master: &TestServer, key: &str, args: &[&str]) -> (Option<
         String::from_utf8_lossy(&out.stdout).into_owned(),
         String::from_utf8_lossy(&out.stderr).into_owned(),
     )
-}
-
-/// Wait until `ok` holds of the master's node list.
-async fn nodes_until(c: &ClusterClient, what: &str, ok: impl Fn(&[NodeInfo]) -> bool) -> Vec<NodeInfo> {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let n = c.nodes().await.expect("nodes");
-        if ok(&n) {
-            return n;
-        }
-        assert!(Instant::now() < deadline, "{what}: nodes are {n:#?}");
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// Wait until the master routes every key (the nodes report their puts a moment later).
-async fn visible(c: &ClusterClient, keys: &[String]) {
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let r = c.route(keys).await.expect("route");
-        if r.items.iter().all(|n| !n.is_empty()) {
-            return;
-        }
-        assert!(Instant::now() < deadline, "the master never learnt of every put: {:?}", r.items);
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-}
-
-fn chain(prefix: &str, n: usize) -> Vec<String> {
-    (0..n).map(|i| format!("{prefix}-{i}")).collect()
-}
-
-async fn put_chain(c: &ClusterClient, keys: &[String], size: usize, replicas: u32) -> Vec<ErrorCode> {
-    let values: Vec<Vec<u8>> = keys.iter().map(|k| value_for(k, size)).collect();
-    let entries: Vec<PutEntry<'_>> = keys
-        .iter()
-        .zip(&values)
-        .enumerate()
-        .map(|(i, (k, v))| PutEntry {
-            key: k.as_bytes(),
-            value: v,
-            opts: PutOptions {
-                parent: (i > 0).then(|| keys[i - 1].as_bytes().to_vec()),
-                tokens: 16,
-                ..Default::default()
-            },
-        })
-        .collect();
-    c.put_batch(&entries, PutMode::Insert, replicas).await.expect("put")
-}
-
-async fn read_back(c: &ClusterClient, keys: &[String], size: usize) -> Vec<ErrorCode> {
-    let got = c.get_batch(keys).await.expect("get");
-    keys.iter()
-        .zip(got)
-        .map(|(k, g)| {
-            if g.status == ErrorCode::Ok {
-                assert!(g.value.as_deref() == Some(value_for(k, size).as_slice()), "{k}: wrong bytes");
-            }
-            g.status
-        })
-        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -634,75 +507,4 @@ async fn a_full_node_moves_its_dram_victims_into_another_nodes_free_dram_before_
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_node_without_ssd_moves_its_dram_victims_into_another_nodes_free_dram() {
     assert_eq!(spill_from_a_full_node("0").await, 0, "there is no SSD to demote to");
-}
-
-/// A killed node sends no close: without the client's probe a read of its blocks would wait for
-/// the connection's idle timeout (30 s here). With it, the read misses those blocks within
-/// `node_answer_within`, later reads skip the node at once, and the node is used again once it
-/// is back.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_silent_dead_node_costs_a_read_a_probe_not_the_idle_timeout() {
-    let mut cl = cluster(2, "64MiB", "0");
-    let mut cfg = cl.config(ALICE_KEY);
-    // QUIC: a killed process on a Unix socket closes it, which says nothing about silence.
-    cfg.transport = kvpool_client::TransportChoice::Quic;
-    cfg.request_timeout = Duration::from_secs(30);
-    cfg.dead_after = Duration::from_secs(30);
-    cfg.node_answer_within = Duration::from_millis(250);
-    let c = ClusterClient::connect(cfg).await.unwrap();
-    nodes_until(&c, "two nodes join", |n| n.len() == 2 && n.iter().all(|n| n.live)).await;
-    const SIZE: usize = 64 << 10;
-    // Chains until both nodes hold some (placement keeps a chain together).
-    let mut keys = Vec::new();
-    let r = loop {
-        let ch = chain(&format!("silent{}", keys.len()), 4);
-        assert_eq!(put_chain(&c, &ch, SIZE, 1).await, vec![ErrorCode::Ok; 4]);
-        keys.extend(ch);
-        visible(&c, &keys).await;
-        let r = c.route(&keys).await.unwrap();
-        if r.items.iter().any(|n| n != &r.items[0]) {
-            break r;
-        }
-        assert!(keys.len() < 64, "every chain went to one node");
-    };
-    assert_eq!(read_back(&c, &keys, SIZE).await, vec![ErrorCode::Ok; keys.len()], "both nodes connected");
-    let victim = r.items[0][0];
-    let on_victim: Vec<bool> = r.items.iter().map(|n| n == &[victim]).collect();
-    let idx = cl.nodes.iter().position(|s| r.nodes.iter().any(|a| a.node == victim && a.addr == s.addr())).unwrap();
-    cl.nodes[idx].kill();
-
-    // The master still routes to the victim (it has not timed it out yet): the reads find it
-    // silent. Bounds are loose for a loaded CI machine; the idle timeout would be 30 s.
-    for round in 0..3 {
-        let t = Instant::now();
-        let got = read_back(&c, &keys, SIZE).await;
-        let took = t.elapsed();
-        for (st, &lost) in got.iter().zip(&on_victim) {
-            assert_eq!(*st, if lost { ErrorCode::NotFound } else { ErrorCode::Ok }, "round {round}");
-        }
-        assert!(took < Duration::from_secs(3), "round {round}: a read waited {took:?} on a dead node");
-    }
-
-    // Back (empty: it had no SSD): new blocks placed on it are stored and read through a
-    // connection the client made again by itself.
-    cl.nodes[idx].start_again();
-    nodes_until(&c, "the node returns", |n| n.iter().filter(|n| n.live).count() == 2).await;
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut round = 0;
-    loop {
-        let keys = chain(&format!("again{round}"), 8);
-        round += 1;
-        let put = put_chain(&c, &keys, SIZE, 1).await;
-        let stored: Vec<String> =
-            keys.iter().zip(&put).filter(|(_, st)| **st == ErrorCode::Ok).map(|(k, _)| k.clone()).collect();
-        visible(&c, &stored).await;
-        let r = c.route(&stored).await.unwrap();
-        let here: Vec<String> =
-            stored.iter().zip(&r.items).filter(|(_, n)| n.contains(&victim)).map(|(k, _)| k.clone()).collect();
-        if !here.is_empty() && read_back(&c, &here, SIZE).await.iter().all(|s| *s == ErrorCode::Ok) {
-            break;
-        }
-        assert!(Instant::now() < deadline, "the returned node never served a block again");
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    }
 }

@@ -1,0 +1,284 @@
+//! Knowing at once that a peer's process is gone: ICMP port unreachable.
+//!
+//! A killed server sends no close, so a QUIC client only finds out when its idle timeout runs
+//! out, or when a watchdog gives up on an answer (the cluster client's `node_answer_within`).
+//! But when the process died and its host did not, the host answers the client's next packet
+//! with ICMP port unreachable, within a round trip. quinn never sees it: its sockets are
+//! unconnected, and the kernel drops ICMP errors for those unless `IP_RECVERR` is set.
+//!
+//! A watched socket has `IP_RECVERR` (`IPV6_RECVERR`) set; a task on the endpoint's runtime
+//! wakes on the socket's error events, drains the error queue and records each port-unreachable
+//! by the address the refused packet went to ([`Refusals`]). The kernel also reports the latest
+//! error once to the next receive call, which quinn would take for a dead socket: the socket
+//! wrapper ([`crate::SplitSends`]) lets such an error pass as nothing received.
+//!
+//! A refusal proves only that nothing listens on that port of that host now; the caller decides
+//! what that means (the client closes its connection to that server: a dead node then costs a
+//! round trip instead of a watchdog's bound). A forged ICMP error can close a connection as a
+//! forged TCP reset can; an attacker who can forge them can also drop the packets.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+use tokio::sync::Notify;
+
+/// Port-unreachable errors seen on one socket, by the address the refused packet was sent to.
+/// Cheap to clone; the watching task stops when the last clone is dropped.
+#[derive(Clone, Default)]
+pub struct Refusals {
+    shared: Arc<Shared>,
+    _stop: Option<Arc<Stop>>,
+}
+
+#[derive(Default)]
+struct Shared {
+    /// When each address last refused a packet (one entry per peer this socket sent to).
+    last: Mutex<HashMap<SocketAddr, Instant>>,
+    changed: Notify,
+}
+
+/// Ends the watching task when dropped.
+struct Stop(Mutex<Option<tokio::sync::oneshot::Sender<()>>>);
+
+impl Drop for Stop {
+    fn drop(&mut self) {
+        if let Some(tx) = self.0.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+impl std::fmt::Debug for Refusals {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Refusals").field("watched", &self._stop.is_some()).finish_non_exhaustive()
+    }
+}
+
+/// Addresses compare as the kernel reports them: an IPv4-mapped IPv6 address as its IPv4 one.
+fn canonical(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip().to_canonical(), a.port())
+}
+
+impl Refusals {
+    /// Whether `peer` refused a packet at or after `since`.
+    pub fn refused_since(&self, peer: SocketAddr, since: Instant) -> bool {
+        let last = self.shared.last.lock().unwrap_or_else(|p| p.into_inner());
+        last.get(&canonical(peer)).is_some_and(|&t| t >= since)
+    }
+
+    /// Wait until `peer` refuses a packet at or after `since` (never, on a socket that is not
+    /// watched).
+    pub async fn refused(&self, peer: SocketAddr, since: Instant) {
+        loop {
+            let changed = self.shared.changed.notified();
+            tokio::pin!(changed);
+            changed.as_mut().enable();
+            if self.refused_since(peer, since) {
+                return;
+            }
+            changed.await;
+        }
+    }
+
+    /// Whether a task watches the socket (on Linux, where `IP_RECVERR` could be set).
+    pub fn watched(&self) -> bool {
+        self._stop.is_some()
+    }
+
+    fn record(shared: &Shared, peer: SocketAddr) {
+        let now = Instant::now();
+        shared.last.lock().unwrap_or_else(|p| p.into_inner()).insert(canonical(peer), now);
+        shared.changed.notify_waiters();
+        tracing::debug!(%peer, "port unreachable: nothing listens there now");
+    }
+
+    /// Watch `sock` (before it is handed to quinn): set `IP_RECVERR`, and start the task that
+    /// drains its error queue on `runtime`. Where that is not possible the handle records
+    /// nothing and says so ([`Refusals::watched`]).
+    pub fn watch(sock: &std::net::UdpSocket, runtime: &dyn quinn::Runtime) -> Refusals {
+        #[cfg(target_os = "linux")]
+        match linux::start(sock, runtime) {
+            Ok(r) => return r,
+            Err(e) => tracing::debug!(error = %e, "ICMP errors not watched on this socket"),
+        }
+        #[cfg(not(target_os = "linux"))]
+        let _ = (sock, runtime);
+        Refusals::default()
+    }
+}
+
+/// Errors the kernel reports once to a receive call after an ICMP error arrived for a socket
+/// with `IP_RECVERR`: they say nothing about the socket, and the error queue holds the detail.
+pub(crate) fn is_icmp_report(e: &std::io::Error) -> bool {
+    #[cfg(unix)]
+    {
+        matches!(
+            e.raw_os_error(),
+            Some(
+                libc::ECONNREFUSED
+                    | libc::EHOSTUNREACH
+                    | libc::ENETUNREACH
+                    | libc::EHOSTDOWN
+                    | libc::EMSGSIZE
+                    | libc::EPROTO
+                    | libc::ENOPROTOOPT
+                    | libc::EACCES
+                    | libc::EOPNOTSUPP
+                    | libc::ENONET
+            )
+        )
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = e;
+        false
+    }
+}
+
+#[cfg(target_os = "linux")]
+mod linux {
+    use super::{Refusals, Shared, Stop};
+    use std::io;
+    use std::mem::{size_of, MaybeUninit};
+    use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
+    use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+    use std::sync::{Arc, Mutex};
+    use tokio::io::unix::AsyncFd;
+    use tokio::io::Interest;
+
+    fn set_int(fd: RawFd, level: libc::c_int, opt: libc::c_int) -> io::Result<()> {
+        let one: libc::c_int = 1;
+        // SAFETY: a valid socket descriptor, and a c_int option value of the size passed.
+        let rc = unsafe {
+            libc::setsockopt(fd, level, opt, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as _)
+        };
+        if rc == 0 {
+            Ok(())
+        } else {
+            Err(io::Error::last_os_error())
+        }
+    }
+
+    pub(super) fn start(sock: &std::net::UdpSocket, runtime: &dyn quinn::Runtime) -> io::Result<Refusals> {
+        let fd = sock.as_raw_fd();
+        if sock.local_addr()?.is_ipv6() {
+            set_int(fd, libc::SOL_IPV6, libc::IPV6_RECVERR)?;
+            // A dual-stack socket's IPv4 peers report through the IPv4 option; an IPv6-only
+            // socket refuses it, which is fine.
+            let _ = set_int(fd, libc::SOL_IP, libc::IP_RECVERR);
+        } else {
+            set_int(fd, libc::SOL_IP, libc::IP_RECVERR)?;
+        }
+        // The task watches a second descriptor of the same socket; quinn keeps the first.
+        let dup: OwnedFd = sock.try_clone()?.into();
+        let shared = Arc::new(Shared::default());
+        let (tx, mut stop) = tokio::sync::oneshot::channel::<()>();
+        let watched = shared.clone();
+        runtime.spawn(Box::pin(async move {
+            // Registered from inside the task: on the endpoint's runtime, whose reactor the
+            // quinn tasks also use.
+            // SAFETY: the descriptor is owned by the `OwnedFd` the AsyncFd holds: it stays open,
+            // and the same, until the AsyncFd is dropped.
+            let afd = match unsafe { AsyncFd::register_with_interest(dup, Interest::ERROR) } {
+                Ok(a) => a,
+                Err(e) => return tracing::debug!(error = %e, "ICMP errors not watched on this socket"),
+            };
+            loop {
+                tokio::select! {
+                    _ = &mut stop => return,
+                    ready = afd.ready(Interest::ERROR) => match ready {
+                        Ok(mut guard) => {
+                            drain(afd.get_ref().as_raw_fd(), &watched);
+                            guard.clear_ready();
+                        }
+                        Err(e) => return tracing::debug!(error = %e, "ICMP error watch ended"),
+                    },
+                }
+            }
+        }));
+        Ok(Refusals { shared, _stop: Some(Arc::new(Stop(Mutex::new(Some(tx))))) })
+    }
+
+    /// Read the socket's error queue to its end; record each port unreachable.
+    fn drain(fd: RawFd, shared: &Shared) {
+        // Bounded: the queue is charged to the socket's receive buffer, so it cannot grow
+        // without bound, and a pass takes what is there now.
+        for _ in 0..1024 {
+            let mut name = MaybeUninit::<libc::sockaddr_storage>::zeroed();
+            // Room for the extended error and the offender's address, aligned for cmsghdr.
+            let mut control = [0u64; 32];
+            let mut data = [0u8; 64];
+            let mut iov = libc::iovec { iov_base: data.as_mut_ptr().cast(), iov_len: data.len() };
+            // SAFETY: an all-zero msghdr is a valid empty header; its pointers are set below.
+            let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+            msg.msg_name = name.as_mut_ptr().cast();
+            msg.msg_namelen = size_of::<libc::sockaddr_storage>() as libc::socklen_t;
+            msg.msg_iov = &mut iov;
+            msg.msg_iovlen = 1;
+            msg.msg_control = control.as_mut_ptr().cast();
+            msg.msg_controllen = size_of::<[u64; 32]>() as _;
+            // SAFETY: every buffer msg points to lives, with the length given, for the call.
+            let n = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_ERRQUEUE | libc::MSG_DONTWAIT) };
+            if n < 0 {
+                return; // EAGAIN: the queue is empty
+            }
+            // SAFETY: the kernel filled `msg_namelen` bytes of the zeroed storage.
+            let peer = unsafe { to_addr(name.as_ptr(), msg.msg_namelen) };
+            if refused(&msg) {
+                if let Some(peer) = peer {
+                    Refusals::record(shared, peer);
+                }
+            }
+        }
+    }
+
+    /// Whether the message's extended error is a port unreachable.
+    fn refused(msg: &libc::msghdr) -> bool {
+        // SAFETY: `msg` came back from recvmsg with its control buffer filled to
+        // `msg_controllen`; the CMSG macros stay inside it.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(msg);
+            while !c.is_null() {
+                let h = &*c;
+                let ours = (h.cmsg_level == libc::SOL_IP && h.cmsg_type == libc::IP_RECVERR)
+                    || (h.cmsg_level == libc::SOL_IPV6 && h.cmsg_type == libc::IPV6_RECVERR);
+                if ours {
+                    let ee: libc::sock_extended_err = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast());
+                    if ee.ee_errno == libc::ECONNREFUSED as u32 {
+                        return true;
+                    }
+                }
+                c = libc::CMSG_NXTHDR(msg, c);
+            }
+        }
+        false
+    }
+
+    /// The socket address in `len` bytes of `storage`.
+    ///
+    /// # Safety
+    /// `storage` points to a `sockaddr_storage` whose first `len` bytes the kernel wrote.
+    unsafe fn to_addr(storage: *const libc::sockaddr_storage, len: libc::socklen_t) -> Option<SocketAddr> {
+        let len = len as usize;
+        // SAFETY: (the caller's) every sockaddr starts with its family.
+        match unsafe { (*storage).ss_family } as libc::c_int {
+            libc::AF_INET if len >= size_of::<libc::sockaddr_in>() => {
+                // SAFETY: an AF_INET address of the full size.
+                let a = unsafe { &*(storage as *const libc::sockaddr_in) };
+                let ip = Ipv4Addr::from(u32::from_be(a.sin_addr.s_addr));
+                Some(SocketAddr::V4(SocketAddrV4::new(ip, u16::from_be(a.sin_port))))
+            }
+            libc::AF_INET6 if len >= size_of::<libc::sockaddr_in6>() => {
+                // SAFETY: an AF_INET6 address of the full size.
+                let a = unsafe { &*(storage as *const libc::sockaddr_in6) };
+                let ip = Ipv6Addr::from(a.sin6_addr.s6_addr);
+                Some(SocketAddr::V6(SocketAddrV6::new(ip, u16::from_be(a.sin6_port), a.sin6_flowinfo, a.sin6_scope_id)))
+            }
+            _ => None,
+        }
+    }
+}
+
+#[cfg(all(test, target_os = "linux"))]
+mod tests;
