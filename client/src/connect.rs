@@ -111,7 +111,7 @@ pub(crate) async fn establish(
     cfg: &ClientConfig,
 ) -> Result<Session> {
     let conn = handshake(endpoint, refusals, quic, addr, cfg).await?;
-    let session = match hello(&conn, cfg, PROTOCOL_VERSION).await {
+    let mut session = match hello(&conn, cfg, PROTOCOL_VERSION).await {
         // A server older than this client: speak its version (it closed that connection).
         Err(ClientError::Status { code: ErrorCode::UnsupportedVersion, .. }) if PROTOCOL_VERSION > 1 => {
             conn.close(kvpool_proto::close::OK.into(), b"retry with version 1");
@@ -121,19 +121,24 @@ pub(crate) async fn establish(
         }
         h => finish_session(conn, h)?,
     };
-    close_when_refused(&session.conn, refusals, addr);
+    session.refusal_watch = close_when_refused(&session.conn, refusals, addr);
     Ok(session)
 }
 
 /// Close `conn` when the server's host says nothing listens on its port any more: the server's
 /// process is gone, and every call waiting on it fails now instead of at a watchdog's bound or
-/// the idle timeout (the next call connects again).
-fn close_when_refused(conn: &quinn::Connection, refusals: &kvpool_net::Refusals, addr: SocketAddr) {
+/// the idle timeout (the next call connects again). The watch holds a handle of the connection
+/// (quinn has no weak one), so it is aborted with the session that owns it.
+fn close_when_refused(
+    conn: &quinn::Connection,
+    refusals: &kvpool_net::Refusals,
+    addr: SocketAddr,
+) -> Option<Arc<WatchTask>> {
     if !refusals.watched() {
-        return;
+        return None;
     }
     let (conn, refusals, since) = (conn.clone(), refusals.clone(), Instant::now());
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         tokio::select! {
             _ = conn.closed() => {}
             _ = refusals.refused(addr, since) => {
@@ -142,13 +147,23 @@ fn close_when_refused(conn: &quinn::Connection, refusals: &kvpool_net::Refusals,
             }
         }
     });
+    Some(Arc::new(WatchTask(task.abort_handle())))
+}
+
+/// A session's refusal watch: aborted when the session's last clone is dropped.
+pub(crate) struct WatchTask(tokio::task::AbortHandle);
+
+impl Drop for WatchTask {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
 }
 
 pub(crate) fn finish_session(conn: quinn::Connection, hello: Result<HelloOk>) -> Result<Session> {
     match hello {
         Ok(hello) => {
             tracing::debug!(tenant = %hello.tenant, server = %hello.server, version = hello.version, "connected to kvpool");
-            Ok(Session { conn, hello, local: None, bulk: None })
+            Ok(Session { conn, hello, local: None, bulk: None, refusal_watch: None })
         }
         Err(e) => {
             conn.close(kvpool_proto::close::OK.into(), b"hello failed");

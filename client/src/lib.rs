@@ -90,6 +90,8 @@ struct Session {
     local: Option<Arc<local::LocalLink>>,
     /// The TCP bulk channel of this connection, when the configuration asks for it.
     bulk: Option<Arc<bulk::BulkLink>>,
+    /// Closes the connection when the server's port answers unreachable; ends with the session.
+    refusal_watch: Option<Arc<connect::WatchTask>>,
 }
 
 struct Inner {

@@ -170,14 +170,15 @@ async fn watched<T>(c: &Client, call: impl Future<Output = Result<T>>, within: D
 }
 
 /// Connect to a node (`cfg`) until it answers (backoff `BACKOFF_MIN`..`BACKOFF_MAX`, cut
-/// short by a kick), then publish the connection. Ends when nobody waits on it any more (the
-/// client was dropped, or the node moved).
+/// short by a kick, but never to less than `BACKOFF_MIN` between attempts), then publish the
+/// connection. Ends when nobody waits on it any more (the client was dropped, or the node moved).
 async fn revive(cfg: ClientConfig, node: u32, tx: watch::Sender<Option<Client>>, kick: Arc<Notify>) {
-    // A handshake to a killed node never completes; attempts are cut short and repeated, so a
+    // A handshake to a silent node never completes; attempts are cut short and repeated, so a
     // node that comes back is found within a backoff of its return.
     let attempt = cfg.node_answer_within.max(Duration::from_millis(300));
     let mut backoff = BACKOFF_MIN;
     loop {
+        let began = tokio::time::Instant::now();
         match tokio::time::timeout(attempt, Client::connect_direct(cfg.clone())).await {
             Ok(Ok(c)) => {
                 if tx.send(Some(c.clone())).is_ok() {
@@ -197,6 +198,10 @@ async fn revive(cfg: ClientConfig, node: u32, tx: watch::Sender<Option<Client>>,
             _ = tokio::time::sleep(backoff) => {}
             _ = kick.notified() => {}
         }
+        // An attempt on a killed node fails within a round trip (its host refuses), and every
+        // call to the node kicks: without a floor the attempts, each a socket and a handshake,
+        // would run as fast as the calls come.
+        tokio::time::sleep_until(began + BACKOFF_MIN).await;
         backoff = (backoff * 2).min(BACKOFF_MAX);
     }
 }

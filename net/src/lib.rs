@@ -270,9 +270,9 @@ fn make_endpoint(
         Drivers::Caller => quinn::default_runtime().ok_or(NetError::NoRuntime)?,
         Drivers::IoThread => Arc::new(IoThread::next().map_err(NetError::Endpoint)?),
     };
-    let refusals = if watch { Refusals::watch(&sock, &*runtime) } else { Refusals::default() };
+    let (refusals, watching) = if watch { Refusals::watch(&sock, &*runtime) } else { (Refusals::default(), None) };
     let inner = runtime.wrap_udp_socket(sock).map_err(NetError::Endpoint)?;
-    let sock = Arc::new(if refusals.watched() { SplitSends::with_icmp_reports(inner) } else { SplitSends::new(inner) });
+    let sock = Arc::new(SplitSends::watched(inner, watching));
     let endpoint = quinn::Endpoint::new_with_abstract_socket(endpoint_config(), server, sock, runtime)
         .map_err(NetError::Endpoint)?;
     Ok((endpoint, refusals))

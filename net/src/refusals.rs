@@ -7,51 +7,53 @@
 //! unconnected, and the kernel drops ICMP errors for those unless `IP_RECVERR` is set.
 //!
 //! A watched socket has `IP_RECVERR` (`IPV6_RECVERR`) set; a task on the endpoint's runtime
-//! wakes on the socket's error events, drains the error queue and records each port-unreachable
-//! by the address the refused packet went to ([`Refusals`]). The kernel also reports the latest
-//! error once to the next receive call, which quinn would take for a dead socket: the socket
-//! wrapper ([`crate::SplitSends`]) lets such an error pass as nothing received.
+//! wakes on the socket's error events only (an epoll instance of its own holds the socket with
+//! an empty interest set, for which epoll still reports errors), drains the error queue and records each port unreachable
+//! by the address the refused packet went to ([`Refusals`]). The task lives as long as the
+//! socket: its [`Watch`] sits in the socket wrapper ([`crate::SplitSends`]) that quinn owns.
+//! The kernel also reports the latest error once to the next receive or send on the socket:
+//! quinn's Tokio socket passes over a failed receive, and a send that fails that way is lost
+//! and resent by QUIC's loss recovery (the drain clears the error within the same wake-up).
 //!
 //! A refusal proves only that nothing listens on that port of that host now; the caller decides
 //! what that means (the client closes its connection to that server: a dead node then costs a
-//! round trip instead of a watchdog's bound). A forged ICMP error can close a connection as a
-//! forged TCP reset can; an attacker who can forge them can also drop the packets.
+//! round trip instead of a watchdog's bound). Linux rate-limits these answers per pair of hosts
+//! (a burst of about six, then one a second): the first packets to a dead port are answered,
+//! which is what a client needs. A forged ICMP error can close a connection as a forged TCP
+//! reset can; an attacker who can forge them can also drop the packets.
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 use tokio::sync::Notify;
 
 /// Port-unreachable errors seen on one socket, by the address the refused packet was sent to.
-/// Cheap to clone; the watching task stops when the last clone is dropped.
-#[derive(Clone, Default)]
+/// Cheap to clone.
+#[derive(Clone, Default, Debug)]
 pub struct Refusals {
     shared: Arc<Shared>,
-    _stop: Option<Arc<Stop>>,
 }
 
-#[derive(Default)]
+#[derive(Default, Debug)]
 struct Shared {
     /// When each address last refused a packet (one entry per peer this socket sent to).
     last: Mutex<HashMap<SocketAddr, Instant>>,
     changed: Notify,
+    /// A task drains the socket's error queue.
+    watching: AtomicBool,
 }
 
-/// Ends the watching task when dropped.
-struct Stop(Mutex<Option<tokio::sync::oneshot::Sender<()>>>);
+/// The watching task of one socket: it ends when this is dropped (with the socket wrapper).
+#[derive(Debug)]
+pub struct Watch(Option<tokio::sync::oneshot::Sender<()>>);
 
-impl Drop for Stop {
+impl Drop for Watch {
     fn drop(&mut self) {
-        if let Some(tx) = self.0.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(tx) = self.0.take() {
             let _ = tx.send(());
         }
-    }
-}
-
-impl std::fmt::Debug for Refusals {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Refusals").field("watched", &self._stop.is_some()).finish_non_exhaustive()
     }
 }
 
@@ -81,9 +83,10 @@ impl Refusals {
         }
     }
 
-    /// Whether a task watches the socket (on Linux, where `IP_RECVERR` could be set).
+    /// Whether a task watches the socket (on Linux, where `IP_RECVERR` could be set, while the
+    /// socket is open).
     pub fn watched(&self) -> bool {
-        self._stop.is_some()
+        self.shared.watching.load(Ordering::Relaxed)
     }
 
     fn record(shared: &Shared, peer: SocketAddr) {
@@ -94,64 +97,39 @@ impl Refusals {
     }
 
     /// Watch `sock` (before it is handed to quinn): set `IP_RECVERR`, and start the task that
-    /// drains its error queue on `runtime`. Where that is not possible the handle records
-    /// nothing and says so ([`Refusals::watched`]).
-    pub fn watch(sock: &std::net::UdpSocket, runtime: &dyn quinn::Runtime) -> Refusals {
+    /// drains its error queue on `runtime`; the task ends when the [`Watch`] is dropped, which
+    /// belongs with the socket. Where watching is not possible the refusals record nothing and
+    /// say so ([`Refusals::watched`]).
+    pub fn watch(sock: &std::net::UdpSocket, runtime: &dyn quinn::Runtime) -> (Refusals, Option<Watch>) {
+        let r = Refusals::default();
         #[cfg(target_os = "linux")]
-        match linux::start(sock, runtime) {
-            Ok(r) => return r,
+        match linux::start(sock, runtime, r.shared.clone()) {
+            Ok(w) => return (r, Some(w)),
             Err(e) => tracing::debug!(error = %e, "ICMP errors not watched on this socket"),
         }
         #[cfg(not(target_os = "linux"))]
         let _ = (sock, runtime);
-        Refusals::default()
-    }
-}
-
-/// Errors the kernel reports once to a receive call after an ICMP error arrived for a socket
-/// with `IP_RECVERR`: they say nothing about the socket, and the error queue holds the detail.
-pub(crate) fn is_icmp_report(e: &std::io::Error) -> bool {
-    #[cfg(unix)]
-    {
-        matches!(
-            e.raw_os_error(),
-            Some(
-                libc::ECONNREFUSED
-                    | libc::EHOSTUNREACH
-                    | libc::ENETUNREACH
-                    | libc::EHOSTDOWN
-                    | libc::EMSGSIZE
-                    | libc::EPROTO
-                    | libc::ENOPROTOOPT
-                    | libc::EACCES
-                    | libc::EOPNOTSUPP
-                    | libc::ENONET
-            )
-        )
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = e;
-        false
+        (r, None)
     }
 }
 
 #[cfg(target_os = "linux")]
 mod linux {
-    use super::{Refusals, Shared, Stop};
+    use super::{Refusals, Shared, Watch};
     use std::io;
     use std::mem::{size_of, MaybeUninit};
     use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
-    use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-    use std::sync::{Arc, Mutex};
+    use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
+    use std::sync::atomic::Ordering;
+    use std::sync::Arc;
     use tokio::io::unix::AsyncFd;
     use tokio::io::Interest;
 
-    fn set_int(fd: RawFd, level: libc::c_int, opt: libc::c_int) -> io::Result<()> {
-        let one: libc::c_int = 1;
+    fn set_int(fd: RawFd, level: libc::c_int, opt: libc::c_int, on: bool) -> io::Result<()> {
+        let val = libc::c_int::from(on);
         // SAFETY: a valid socket descriptor, and a c_int option value of the size passed.
         let rc = unsafe {
-            libc::setsockopt(fd, level, opt, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as _)
+            libc::setsockopt(fd, level, opt, (&val as *const libc::c_int).cast(), size_of::<libc::c_int>() as _)
         };
         if rc == 0 {
             Ok(())
@@ -160,44 +138,95 @@ mod linux {
         }
     }
 
-    pub(super) fn start(sock: &std::net::UdpSocket, runtime: &dyn quinn::Runtime) -> io::Result<Refusals> {
-        let fd = sock.as_raw_fd();
-        if sock.local_addr()?.is_ipv6() {
-            set_int(fd, libc::SOL_IPV6, libc::IPV6_RECVERR)?;
+    /// Set or clear the error-queue options of the socket behind `fd`.
+    fn recv_errors(fd: RawFd, v6: bool, on: bool) -> io::Result<()> {
+        if v6 {
+            set_int(fd, libc::SOL_IPV6, libc::IPV6_RECVERR, on)?;
             // A dual-stack socket's IPv4 peers report through the IPv4 option; an IPv6-only
             // socket refuses it, which is fine.
-            let _ = set_int(fd, libc::SOL_IP, libc::IP_RECVERR);
+            let _ = set_int(fd, libc::SOL_IP, libc::IP_RECVERR, on);
+            Ok(())
         } else {
-            set_int(fd, libc::SOL_IP, libc::IP_RECVERR)?;
+            set_int(fd, libc::SOL_IP, libc::IP_RECVERR, on)
         }
-        // The task watches a second descriptor of the same socket; quinn keeps the first.
+    }
+
+    /// An epoll instance that holds `fd` for its errors only: an interest set of nothing still
+    /// reports `EPOLLERR`, so the instance turns readable on an error and never on a packet.
+    /// (Registering the socket itself with the reactor would wake it on every received burst.)
+    fn errors_only(fd: RawFd) -> io::Result<OwnedFd> {
+        // SAFETY: plain epoll_create1; the descriptor returned is ours to own.
+        let ep = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
+        if ep < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        // SAFETY: `ep` is a fresh descriptor that nothing else owns.
+        let ep = unsafe { OwnedFd::from_raw_fd(ep) };
+        let mut ev = libc::epoll_event { events: 0, u64: 0 };
+        // SAFETY: valid epoll and socket descriptors, and an event the call only reads.
+        if unsafe { libc::epoll_ctl(ep.as_raw_fd(), libc::EPOLL_CTL_ADD, fd, &mut ev) } < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(ep)
+    }
+
+    /// Take what the inner epoll instance reports, so that it is readable again only on the
+    /// next error (its entry is level-triggered: once the queue is drained nothing is left).
+    fn consume(ep: RawFd) {
+        let mut evs = [libc::epoll_event { events: 0, u64: 0 }; 4];
+        // SAFETY: a valid epoll descriptor and room for the events asked for; no wait.
+        unsafe { libc::epoll_wait(ep, evs.as_mut_ptr(), evs.len() as libc::c_int, 0) };
+    }
+
+    pub(super) fn start(
+        sock: &std::net::UdpSocket,
+        runtime: &dyn quinn::Runtime,
+        shared: Arc<Shared>,
+    ) -> io::Result<Watch> {
+        let v6 = sock.local_addr()?.is_ipv6();
+        // The task reads a second descriptor of the same socket; quinn keeps the first.
         let dup: OwnedFd = sock.try_clone()?.into();
-        let shared = Arc::new(Shared::default());
+        let ep = errors_only(dup.as_raw_fd())?;
+        recv_errors(dup.as_raw_fd(), v6, true)?;
+        shared.watching.store(true, Ordering::Relaxed);
         let (tx, mut stop) = tokio::sync::oneshot::channel::<()>();
-        let watched = shared.clone();
         runtime.spawn(Box::pin(async move {
+            let fd = dup.as_raw_fd();
+            // Nobody drains the queue any more: stop filling it (it is charged to the socket's
+            // receive buffer), and say so.
+            let give_up = |e: io::Error| {
+                tracing::debug!(error = %e, "ICMP errors no longer watched on this socket");
+                shared.watching.store(false, Ordering::Relaxed);
+                let _ = recv_errors(fd, v6, false);
+            };
             // Registered from inside the task: on the endpoint's runtime, whose reactor the
             // quinn tasks also use.
             // SAFETY: the descriptor is owned by the `OwnedFd` the AsyncFd holds: it stays open,
             // and the same, until the AsyncFd is dropped.
-            let afd = match unsafe { AsyncFd::register_with_interest(dup, Interest::ERROR) } {
-                Ok(a) => a,
-                Err(e) => return tracing::debug!(error = %e, "ICMP errors not watched on this socket"),
+            let afd = match unsafe { AsyncFd::register_with_interest(ep, Interest::READABLE) } {
+                Ok(afd) => afd,
+                Err(e) => return give_up(e.into_parts().1),
             };
+            // Errors queued before the registration would raise no edge: look once.
+            drain(fd, &shared);
             loop {
                 tokio::select! {
-                    _ = &mut stop => return,
-                    ready = afd.ready(Interest::ERROR) => match ready {
+                    _ = &mut stop => {
+                        shared.watching.store(false, Ordering::Relaxed);
+                        return;
+                    }
+                    ready = afd.readable() => match ready {
                         Ok(mut guard) => {
-                            drain(afd.get_ref().as_raw_fd(), &watched);
+                            drain(fd, &shared);
+                            consume(afd.get_ref().as_raw_fd());
                             guard.clear_ready();
                         }
-                        Err(e) => return tracing::debug!(error = %e, "ICMP error watch ended"),
+                        Err(e) => return give_up(e),
                     },
                 }
             }
         }));
-        Ok(Refusals { shared, _stop: Some(Arc::new(Stop(Mutex::new(Some(tx))))) })
+        Ok(Watch(Some(tx)))
     }
 
     /// Read the socket's error queue to its end; record each port unreachable.
@@ -243,7 +272,8 @@ mod linux {
                 let h = &*c;
                 let ours = (h.cmsg_level == libc::SOL_IP && h.cmsg_type == libc::IP_RECVERR)
                     || (h.cmsg_level == libc::SOL_IPV6 && h.cmsg_type == libc::IPV6_RECVERR);
-                if ours {
+                let whole = h.cmsg_len as usize >= libc::CMSG_LEN(size_of::<libc::sock_extended_err>() as u32) as usize;
+                if ours && whole {
                     let ee: libc::sock_extended_err = std::ptr::read_unaligned(libc::CMSG_DATA(c).cast());
                     if ee.ee_errno == libc::ECONNREFUSED as u32 {
                         return true;

@@ -26,22 +26,21 @@ pub const MAX_SEND: usize = 65_507;
 pub struct SplitSends {
     inner: Arc<dyn AsyncUdpSocket>,
     counters: &'static UdpCounters,
-    /// The socket has `IP_RECVERR` ([`crate::Refusals`]): a receive may report an ICMP error,
-    /// which is not the socket's.
-    icmp_reports: bool,
+    /// The task that reads the socket's ICMP errors ([`crate::Refusals`]): it lives as long
+    /// as the socket.
+    _watch: Option<crate::refusals::Watch>,
 }
 
 impl SplitSends {
     /// `inner`, its calls counted in this process's [`crate::udp_stats`].
     pub fn new(inner: Arc<dyn AsyncUdpSocket>) -> SplitSends {
-        SplitSends { inner, counters: &UDP, icmp_reports: false }
+        SplitSends { inner, counters: &UDP, _watch: None }
     }
 
-    /// [`SplitSends::new`] for a socket watched for ICMP errors ([`crate::Refusals::watch`]):
-    /// the error a receive call reports for one is taken as nothing received (quinn's endpoint
-    /// would stop on it); the watching task reads the detail from the error queue.
-    pub fn with_icmp_reports(inner: Arc<dyn AsyncUdpSocket>) -> SplitSends {
-        SplitSends { inner, counters: &UDP, icmp_reports: true }
+    /// [`SplitSends::new`] for a socket whose ICMP errors `watch` reads
+    /// ([`crate::Refusals::watch`]); the watch ends with the socket.
+    pub fn watched(inner: Arc<dyn AsyncUdpSocket>, watch: Option<crate::refusals::Watch>) -> SplitSends {
+        SplitSends { inner, counters: &UDP, _watch: watch }
     }
 
     /// The one send the kernel takes, counted when it took it.
@@ -100,23 +99,11 @@ impl AsyncUdpSocket for SplitSends {
         bufs: &mut [IoSliceMut<'_>],
         meta: &mut [RecvMeta],
     ) -> Poll<io::Result<usize>> {
-        // The kernel reports a queued ICMP error once (it clears it as it does): receive again,
-        // which also leaves the waker in place when nothing is there.
-        for _ in 0..8 {
-            match self.inner.poll_recv(cx, bufs, meta) {
-                Poll::Ready(Err(e)) if self.icmp_reports && crate::refusals::is_icmp_report(&e) => {
-                    tracing::trace!(error = %e, "ICMP error reported to a receive; not the socket's");
-                }
-                Poll::Ready(Ok(n)) => {
-                    self.counters.received(meta.iter().take(n).map(|m| (m.len, m.stride)));
-                    return Poll::Ready(Ok(n));
-                }
-                other => return other,
-            }
+        let got = self.inner.poll_recv(cx, bufs, meta);
+        if let Poll::Ready(Ok(n)) = got {
+            self.counters.received(meta.iter().take(n).map(|m| (m.len, m.stride)));
         }
-        // Errors without end are the socket's after all; let the next poll find out.
-        cx.waker().wake_by_ref();
-        Poll::Pending
+        got
     }
 
     fn local_addr(&self) -> io::Result<SocketAddr> {
@@ -181,7 +168,7 @@ mod tests {
     #[test]
     fn receives_and_sends_are_counted_by_datagram() {
         let counters: &'static UdpCounters = Box::leak(Box::default());
-        let s = SplitSends { inner: Arc::new(Canned), counters, icmp_reports: false };
+        let s = SplitSends { inner: Arc::new(Canned), counters, _watch: None };
         let mut metas = [RecvMeta::default(); 3];
         let mut buf = [0u8; 16];
         let mut bufs = [IoSliceMut::new(&mut buf)];
@@ -217,49 +204,5 @@ mod tests {
         let t = transmit(&data[..8_972 * 8], Some(8_972));
         let p: Vec<Transmit> = parts(&t).collect();
         assert_eq!((p.len(), p[1].contents.len(), p[1].segment_size), (2, 8_972, None));
-    }
-
-    /// A socket whose first receive reports the error a queued ICMP port unreachable leaves
-    /// (`ECONNREFUSED`), then hands out one packet.
-    #[derive(Debug, Default)]
-    struct Refused(std::sync::atomic::AtomicBool);
-
-    impl AsyncUdpSocket for Refused {
-        fn create_io_poller(self: Arc<Self>) -> Pin<Box<dyn UdpPoller>> {
-            Box::pin(Writable)
-        }
-        fn try_send(&self, _: &Transmit) -> io::Result<()> {
-            Ok(())
-        }
-        fn poll_recv(
-            &self,
-            _: &mut Context,
-            _: &mut [IoSliceMut<'_>],
-            meta: &mut [RecvMeta],
-        ) -> Poll<io::Result<usize>> {
-            if !self.0.swap(true, std::sync::atomic::Ordering::Relaxed) {
-                return Poll::Ready(Err(io::Error::from_raw_os_error(libc::ECONNREFUSED)));
-            }
-            meta[0] = RecvMeta { len: 1_200, stride: 1_200, ..RecvMeta::default() };
-            Poll::Ready(Ok(1))
-        }
-        fn local_addr(&self) -> io::Result<SocketAddr> {
-            Ok("127.0.0.1:1".parse().unwrap())
-        }
-    }
-
-    #[test]
-    fn an_icmp_report_is_not_a_receive_error_on_a_watched_socket() {
-        let mut metas = [RecvMeta::default(); 1];
-        let mut buf = [0u8; 16];
-        let mut bufs = [IoSliceMut::new(&mut buf)];
-        let mut cx = Context::from_waker(std::task::Waker::noop());
-        // Watched: the report is passed over and the packet behind it comes out.
-        let s = SplitSends::with_icmp_reports(Arc::new(Refused::default()));
-        assert!(matches!(s.poll_recv(&mut cx, &mut bufs, &mut metas), Poll::Ready(Ok(1))));
-        // Not watched: the error is the socket's, as before (quinn's endpoint stops on it).
-        let s = SplitSends::new(Arc::new(Refused::default()));
-        let got = s.poll_recv(&mut cx, &mut bufs, &mut metas);
-        assert!(matches!(got, Poll::Ready(Err(ref e)) if e.kind() == io::ErrorKind::ConnectionRefused), "{got:?}");
     }
 }
