@@ -47,7 +47,7 @@ struct Shared {
 
 /// The watching task of one socket: it ends when this is dropped (with the socket wrapper).
 #[derive(Debug)]
-pub struct Watch(Option<tokio::sync::oneshot::Sender<()>>);
+pub(crate) struct Watch(Option<tokio::sync::oneshot::Sender<()>>);
 
 impl Drop for Watch {
     fn drop(&mut self) {
@@ -100,7 +100,7 @@ impl Refusals {
     /// drains its error queue on `runtime`; the task ends when the [`Watch`] is dropped, which
     /// belongs with the socket. Where watching is not possible the refusals record nothing and
     /// say so ([`Refusals::watched`]).
-    pub fn watch(sock: &std::net::UdpSocket, runtime: &dyn quinn::Runtime) -> (Refusals, Option<Watch>) {
+    pub(crate) fn watch(sock: &std::net::UdpSocket, runtime: &dyn quinn::Runtime) -> (Refusals, Option<Watch>) {
         let r = Refusals::default();
         #[cfg(target_os = "linux")]
         match linux::start(sock, runtime, r.shared.clone()) {

@@ -39,7 +39,7 @@ impl SplitSends {
 
     /// [`SplitSends::new`] for a socket whose ICMP errors `watch` reads
     /// ([`crate::Refusals::watch`]); the watch ends with the socket.
-    pub fn watched(inner: Arc<dyn AsyncUdpSocket>, watch: Option<crate::refusals::Watch>) -> SplitSends {
+    pub(crate) fn watched(inner: Arc<dyn AsyncUdpSocket>, watch: Option<crate::refusals::Watch>) -> SplitSends {
         SplitSends { inner, counters: &UDP, _watch: watch }
     }
 
