@@ -82,9 +82,12 @@ def test_the_connector_under_the_schedulers_real_life(tmp_path: Path) -> None:
     assert s["D_save_failed_blocks"] > 0 and s["S_loaded_blocks"] > 0
 
 
-# The cluster variant (`dead_pool.py --cluster`) passes on a quiet machine but went past the bound
-# twice with other builds on the machine (all nodes killed: +487 and +670 ms): run by hand until
-# that is understood.
+# The cluster variant (`dead_pool.py --cluster`) went past the bound twice with other builds on the
+# machine (all nodes killed: +487 and +670 ms) while a killed node was known only from the probe's
+# bound. Since the client takes the host's port unreachable as the answer (2026-12-06, 14 runs):
+# all killed, worst request -3..+84 ms (most under +17); one storage node killed, +14..+64 ms, +99
+# beside a release build; one run failed, beside a build. Single TTFT samples against an engine
+# without the connector stay too noisy to gate CI on: run it by hand.
 @pytest.mark.parametrize("transport,cluster", [("auto", False), ("quic", False)], ids=["server-auto", "server-quic"])
 def test_a_dead_pool_costs_an_engine_almost_nothing(tmp_path: Path, transport: str, cluster: bool) -> None:
     """The pool killed under a running engine: each request within 100 ms of an engine without
