@@ -45,15 +45,19 @@ struct Shared {
     watching: AtomicBool,
 }
 
-/// The watching task of one socket: it ends when this is dropped (with the socket wrapper).
+/// The watching task of one socket: it ends when this is dropped (with the socket wrapper),
+/// since a dropped sender wakes its receiver.
 #[derive(Debug)]
-pub(crate) struct Watch(Option<tokio::sync::oneshot::Sender<()>>);
+pub(crate) struct Watch {
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
 
-impl Drop for Watch {
-    fn drop(&mut self) {
-        if let Some(tx) = self.0.take() {
-            let _ = tx.send(());
-        }
+impl Shared {
+    fn record(&self, peer: SocketAddr) {
+        let now = Instant::now();
+        self.last.lock().unwrap_or_else(|p| p.into_inner()).insert(canonical(peer), now);
+        self.changed.notify_waiters();
+        tracing::debug!(%peer, "port unreachable: nothing listens there now");
     }
 }
 
@@ -89,13 +93,6 @@ impl Refusals {
         self.shared.watching.load(Ordering::Relaxed)
     }
 
-    fn record(shared: &Shared, peer: SocketAddr) {
-        let now = Instant::now();
-        shared.last.lock().unwrap_or_else(|p| p.into_inner()).insert(canonical(peer), now);
-        shared.changed.notify_waiters();
-        tracing::debug!(%peer, "port unreachable: nothing listens there now");
-    }
-
     /// Watch `sock` (before it is handed to quinn): set `IP_RECVERR`, and start the task that
     /// drains its error queue on `runtime`; the task ends when the [`Watch`] is dropped, which
     /// belongs with the socket. Where watching is not possible the refusals record nothing and
@@ -115,7 +112,7 @@ impl Refusals {
 
 #[cfg(target_os = "linux")]
 mod linux {
-    use super::{Refusals, Shared, Watch};
+    use super::{Shared, Watch};
     use std::io;
     use std::mem::{size_of, MaybeUninit};
     use std::net::{Ipv4Addr, Ipv6Addr, SocketAddr, SocketAddrV4, SocketAddrV6};
@@ -226,7 +223,7 @@ mod linux {
                 }
             }
         }));
-        Ok(Watch(Some(tx)))
+        Ok(Watch { _stop: tx })
     }
 
     /// Read the socket's error queue to its end; record each port unreachable.
@@ -256,7 +253,7 @@ mod linux {
             let peer = unsafe { to_addr(name.as_ptr(), msg.msg_namelen) };
             if refused(&msg) {
                 if let Some(peer) = peer {
-                    Refusals::record(shared, peer);
+                    shared.record(peer);
                 }
             }
         }

@@ -15,7 +15,7 @@ pub struct Cluster {
     pub master: TestServer,
     pub nodes: Vec<TestServer>,
     /// Holds the master's admin key file for the storage nodes.
-    pub _keys: tempfile::TempDir,
+    pub keys: tempfile::TempDir,
 }
 
 pub fn master() -> TestServer {
@@ -48,7 +48,7 @@ pub fn cluster(n: usize, dram: &'static str, ssd: &'static str) -> Cluster {
     std::fs::write(&key_file, format!("{ADMIN_KEY}\n")).unwrap();
     let master = master();
     let nodes = (0..n).map(|i| storage(&master, &key_file, &format!("s{i}"), dram, ssd)).collect();
-    Cluster { master, nodes, _keys: keys }
+    Cluster { master, nodes, keys }
 }
 
 impl Cluster {
@@ -70,7 +70,7 @@ impl Cluster {
     }
 
     pub fn key_file(&self) -> std::path::PathBuf {
-        self._keys.path().join("master-key")
+        self.keys.path().join("master-key")
     }
 }
 

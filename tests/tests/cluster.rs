@@ -459,7 +459,7 @@ async fn spill_from_a_full_node(small_ssd: &'static str) -> u64 {
     let master = master();
     let small = storage(&master, &key_file, "small", "4MiB", small_ssd);
     let _big = storage(&master, &key_file, "big", "64MiB", "0");
-    let cl = Cluster { master, nodes: Vec::new(), _keys: keys };
+    let cl = Cluster { master, nodes: Vec::new(), keys };
     let c = cl.client(ALICE_KEY).await;
     nodes_until(&c, "two nodes join", |n| n.len() == 2 && n.iter().all(|n| n.live)).await;
     let direct = small.client(ALICE_KEY).await;

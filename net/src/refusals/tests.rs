@@ -114,7 +114,7 @@ fn a_refusal_is_kept_per_address() {
     assert!(!r.watched());
     let (a, b): (SocketAddr, SocketAddr) = ("10.0.0.1:7000".parse().unwrap(), "10.0.0.2:7000".parse().unwrap());
     let t0 = Instant::now();
-    super::Refusals::record(&r.shared, a);
+    r.shared.record(a);
     assert!(r.refused_since(a, t0));
     assert!(!r.refused_since(b, t0));
     // An IPv4-mapped IPv6 address is the same peer.
